@@ -1,0 +1,207 @@
+"""`OPSDConfig`: every switch of the method, with the published recipe as defaults (SPEC §1–2).
+
+It extends TRL's `SDFTConfig` (itself a `TrainingArguments`), so every TRL/transformers training argument
+is available too. Precedence, lowest first: field defaults < YAML (`--config`) < CLI flags < `recipe.env`
+< `OPSD_*` environment variables. Every field `name` is also the CLI flag `--name` and the environment
+switch `OPSD_NAME` (upper case); see `opsd.recipe`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from trl.experimental.sdft import SDFTConfig
+
+logger = logging.getLogger(__name__)
+
+CLIP_MODES = ("element", "token", "rescale", "none")
+LOSS_TYPES = ("jsd", "sampled_token")
+TEACHER_MODES = ("fixed", "ema", "dynamic")
+TEACHER_REFS = ("solution", "cot")
+DATA_FILTERS = ("none", "numeric", "hard_numeric")
+ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
+# OPSD's names for TRL's teacher kinds.
+TEACHER_KIND = {"fixed": "base", "ema": "ema", "dynamic": "live"}
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class OPSDConfig(SDFTConfig):
+    # Published recipe values for inherited TRL/transformers arguments (SPEC §2) -------------------------------
+    output_dir: str = field(
+        default="runs/opsd", metadata=_help("Where checkpoints, config and metrics.jsonl go.")
+    )
+    max_steps: int = field(default=100, metadata=_help("Optimizer steps (the capped budget is 100)."))
+    learning_rate: float = field(default=5e-6, metadata=_help("Peak learning rate."))
+    lr_scheduler_type: str = field(
+        default="constant", metadata=_help("constant (published) | linear | cosine | ...")
+    )
+    max_grad_norm: float = field(default=0.1, metadata=_help("Gradient clipping norm."))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    per_device_train_batch_size: int = field(
+        default=4, metadata=_help("Problems per device per micro-batch.")
+    )
+    gradient_accumulation_steps: int = field(default=2, metadata=_help("Micro-batches per optimizer step."))
+    gradient_checkpointing: bool = field(default=True, metadata=_help("Recompute activations in backward."))
+    bf16: bool = field(
+        default=True, metadata=_help("bf16 mixed precision (turned off with a log line when no GPU).")
+    )
+    logging_steps: float = field(default=1, metadata=_help("Log every N optimizer steps."))
+    save_steps: float = field(default=50, metadata=_help("Checkpoint every N optimizer steps."))
+    report_to: str = field(
+        default="none", metadata=_help("Trackers: none | wandb | tensorboard | trackio ...")
+    )
+    num_generations: int = field(default=1, metadata=_help("Rollouts per problem (OPSD: 1)."))
+    max_prompt_length: int | None = field(
+        default=None, metadata=_help("Unused: prompts are never cut (see max_teacher_prompt_length).")
+    )
+    max_completion_length: int | None = field(default=1024, metadata=_help("Rollout length cap in tokens."))
+    temperature: float = field(default=1.1, metadata=_help("Rollout sampling temperature."))
+    top_p: float = field(default=0.95, metadata=_help("Rollout top-p."))
+    top_k: int = field(default=20, metadata=_help("Rollout top-k (0 = off)."))
+    vllm_gpu_memory_utilization: float = field(
+        default=0.6, metadata=_help("Share of GPU memory for colocated vLLM.")
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata=_help("colocate (vLLM inside the training processes) | server (trl vllm-serve)."),
+    )
+    # Model ------------------------------------------------------------------------------------------------
+    model_name_or_path: str = field(
+        default="", metadata=_help("Hub name or local directory; empty = the embedded SmolLM2-135M-Instruct.")
+    )
+    dtype: str = field(
+        default="auto", metadata=_help("auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
+    )
+    attn_implementation: str = field(
+        default="auto",
+        metadata=_help("auto (flash_attention_2 if installed on GPU, else sdpa) | sdpa | eager | ..."),
+    )
+    use_peft: bool = field(
+        default=True, metadata=_help("Train LoRA adapters (published recipe) instead of all weights.")
+    )
+    lora_r: int = field(default=64, metadata=_help("LoRA rank."))
+    lora_alpha: int = field(default=128, metadata=_help("LoRA alpha."))
+    lora_dropout: float = field(default=0.0, metadata=_help("LoRA dropout."))
+    lora_target_modules: str = field(
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        metadata=_help("Comma-separated module names that get LoRA adapters."),
+    )
+    # Data and prompts -------------------------------------------------------------------------------------
+    dataset_name: str = field(
+        default="builtin",
+        metadata=_help(
+            "builtin (generated problems), a hub dataset (siyanzhao/Openthoughts_math_30k_opsd) or a file."
+        ),
+    )
+    dataset_split: str = field(default="train", metadata=_help("Split of a hub dataset."))
+    data_filter: str = field(default="none", metadata=_help("none | numeric | hard_numeric (SPEC §2)."))
+    teacher_ref: str = field(
+        default="solution", metadata=_help("Privileged context: solution | cot (COT_Reason).")
+    )
+    teacher_ref_max_chars: int = field(
+        default=8000, metadata=_help("Cut the reference to this many characters; 0 = no cut.")
+    )
+    max_teacher_prompt_length: int = field(
+        default=4096,
+        metadata=_help("Teacher prompt token cap; longer prompts are cut inside the reference. 0 = none."),
+    )
+    student_thinking: bool = field(
+        default=False, metadata=_help("Student prompt with thinking on (off appends the empty think block).")
+    )
+    teacher_thinking: bool = field(default=True, metadata=_help("Teacher prompt with thinking on."))
+    student_prompt_file: str = field(
+        default="", metadata=_help("Text file replacing the student template ({problem}).")
+    )
+    teacher_prompt_file: str = field(
+        default="", metadata=_help("Text file replacing the teacher template ({problem}, {reference}).")
+    )
+    # Loss ---------------------------------------------------------------------------------------------------
+    beta: float = field(
+        default=0.0, metadata=_help("JSD interpolation: 0 = forward KL(p_T||p_S), 1 = reverse KL.")
+    )
+    loss_temperature: float = field(
+        default=0.0, metadata=_help("Temperature of both distributions in the loss; 0 = rollout temperature.")
+    )
+    jsd_token_clip: float = field(default=0.05, metadata=_help("Clip threshold of the divergence terms."))
+    clip_mode: str = field(default="element", metadata=_help("element | token | rescale | none (SPEC §1.4)."))
+    top_k_loss: int = field(
+        default=0, metadata=_help("Restrict both distributions to the teacher's top-k; 0 = full vocabulary.")
+    )
+    loss_type: str = field(
+        default="jsd",
+        metadata=_help("jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."),
+    )
+    loss_chunk_size: int = field(default=1024, metadata=_help("Tokens per chunk of the memory-flat loss."))
+    fix_position_ids: bool = field(
+        default=True,
+        metadata=_help(
+            "Positions = index in the unpadded sequence; false reproduces the reference code's shift."
+        ),
+    )
+    # Teacher ------------------------------------------------------------------------------------------------
+    teacher_mode: str = field(
+        default="fixed", metadata=_help("fixed (initial policy) | ema | dynamic (current weights).")
+    )
+    ema_decay: float = field(
+        default=0.999, metadata=_help("EMA decay of the teacher weights (teacher_mode=ema).")
+    )
+    # Rollouts -----------------------------------------------------------------------------------------------
+    rollout_engine: str = field(
+        default="auto",
+        metadata=_help("auto (vLLM if installed, else transformers with a warning) | vllm | transformers."),
+    )
+    # Budget helpers -------------------------------------------------------------------------------------------
+    wavg_last: int = field(
+        default=0, metadata=_help("Average trainable weights over the last N optimizer steps; 0 = off.")
+    )
+
+    def __post_init__(self):
+        import torch
+
+        def choose(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed; choose one of {list(allowed)}"
+                )
+
+        def bound(name: str, ok: bool, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: {rule}")
+
+        choose("clip_mode", CLIP_MODES)
+        choose("loss_type", LOSS_TYPES)
+        choose("teacher_mode", TEACHER_MODES)
+        choose("teacher_ref", TEACHER_REFS)
+        choose("data_filter", DATA_FILTERS)
+        choose("rollout_engine", ROLLOUT_ENGINES)
+        bound("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]")
+        bound(
+            "jsd_token_clip", self.jsd_token_clip > 0, "must be > 0 (use clip_mode=none to disable clipping)"
+        )
+        bound("loss_temperature", self.loss_temperature >= 0, "must be >= 0 (0 = rollout temperature)")
+        bound("temperature", self.temperature > 0, "must be > 0")
+        bound("top_k_loss", self.top_k_loss >= 0, "must be >= 0 (0 = off)")
+        bound("ema_decay", 0.0 < self.ema_decay < 1.0, "must be in (0, 1)")
+        bound("teacher_ref_max_chars", self.teacher_ref_max_chars >= 0, "must be >= 0 (0 = no cut)")
+        bound("max_teacher_prompt_length", self.max_teacher_prompt_length >= 0, "must be >= 0 (0 = no cap)")
+        bound("wavg_last", self.wavg_last >= 0, "must be >= 0 (0 = off)")
+        bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
+        bound("lora_r", self.lora_r > 0, "must be > 0")
+        bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
+        bound("max_completion_length", (self.max_completion_length or 0) > 0, "must be > 0")
+        # Map OPSD's switches onto the TRL fields that implement them.
+        self.teacher_model_kind = TEACHER_KIND[self.teacher_mode]
+        self.teacher_update_rate = 1.0 - self.ema_decay
+        if self.bf16 and not torch.cuda.is_available():
+            logger.info("bf16 mixed precision needs a GPU; training in float32 on this machine")
+            self.bf16 = False
+        super().__post_init__()
+
+    @property
+    def effective_loss_temperature(self) -> float:
+        return self.loss_temperature or self.temperature

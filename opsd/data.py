@@ -1,0 +1,237 @@
+"""Training and evaluation data: loading, column checks, the SPEC §2 filters, and built-in sets.
+
+Training rows follow `siyanzhao/Openthoughts_math_30k_opsd`: `problem`, `solution`, `Answer`,
+`COT_Reason`, `generated_token_count`. Evaluation rows follow `HuggingFaceH4/aime_2024`: `problem`,
+`answer` (an `id` is used when present). Both load from a hub name or a local JSON/JSONL/Parquet file.
+
+The built-in sets are arithmetic word problems with integer answers, generated deterministically from
+a seed, so that the whole pipeline runs on a machine with no hub access. The evaluation set is drawn
+from a disjoint seed stream and checked to share no problem text with the training set.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+
+logger = logging.getLogger(__name__)
+
+TRAIN_COLUMNS = ("problem", "solution", "Answer", "COT_Reason", "generated_token_count")
+EVAL_COLUMNS = ("problem", "answer")
+DATA_FILTERS = ("none", "numeric", "hard_numeric")
+HARD_MIN_TOKENS = 2000
+BUILTIN = "builtin"
+
+_NUMERIC_ANSWER = re.compile(r"-?\d{1,6}")
+_LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def load_table(name_or_path: str, *, split: str = "train", required: tuple[str, ...]) -> Dataset:
+    """Load a hub dataset or a local JSON/JSONL/Parquet file and check that `required` columns exist."""
+    path = Path(name_or_path).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in _LOCAL_SUFFIXES or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"dataset file {str(path)!r} does not exist; pass an existing .json/.jsonl/.parquet file "
+                "or a hub dataset name"
+            )
+        if suffix not in _LOCAL_SUFFIXES:
+            raise ValueError(f"dataset file {str(path)!r} must end in .json, .jsonl or .parquet")
+        import datasets
+
+        ds = datasets.load_dataset(_LOCAL_SUFFIXES[suffix], data_files=str(path), split="train")
+        source = f"file {str(path)!r}"
+    else:
+        import datasets
+
+        ds = datasets.load_dataset(name_or_path, split=split)
+        source = f"dataset {name_or_path!r} (split {split!r})"
+    missing = [c for c in required if c not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"{source} lacks column(s) {missing}; it has {ds.column_names}. "
+            f"Rename the columns or provide a table with {list(required)}."
+        )
+    if len(ds) == 0:
+        raise ValueError(f"{source} has no rows")
+    return ds
+
+
+def is_numeric_answer(answer: Any) -> bool:
+    """True when `answer` is an integer of at most six digits with an optional minus sign."""
+    return bool(_NUMERIC_ANSWER.fullmatch(str(answer).strip()))
+
+
+def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
+    """Apply a SPEC §2 data filter and log the row counts before and after."""
+    if data_filter not in DATA_FILTERS:
+        raise ValueError(f"data_filter={data_filter!r}; choose one of {DATA_FILTERS}")
+    before = len(ds)
+    if data_filter == "numeric":
+        ds = ds.filter(lambda r: is_numeric_answer(r["Answer"]))
+    elif data_filter == "hard_numeric":
+        ds = ds.filter(
+            lambda r: (
+                is_numeric_answer(r["Answer"]) and int(r["generated_token_count"] or 0) >= HARD_MIN_TOKENS
+            )
+        )
+    logger.info("data filter %s: %d -> %d rows", data_filter, before, len(ds))
+    if len(ds) == 0:
+        raise ValueError(f"data_filter={data_filter!r} removed every row; use a weaker filter or other data")
+    return ds
+
+
+def load_train_dataset(
+    name_or_path: str, *, split: str = "train", data_filter: str = "none", seed: int = 0
+) -> Dataset:
+    """The training set: `builtin` (or empty) for the generated problems, else a hub name or a file."""
+    if name_or_path in ("", BUILTIN):
+        ds = Dataset.from_list(builtin_train_rows(seed=seed))
+    else:
+        ds = load_table(name_or_path, split=split, required=TRAIN_COLUMNS)
+    return filter_rows(ds, data_filter)
+
+
+def load_eval_dataset(name_or_path: str, *, split: str = "train") -> list[dict[str, str]]:
+    """Evaluation problems as dicts with `id`, `problem`, `answer` (strings)."""
+    if name_or_path in ("", BUILTIN):
+        return builtin_eval_rows()
+    ds = load_table(name_or_path, split=split, required=EVAL_COLUMNS)
+    ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
+    return [
+        {"id": str(i), "problem": str(p), "answer": str(a)}
+        for i, p, a in zip(ids, ds["problem"], ds["answer"], strict=True)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in problems. Each template returns (problem, worked steps, answer); the steps double as the
+# reference solution and, in a longer wording, as the reasoning trace (`COT_Reason`).
+
+_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kira", "Liam"]
+_ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells"]
+
+
+def _t_add_sub(rng: random.Random) -> tuple[str, list[str], int]:
+    n, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b, c = rng.randint(5, 40), rng.randint(2, 30), rng.randint(1, 20)
+    c = min(c, a + b)
+    return (
+        f"{n} has {a} {item}, gets {b} more, then gives away {c}. How many {item} does {n} have now?",
+        [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"],
+        a + b - c,
+    )
+
+
+def _t_mul(rng: random.Random) -> tuple[str, list[str], int]:
+    n, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    boxes, per, extra = rng.randint(2, 9), rng.randint(2, 12), rng.randint(0, 9)
+    return (
+        f"{n} fills {boxes} boxes with {per} {item} each and has {extra} {item} left over. "
+        f"How many {item} did {n} start with?",
+        [f"{boxes} * {per} = {boxes * per}", f"{boxes * per} + {extra} = {boxes * per + extra}"],
+        boxes * per + extra,
+    )
+
+
+def _t_div(rng: random.Random) -> tuple[str, list[str], int]:
+    kids, each = rng.randint(2, 8), rng.randint(2, 15)
+    item = rng.choice(_ITEMS)
+    total = kids * each
+    return (
+        f"{total} {item} are shared equally among {kids} children. How many {item} does each child get?",
+        [f"{total} / {kids} = {each}"],
+        each,
+    )
+
+
+def _t_linear(rng: random.Random) -> tuple[str, list[str], int]:
+    x, a, b = rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 30)
+    return (
+        f"If {a}x + {b} = {a * x + b}, what is x?",
+        [f"{a}x = {a * x + b} - {b} = {a * x}", f"x = {a * x} / {a} = {x}"],
+        x,
+    )
+
+
+def _t_rect(rng: random.Random) -> tuple[str, list[str], int]:
+    w, h = rng.randint(2, 25), rng.randint(2, 25)
+    return (
+        f"A rectangle is {w} units wide and {h} units tall. What is its perimeter plus its area?",
+        [
+            f"perimeter = 2 * ({w} + {h}) = {2 * (w + h)}",
+            f"area = {w} * {h} = {w * h}",
+            f"{2 * (w + h)} + {w * h} = {2 * (w + h) + w * h}",
+        ],
+        2 * (w + h) + w * h,
+    )
+
+
+def _t_sum_range(rng: random.Random) -> tuple[str, list[str], int]:
+    n = rng.randint(3, 30)
+    return (
+        f"What is the sum of the integers from 1 to {n}?",
+        [f"1 + 2 + ... + {n} = {n} * {n + 1} / 2 = {n * (n + 1) // 2}"],
+        n * (n + 1) // 2,
+    )
+
+
+_TEMPLATES = (_t_add_sub, _t_mul, _t_div, _t_linear, _t_rect, _t_sum_range)
+
+
+def _problem_stream(seed: int):
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice(_TEMPLATES)(rng)
+
+
+def builtin_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """`n` distinct training problems in the training schema, deterministic in `seed`.
+
+    Problems in `exclude` (by default the built-in evaluation set, whatever the seed) are skipped.
+    `generated_token_count` grows with the number of steps so that `hard_numeric` keeps the harder part.
+    """
+    if exclude is None:
+        exclude = {r["problem"] for r in builtin_eval_rows()}
+    rows, seen = [], set(exclude)
+    for problem, steps, answer in _problem_stream(seed):
+        if problem in seen:
+            continue
+        seen.add(problem)
+        solution = " ".join(steps) + f". The answer is $\\boxed{{{answer}}}$."
+        cot = (
+            "Let me work through this carefully. "
+            + " Then ".join(f"I compute {s}." for s in steps)
+            + f" Checking the arithmetic again confirms it, so the final answer is {answer}."
+        )
+        rows.append(
+            {
+                "problem": problem,
+                "solution": solution,
+                "Answer": str(answer),
+                "COT_Reason": cot,
+                "generated_token_count": 900 * len(steps) + 37 * (len(rows) % 11),
+            }
+        )
+        if len(rows) == n:
+            return rows
+
+
+def builtin_eval_rows(n: int = 30, seed: int = 2024) -> list[dict[str, str]]:
+    """`n` held-out problems in the AIME schema, none of whose texts occur in the default training set."""
+    # The seed-0 set without exclusions; it shares nothing with these rows, so excluding them from it
+    # (the default) changes nothing, and every other seed's training set skips them too.
+    train = {r["problem"] for r in builtin_train_rows(exclude=set())}
+    rows = []
+    for problem, _, answer in _problem_stream(seed):
+        if problem in train or any(r["problem"] == problem for r in rows):
+            continue
+        rows.append({"id": f"builtin-{len(rows):03d}", "problem": problem, "answer": str(answer)})
+        if len(rows) == n:
+            return rows

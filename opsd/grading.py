@@ -1,0 +1,268 @@
+r"""Answer extraction and grading for boxed final answers (AIME-style scoring).
+
+Extraction rules (`extract_boxed`):
+
+* Think block. When the completion contains ``</think>``, only the text after the LAST ``</think>``
+  is searched, so a ``\boxed{}`` written while thinking does not count. When it contains an opening
+  ``<think>`` but no ``</think>``, the model was cut off while thinking and there is no answer (None).
+  A completion with neither tag (thinking disabled, or tags stripped) is searched whole. A completion
+  that starts inside an implicit think block (template-opened ``<think>``) and is cut off before
+  ``</think>`` cannot be told apart from a tag-free answer; callers that know this should pass the
+  truncation flag on and score it separately.
+* Boxes. ``\boxed{...}`` and ``\fbox{...}`` with balanced braces (nesting and escaped ``\{``/``\}``
+  are fine), and the brace-less TeX form ``\boxed 5`` (one token: a run of characters up to white
+  space or ``$``, trailing ``.,;`` dropped). The text is scanned left to right; a box nested in
+  an earlier complete box is part of that box's content, not a box of its own.
+* Which box. The LAST COMPLETE, NON-EMPTY box counts. A truncated box (``\boxed{12`` with the text
+  ending before its brace closes) is skipped, so ``\boxed{5} ... \boxed{12`` gives ``5``; an empty box
+  ``\boxed{}`` is skipped the same way. If no box qualifies, there is no answer (None).
+
+Correctness (`is_correct`): math-verify first (symbolic and numeric equivalence, so ``\dfrac{1}{2}``,
+``0.5``, ``x = 5`` against ``5``, ``2\sqrt{2}`` against ``\sqrt{8}`` and ``50\%`` against ``50`` all
+match), then a string/number fallback on `normalize_answer` for what math-verify cannot parse or
+times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from fractions import Fraction
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+_BOX_START = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_TOKEN_STOP = set(" \t\r\n$")
+
+
+def answer_region(text: str) -> str | None:
+    """The part of a completion that may hold the final answer, or None if cut off while thinking."""
+    if THINK_CLOSE in text:
+        return text.rsplit(THINK_CLOSE, 1)[1]
+    if THINK_OPEN in text:
+        return None
+    return text
+
+
+def _match_braces(text: str, open_pos: int) -> int | None:
+    """Index just past the brace that closes the one at `open_pos`, or None if the text ends first."""
+    depth = 0
+    i = open_pos
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            # An escaped character (\{, \}, \\) never opens or closes a group.
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _read_box(text: str, name_end: int) -> tuple[str | None, int]:
+    """Read one box whose command ends at `name_end`: (content or None if truncated, scan resume index)."""
+    i = name_end
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i >= len(text):
+        return None, len(text)
+    if text[i] == "{":
+        end = _match_braces(text, i)
+        if end is None:
+            # Truncated: keep scanning after the opening brace so later complete boxes are still seen.
+            return None, i + 1
+        return text[i + 1 : end - 1], end
+    if i == name_end and text[i] not in "0123456789-":
+        # `\boxed(` or `\boxed\frac`: not the brace-less single-token form we accept.
+        return None, i
+    # One token: up to white space or `$`, or a `}` that closes a group opened before the box.
+    j, depth = i, 0
+    while j < len(text) and text[j] not in _TOKEN_STOP:
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            if depth == 0:
+                break
+            depth -= 1
+        j += 1
+    return text[i:j].rstrip(".,;"), j
+
+
+def find_boxes(text: str) -> list[str | None]:
+    r"""All top-level boxes in `text` in order; each is its stripped content, or None if truncated.
+
+    A ``\boxed`` inside an earlier complete box is part of that box's content.
+    """
+    boxes: list[str | None] = []
+    pos = 0
+    while True:
+        m = _BOX_START.search(text, pos)
+        if m is None:
+            return boxes
+        content, pos = _read_box(text, m.end())
+        boxes.append(None if content is None else content.strip())
+
+
+def _unwrap_box(content: str) -> str:
+    r"""Strip redundant wrappers such as ``\boxed{\boxed{5}}`` down to ``5``."""
+    while True:
+        m = _BOX_START.match(content)
+        if m is None:
+            return content
+        inner, end = _read_box(content, m.end())
+        if inner is None or content[end:].strip():
+            return content
+        content = inner.strip()
+
+
+def extract_boxed(text: str) -> str | None:
+    """The final boxed answer of a completion under the module's think-block and box rules, or None."""
+    region = answer_region(text)
+    if region is None:
+        return None
+    for content in reversed(find_boxes(region)):
+        if content:
+            return _unwrap_box(content)
+    return None
+
+
+# --- normalisation (string fallback) -------------------------------------------------------------
+
+_TEXT_LIKE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_INTEGER = re.compile(r"[+-]?\d+")
+_ASSIGNMENT = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?=(?!=)")
+_SINGLE_CHOICE = re.compile(r"^\(([A-Za-z])\)$")
+_FRAC_NUM = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+
+
+def normalize_answer(s: str) -> str:
+    r"""Canonical string form of an answer for exact comparison when symbolic grading fails.
+
+    Drops spacing, ``$``, ``\text{}``-like wrappers, ``\left``/``\right``, degree and percent marks and
+    a trailing period; maps ``\dfrac``/``\tfrac`` to ``\frac``, Unicode minus to ``-``; removes comma
+    thousands separators from numbers and leading zeros from integers; drops a one-variable
+    assignment prefix (``x=5`` -> ``5``) and the parentheses of a single-letter choice (``(A)``).
+    """
+    s = s.strip()
+    s = s.replace("\u2212", "-").replace("\u2013", "-")
+    s = s.replace("\\$", "").replace("$", "")
+    # Unwrap repeatedly so that nested wrappers such as \text{\textbf{A}} are fully removed.
+    prev = None
+    while prev != s:
+        prev = s
+        s = _TEXT_LIKE.sub(r"\1", s)
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    for mark in ("^{\\circ}", "^\\circ", "\\circ", "\u00b0", "\\%", "%", "\\degree"):
+        s = s.replace(mark, "")
+    for space in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
+        s = s.replace(space, "")
+    s = s.replace("{,}", ",")
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    if s.count("=") == 1:
+        s = _ASSIGNMENT.sub("", s)
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if _INTEGER.fullmatch(s):
+        s = str(int(s))
+    m = _SINGLE_CHOICE.match(s)
+    if m:
+        s = m.group(1)
+    return s
+
+
+def _as_number(s: str) -> Fraction | None:
+    r"""Exact value of a normalised plain number, ``a/b`` or ``\frac{a}{b}``, else None."""
+    m = _FRAC_NUM.match(s)
+    if m:
+        sign, num, den = m.groups()
+        s = f"{sign}{num}/{den}"
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def fallback_equal(predicted: str, gold: str) -> bool:
+    """Equality of normalised strings, or of their exact numeric values when both are numbers."""
+    p, g = normalize_answer(predicted), normalize_answer(gold)
+    if not p or not g:
+        return False
+    if p == g:
+        return True
+    pn, gn = _as_number(p), _as_number(g)
+    return pn is not None and gn is not None and pn == gn
+
+
+# --- math-verify ---------------------------------------------------------------------------------
+
+
+def _signal_timeout(timeout_s: float | None) -> int | None:
+    """math-verify's timeout argument: whole seconds for signal.alarm, None (no timeout) off the main thread.
+
+    math-verify times out with SIGALRM, which can only be armed from the main thread; elsewhere it
+    would raise, so there we run without a timeout.
+    """
+    if timeout_s is None or timeout_s <= 0:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return max(1, math.ceil(timeout_s))
+
+
+def math_verify_equal(predicted: str, gold: str, timeout_s: float | None = 5.0) -> bool:
+    """math-verify's verdict on a bare predicted answer against a bare gold answer; False on any error."""
+    try:
+        from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
+    except ImportError:  # pragma: no cover - math-verify is a core dependency
+        logger.warning("math-verify is not installed; grading with the string fallback only")
+        return False
+    timeout = _signal_timeout(timeout_s)
+    try:
+        # Both sides are bare answers; boxing them makes math-verify read the whole string as one answer.
+        gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
+        pred_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=timeout)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    except (Exception, TimeoutException):
+        # TimeoutException derives from BaseException, so it needs naming; any failure means "no verdict".
+        logger.debug("math-verify failed on %r vs %r", predicted, gold, exc_info=True)
+        return False
+
+
+def is_correct(predicted: str | None, gold: str, timeout_s: float = 5.0) -> bool:
+    """Whether a predicted answer matches the gold answer (math-verify, then the normalised fallback)."""
+    if predicted is None or not predicted.strip():
+        return False
+    if math_verify_equal(predicted, gold, timeout_s):
+        return True
+    return fallback_equal(predicted, gold)
+
+
+def grade(text: str, gold: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Grade one completion: {"extracted": str | None, "has_box": bool, "correct": bool}.
+
+    `has_box` means a complete, non-empty box was found in the answer region (the format criterion).
+    """
+    extracted = extract_boxed(text)
+    return {
+        "extracted": extracted,
+        "has_box": extracted is not None,
+        "correct": is_correct(extracted, str(gold), timeout_s),
+    }

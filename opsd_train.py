@@ -1,0 +1,176 @@
+"""Train a model with on-policy self-distillation (OPSD).
+
+    accelerate launch --config_file accelerate.yaml opsd_train.py --model_name_or_path Qwen/Qwen3-1.7B \
+        --dataset_name siyanzhao/Openthoughts_math_30k_opsd --output_dir runs/qwen3
+    python opsd_train.py --max_steps 2          # embedded SmolLM2-135M and built-in data, CPU is fine
+
+Every `OPSDConfig` field is a flag (`--beta 0.5`), a YAML key (`--config cfg.yaml`), a `recipe.env` key
+(`--recipe recipe.env`) and an `OPSD_<FIELD>` environment switch; later sources win in that order.
+Compared with TRL's `trl sdft`: OPSD prompts and loss (see opsd_trainer.py), the data filters and
+references of SPEC §2, exact resume from the last complete checkpoint, `metrics.jsonl`, and the
+resolved config saved as `opsd_config.json` in the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+# Colocated vLLM must run in this process (the trainer pushes weights into it) and, on a CPU, needs a
+# bounded KV cache; users can still override both.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from opsd.config import OPSDConfig  # noqa: E402
+from opsd.recipe import resolve_overrides, to_argv  # noqa: E402
+
+logger = logging.getLogger("opsd")
+
+
+def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argparse.Namespace]:
+    """CLI/YAML via TRL's parser, then recipe.env and OPSD_* overrides appended as flags (they win)."""
+    from trl import TrlParser
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe", default=None, help="recipe.env file with KEY=VALUE overrides")
+    pre.add_argument("--capped", action="store_true", help="refuse overrides that change the budget")
+    extra, rest = pre.parse_known_args(argv)
+    overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
+    (config,) = TrlParser((OPSDConfig,)).parse_args_and_config(rest + to_argv(overrides))
+    return config, extra
+
+
+def build_dataset(config: OPSDConfig):
+    from opsd.data import load_train_dataset
+    from opsd.prompts import reference_text
+
+    ds = load_train_dataset(
+        config.dataset_name, split=config.dataset_split, data_filter=config.data_filter, seed=config.seed
+    )
+
+    def to_trainer_row(row):
+        return {
+            "prompt": row["problem"],
+            "privileged_context": reference_text(row, config.teacher_ref, config.teacher_ref_max_chars),
+        }
+
+    return ds.map(to_trainer_row, remove_columns=ds.column_names)
+
+
+def choose_rollout_engine(config: OPSDConfig) -> None:
+    if config.rollout_engine == "transformers":
+        config.use_vllm = False
+        return
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if config.rollout_engine == "vllm":
+            raise ImportError(
+                "rollout_engine=vllm but vLLM is not installed: `pip install opsd[vllm]` (GPU) or "
+                "`pip install opsd[cpu]`; or use --rollout_engine transformers"
+            ) from None
+        logger.warning("vLLM is not installed; rollouts use transformers.generate (much slower)")
+        config.use_vllm = False
+        return
+    config.use_vllm = True
+
+
+def main(argv: list[str] | None = None) -> Path:
+    config, extra = parse_config(sys.argv[1:] if argv is None else argv)
+    from accelerate import PartialState
+
+    state = PartialState()
+    logging.basicConfig(
+        level=logging.INFO if state.is_main_process else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from opsd.callbacks import (
+        COMPLETE_MARK,
+        CompleteMark,
+        MetricsJSONL,
+        OptimizerTimer,
+        TailWeightAverage,
+        latest_complete_checkpoint,
+    )
+    from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
+    from opsd_trainer import OPSDTrainer
+
+    model_path = resolve_model_path(config.model_name_or_path)
+    choose_rollout_engine(config)
+    dataset = build_dataset(config)  # before the model: bad data fails fast
+    out = Path(config.output_dir)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = {**config.to_dict(), "resolved_model_path": model_path, "recipe": extra.recipe}
+        (out / "opsd_config.json").write_text(json.dumps(resolved, indent=2, default=str))
+        logger.info(
+            "resolved config (also in %s):\n%s",
+            out / "opsd_config.json",
+            json.dumps(resolved, indent=1, default=str),
+        )
+
+    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        dtype=resolve_dtype(config.dtype),
+        attn_implementation=resolve_attn_implementation(config.attn_implementation),
+        trust_remote_code=config.trust_remote_code,
+    )
+    peft_config = None
+    if config.use_peft:
+        peft_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=[m.strip() for m in config.lora_target_modules.split(",") if m.strip()],
+            task_type="CAUSAL_LM",
+        )
+    elif config.teacher_mode == "fixed":
+        logger.info(
+            "full fine-tuning with teacher_mode=fixed: the teacher is a frozen copy of the initial model"
+        )
+
+    trainer = OPSDTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
+    trainer.add_callback(MetricsJSONL())
+    trainer.add_callback(OptimizerTimer(trainer._metrics["train"]))
+    wavg = None
+    if config.wavg_last:
+        wavg = TailWeightAverage(trainer.model, config.wavg_last)
+        trainer.add_callback(wavg)
+    trainer.add_callback(CompleteMark())
+
+    resume = latest_complete_checkpoint(out)
+    if resume is not None:
+        logger.info("resuming from %s", resume)
+        if wavg is not None:
+            wavg.restore(resume)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    final = out / f"checkpoint-{trainer.state.global_step}"
+    if not (final / COMPLETE_MARK).is_file():
+        trainer._save_checkpoint(trainer.model, trial=None)
+        if state.is_main_process:
+            (final / COMPLETE_MARK).touch()
+    if wavg is not None and state.is_main_process:
+        wavg.save_average(trainer, trainer.state.global_step)
+    if state.is_main_process:
+        logger.info(
+            "done: %d steps; final checkpoint %s; metrics %s",
+            trainer.state.global_step,
+            final,
+            out / "metrics.jsonl",
+        )
+    return final
+
+
+if __name__ == "__main__":
+    main()

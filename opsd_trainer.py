@@ -1,0 +1,268 @@
+"""OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (SPEC §1).
+
+    from opsd_trainer import OPSDTrainer
+    from opsd.config import OPSDConfig
+    trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
+
+What differs from `SDFTTrainer` (everything else — vLLM colocate/server/sleep/TP rollouts, LoRA merge for
+the weight sync, teacher kinds, buffered generation over the accumulation window — is TRL's):
+- prompts: the student prompt and the teacher prompt (with the privileged reference) come from
+  `opsd.prompts`, each with its own thinking switch; over-long teacher prompts are cut inside the reference;
+- positions: every real token's position is its index in its own unpadded sequence, as in the rollout
+  engine (`fix_position_ids=False` reproduces the reference code's shift by the prompt pad count);
+- loss: the clipped generalized JSD of `opsd.loss`, computed in chunks from final hidden states so the
+  `[batch, completion, vocab]` logits never exist, normalised by the number of valid completion tokens
+  of the whole optimizer step across accumulation and processes;
+- weight sync on CPU vLLM goes through `reload_weights` (per-parameter `load_weights` fails there);
+- metrics: divergence, clipped share, top-1 agreement, rollout tokens/s and step time by phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from trl.experimental.sdft import SDFTTrainer
+
+from opsd.config import OPSDConfig
+from opsd.loss import chunked_opsd_loss
+from opsd.prompts import PromptBuilder
+
+logger = logging.getLogger(__name__)
+
+
+def positions(prompt_mask_BP: torch.Tensor, completion_width: int, fix: bool) -> torch.Tensor:
+    """Position ids of `[left-padded prompt ; completion]` rows, shape (B, P + C).
+
+    `fix=True`: each real token's index in its own unpadded sequence (prompt tokens 0..Lp-1, completion
+    tokens Lp, Lp+1, ...), which is what the rollout engine used. `fix=False`: the reference code's layout
+    (prompts right-padded to width P, completions appended), i.e. completion token j sits at P + j.
+    Padding tokens get position 0; they are masked out of attention anyway.
+    """
+    prompt_len_B = prompt_mask_BP.sum(dim=1, keepdim=True)
+    pos_prompt = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+    start_B1 = prompt_len_B if fix else torch.full_like(prompt_len_B, prompt_mask_BP.size(1))
+    pos_completion = start_B1 + torch.arange(completion_width, device=prompt_mask_BP.device)
+    return torch.cat([pos_prompt * prompt_mask_BP, pos_completion], dim=1)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def merged_named_weights(model):
+    """(name, tensor) pairs of the model with its active LoRA adapter merged, in checkpoint naming.
+
+    Computed as base + delta without touching the base weights; other parameters are yielded as they are.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    base = model.get_base_model()
+    adapter = model.active_adapter
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            module_path, _, leaf = name.rpartition(".base_layer.")
+            module = base.get_submodule(module_path)
+            value = p.detach()
+            if leaf == "weight" and adapter in getattr(module, "lora_A", {}):
+                value = value + module.get_delta_weight(adapter).to(value.dtype)
+            yield f"{module_path}.{leaf}", value
+        else:
+            yield name, p.detach()
+
+
+class OPSDTeacherBuilder:
+    """Builds `[teacher prompt ; completion]` rows for SDFTTrainer (its teacher-context hook)."""
+
+    def __init__(self, trainer: OPSDTrainer):
+        self.trainer = trainer
+        self.num_truncated = 0
+
+    def select_generation_prompts(self, prompts, privileged_contexts):
+        return prompts
+
+    def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
+        built = [
+            self.trainer.prompt_builder.teacher_ids(p, c)
+            for p, c in zip(prompts, privileged_contexts, strict=True)
+        ]
+        self.num_truncated = sum(t.truncated for t in built)
+        ids, mask = left_pad(
+            [t.ids for t in built], self.trainer.processing_class.pad_token_id, completion_ids.device
+        )
+        return {
+            "teacher_input_ids": torch.cat([ids, completion_ids], dim=1),
+            "teacher_attention_mask": torch.cat([mask, completion_mask], dim=1),
+        }
+
+
+class OPSDTrainer(SDFTTrainer):
+    """Clipped-JSD on-policy self-distillation; see the module docstring for what it changes in SDFTTrainer."""
+
+    config_cls = OPSDConfig
+    _name = "OPSD"
+    _tag_names = ["trl", "opsd"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        a: OPSDConfig = self.args
+        self.prompt_builder = PromptBuilder(
+            self.processing_class,
+            student_template_file=a.student_prompt_file,
+            teacher_template_file=a.teacher_prompt_file,
+            student_thinking=a.student_thinking,
+            teacher_thinking=a.teacher_thinking,
+            max_teacher_prompt_tokens=a.max_teacher_prompt_length,
+        )
+        self.teacher_context_builder = OPSDTeacherBuilder(self)
+
+    # -- prompts and rollouts ----------------------------------------------------------------------------------
+    def _tokenize_prompts(self, prompts):
+        # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
+        # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
+        return [self.prompt_builder.student_ids(p) for p in prompts]
+
+    def _generate(self, prompt_ids):
+        t0 = time.perf_counter()
+        out = super()._generate(prompt_ids)
+        elapsed = time.perf_counter() - t0
+        n_tokens = sum(len(c) for c in out[1])
+        self._metrics["train"]["time/rollout_s"].append(elapsed)
+        self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(elapsed, 1e-9))
+        return out
+
+    def _generate_vllm(self, prompt_ids):
+        if self.state.global_step != self._last_loaded_step:
+            t0 = time.perf_counter()
+            self._sync_rollout_weights()
+            self._last_loaded_step = self.state.global_step
+            self._metrics["train"]["time/weight_sync_s"].append(time.perf_counter() - t0)
+        return super()._generate_vllm(prompt_ids)
+
+    def _sync_rollout_weights(self) -> None:
+        gen = self.vllm_generation
+        if (
+            gen.mode != "colocate"
+            or self.is_deepspeed_enabled
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
+            gen.sync_weights()  # TRL's path: server mode, sharded parameters
+            return
+        # Merged weights are computed out of place: TRL's merge_adapter/unmerge_adapter round trip perturbs
+        # the base weights by rounding error, which would slowly move the fixed teacher.
+        weights = list(merged_named_weights(self.accelerator.unwrap_model(self.model)))
+        llm = gen.llm
+        if self.accelerator.device.type == "cpu":
+            # vLLM's CPU backend packs float32 linear weights for oneDNN, so per-parameter `load_weights`
+            # fails; reloading in checkpoint format re-runs that packing, and a tied lm_head is rebuilt.
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+            if self.model.config.get_text_config().tie_word_embeddings:
+                llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+        else:
+            if gen.enable_sleep_mode:
+                llm.wake_up(tags=["weights"])
+                gen._llm_weights_sleeping = False
+            llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+        llm.reset_prefix_cache()
+
+    def _prepare_training_batch(self, inputs):
+        batch = super()._prepare_training_batch(inputs)
+        # The whole accumulation window is generated here at once, so its valid-token count across all
+        # processes is known before the first backward: that count is the loss denominator.
+        local = batch["completion_mask"].sum()
+        batch["num_loss_tokens"] = self.accelerator.reduce(local.clone(), reduction="sum")
+        self._metrics["train"]["prompts/teacher_truncated"].append(
+            float(self.teacher_context_builder.num_truncated)
+        )
+        return batch
+
+    # -- scoring and loss --------------------------------------------------------------------------------------
+    def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """Final hidden states that predict each valid completion token, flattened to (N, H)."""
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        position_ids = positions(prompt_mask, completion_ids.size(1), self.args.fix_position_ids)
+        # Through the wrapped model (DDP/DeepSpeed see the forward); logits only for the last position.
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        width = prompt_ids.size(1)
+        hidden_BCH = out.hidden_states[-1][:, width - 1 : width - 1 + completion_ids.size(1)]
+        return hidden_BCH[completion_mask.bool()]
+
+    @staticmethod
+    def _lm_head_weight(model) -> torch.Tensor:
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("models whose lm_head has a bias are not supported by the chunked loss")
+        return head.weight
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("OPSDTrainer does not return outputs")
+        a: OPSDConfig = self.args
+        t0 = time.perf_counter()
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        student_hidden_NH = self._completion_hidden(
+            model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
+        )
+        teacher_prompt_width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
+        with torch.no_grad(), self._get_teacher_context_for_self_distillation():
+            teacher_hidden_NH = self._completion_hidden(
+                self.teacher_model,
+                inputs["teacher_input_ids"][:, :teacher_prompt_width],
+                inputs["teacher_attention_mask"][:, :teacher_prompt_width],
+                completion_ids,
+                completion_mask,
+            )
+        student_w = self._lm_head_weight(self.accelerator.unwrap_model(model))
+        teacher_w = self._lm_head_weight(self.accelerator.unwrap_model(self.teacher_model))
+        loss_sum, stats = chunked_opsd_loss(
+            student_hidden_NH,
+            teacher_hidden_NH.detach(),
+            student_w,
+            teacher_w.detach(),
+            target_ids_N=completion_ids[completion_mask.bool()],
+            chunk_size=a.loss_chunk_size,
+            beta=a.beta,
+            temperature=a.effective_loss_temperature,
+            clip=a.jsd_token_clip,
+            clip_mode=a.clip_mode,
+            top_k=a.top_k_loss,
+            loss_type=a.loss_type,
+        )
+        # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
+        denom = inputs["num_loss_tokens"].clamp(min=1).to(loss_sum.dtype)
+        loss = loss_sum / denom * self.accelerator.num_processes
+        self._record_loss_stats(loss_sum.detach(), stats)
+        self._metrics["train"]["time/score_loss_s"].append(time.perf_counter() - t0)
+        return loss
+
+    def _record_loss_stats(self, loss_sum: torch.Tensor, stats: dict) -> None:
+        n = max(float(stats["num_tokens"]), 1.0)
+        m = self._metrics["train" if self.model.training else "eval"]
+        m["opsd/divergence"].append(float(stats["divergence"]) / n)
+        m["opsd/clipped_frac"].append(float(stats["clipped_frac"]) / n)
+        m["opsd/top1_agree"].append(float(stats["top1_agree"]) / n)
+        m["opsd/loss_per_token"].append(float(loss_sum) / n)

@@ -1,0 +1,395 @@
+"""Tests for opsd.data: built-in problems, SPEC §2 filters, and loading local JSON/JSONL/Parquet tables."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+from datasets import Dataset
+
+from opsd.data import (
+    builtin_eval_rows,
+    builtin_train_rows,
+    filter_rows,
+    is_numeric_answer,
+    load_eval_dataset,
+    load_table,
+    load_train_dataset,
+)
+
+TRAIN_COLS = ["problem", "solution", "Answer", "COT_Reason", "generated_token_count"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# An independent solver for the built-in templates: it reads the numbers back out of the problem text.
+
+
+def _div(total: int, kids: int) -> int:
+    assert total % kids == 0, f"{total} is not divisible by {kids}"
+    return total // kids
+
+
+def _linear(a: int, b: int, rhs: int) -> int:
+    assert (rhs - b) % a == 0, f"{a}x + {b} = {rhs} has no integer solution"
+    return (rhs - b) // a
+
+
+SOLVERS = {
+    "add_sub": (
+        re.compile(
+            r"(\w+) has (\d+) (\w+), gets (\d+) more, then gives away (\d+)\. How many \3 does \1 have now\?"
+        ),
+        lambda m: int(m[2]) + int(m[4]) - int(m[5]),
+    ),
+    "mul": (
+        re.compile(
+            r"(\w+) fills (\d+) boxes with (\d+) (\w+) each and has (\d+) \4 left over\. "
+            r"How many \4 did \1 start with\?"
+        ),
+        lambda m: int(m[2]) * int(m[3]) + int(m[5]),
+    ),
+    "div": (
+        re.compile(
+            r"(\d+) (\w+) are shared equally among (\d+) children\. How many \2 does each child get\?"
+        ),
+        lambda m: _div(int(m[1]), int(m[3])),
+    ),
+    "linear": (
+        re.compile(r"If (\d+)x \+ (\d+) = (\d+), what is x\?"),
+        lambda m: _linear(int(m[1]), int(m[2]), int(m[3])),
+    ),
+    "rect": (
+        re.compile(
+            r"A rectangle is (\d+) units wide and (\d+) units tall\. What is its perimeter plus its area\?"
+        ),
+        lambda m: 2 * int(m[1]) + 2 * int(m[2]) + int(m[1]) * int(m[2]),
+    ),
+    "sum_range": (
+        re.compile(r"What is the sum of the integers from 1 to (\d+)\?"),
+        lambda m: sum(range(1, int(m[1]) + 1)),
+    ),
+}
+
+
+def solve(problem: str) -> tuple[str, int]:
+    hits = [(name, fn(m)) for name, (rx, fn) in SOLVERS.items() if (m := rx.fullmatch(problem))]
+    assert len(hits) == 1, f"problem matches {len(hits)} templates: {problem!r}"
+    return hits[0]
+
+
+def test_solver_on_hand_written_problems():
+    assert solve("Ava has 10 apples, gets 5 more, then gives away 3. How many apples does Ava have now?") == (
+        "add_sub",
+        12,
+    )
+    assert solve("If 3x + 4 = 19, what is x?") == ("linear", 5)
+    assert solve("What is the sum of the integers from 1 to 4?") == ("sum_range", 10)
+    with pytest.raises(AssertionError):
+        solve("What is the product of 2 and 3?")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in rows
+
+
+def test_builtin_train_rows_deterministic_and_seed_dependent():
+    a = builtin_train_rows(n=100, seed=3)
+    b = builtin_train_rows(n=100, seed=3)
+    c = builtin_train_rows(n=100, seed=4)
+    assert a == b
+    assert len(a) == len(c) == 100
+    pa, pc = [r["problem"] for r in a], [r["problem"] for r in c]
+    assert pa != pc
+    assert len(set(pa) & set(pc)) < 50
+
+
+def test_builtin_train_rows_schema_and_types():
+    rows = builtin_train_rows()
+    assert len(rows) == 2000
+    assert len({r["problem"] for r in rows}) == 2000
+    for r in rows:
+        assert list(r) == TRAIN_COLS
+        assert all(isinstance(r[k], str) and r[k] for k in ("problem", "solution", "Answer", "COT_Reason"))
+        assert isinstance(r["generated_token_count"], int) and r["generated_token_count"] > 0
+
+
+def test_builtin_answers_are_correct():
+    rows = builtin_train_rows() + builtin_train_rows(n=500, seed=42)
+    templates_seen = set()
+    for r in rows:
+        name, answer = solve(r["problem"])
+        templates_seen.add(name)
+        assert r["Answer"] == str(answer), r["problem"]
+        assert r["solution"].endswith(f"The answer is $\\boxed{{{answer}}}$.")
+        assert r["COT_Reason"].endswith(f"so the final answer is {answer}.")
+        assert is_numeric_answer(r["Answer"])
+    assert templates_seen == set(SOLVERS)
+
+
+def test_builtin_eval_rows_schema_answers_and_ids():
+    rows = builtin_eval_rows()
+    assert len(rows) == 30
+    assert [r["id"] for r in rows] == [f"builtin-{i:03d}" for i in range(30)]
+    assert len({r["problem"] for r in rows}) == 30
+    for r in rows:
+        assert set(r) == {"id", "problem", "answer"}
+        assert r["answer"] == str(solve(r["problem"])[1])
+    assert builtin_eval_rows() == rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 42])
+def test_builtin_eval_disjoint_from_train(seed):
+    # Seed 42 is the capped run's seed; the training set must never contain an evaluation problem.
+    eval_problems = {r["problem"] for r in builtin_eval_rows()}
+    train = builtin_train_rows(seed=seed)
+    assert len(train) == 2000
+    assert not eval_problems & {r["problem"] for r in train}
+    ds = load_train_dataset("builtin", seed=seed)
+    assert not eval_problems & set(ds["problem"])
+
+
+def test_load_builtin_names():
+    assert load_train_dataset("builtin", seed=5).to_list() == builtin_train_rows(seed=5)
+    assert load_train_dataset("", seed=5).to_list() == builtin_train_rows(seed=5)
+    assert load_eval_dataset("builtin") == builtin_eval_rows()
+    assert load_eval_dataset("") == builtin_eval_rows()
+
+
+def test_builtin_hard_numeric_keeps_long_rows():
+    rows = builtin_train_rows()
+    expected = [r["problem"] for r in rows if r["generated_token_count"] >= 2000]
+    assert 0 < len(expected) < len(rows)
+    ds = load_train_dataset("builtin", data_filter="hard_numeric")
+    assert ds["problem"] == expected
+    assert len(load_train_dataset("builtin", data_filter="numeric")) == 2000
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Filters
+
+
+@pytest.mark.parametrize("answer", ["12", "-7", "999999", "0", "-999999", "007", " 12 ", "12\n"])
+def test_numeric_accepts(answer):
+    # Surrounding whitespace is stripped before the check.
+    assert is_numeric_answer(answer)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "1234567",
+        "-1234567",
+        "1.5",
+        "\\frac{1}{2}",
+        "",
+        " ",
+        "+12",
+        "1 2",
+        "12a",
+        "--3",
+        "1,000",
+        "\\boxed{12}",
+        "None",
+    ],
+)
+def test_numeric_rejects(answer):
+    assert not is_numeric_answer(answer)
+
+
+def test_numeric_accepts_int_values():
+    assert is_numeric_answer(12)
+    assert not is_numeric_answer(1234567)
+    assert not is_numeric_answer(1.5)
+
+
+def _row(answer: str, tokens: int | None, i: int = 0) -> dict:
+    return {
+        "problem": f"problem {i}",
+        "solution": f"solution {i}",
+        "Answer": answer,
+        "COT_Reason": f"cot {i}",
+        "generated_token_count": tokens,
+    }
+
+
+MIXED = [
+    ("12", 2500),
+    ("-7", 1999),
+    ("999999", 2000),
+    ("1234567", 5000),
+    ("1.5", 3000),
+    ("\\frac{1}{2}", 4000),
+    ("", 2500),
+    ("42", None),
+    ("5", 100),
+]
+
+
+def _mixed_ds() -> Dataset:
+    return Dataset.from_list([_row(a, t, i) for i, (a, t) in enumerate(MIXED)])
+
+
+def test_filter_none_keeps_everything(caplog):
+    caplog.set_level(logging.INFO, logger="opsd.data")
+    ds = filter_rows(_mixed_ds(), "none")
+    assert len(ds) == 9
+    assert "9 -> 9" in caplog.text
+
+
+def test_filter_numeric(caplog):
+    caplog.set_level(logging.INFO, logger="opsd.data")
+    ds = filter_rows(_mixed_ds(), "numeric")
+    assert ds["Answer"] == ["12", "-7", "999999", "42", "5"]
+    assert ds["problem"] == ["problem 0", "problem 1", "problem 2", "problem 7", "problem 8"]
+    assert "numeric" in caplog.text and "9 -> 5" in caplog.text
+
+
+def test_filter_hard_numeric(caplog):
+    caplog.set_level(logging.INFO, logger="opsd.data")
+    ds = filter_rows(_mixed_ds(), "hard_numeric")
+    assert ds["Answer"] == ["12", "999999"]
+    assert ds["generated_token_count"] == [2500, 2000]
+    assert "hard_numeric" in caplog.text and "9 -> 2" in caplog.text
+
+
+def test_filter_unknown_names_allowed_values():
+    with pytest.raises(ValueError) as e:
+        filter_rows(_mixed_ds(), "hard")
+    msg = str(e.value)
+    assert "'hard'" in msg
+    for allowed in ("none", "numeric", "hard_numeric"):
+        assert f"'{allowed}'" in msg
+
+
+def test_filter_removing_everything_is_an_error():
+    ds = Dataset.from_list([_row("1.5", 3000, 0), _row("7", 10, 1)])
+    with pytest.raises(ValueError, match="removed every row"):
+        filter_rows(ds, "hard_numeric")
+    assert len(filter_rows(ds, "numeric")) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local files
+
+TRAIN_ROWS = [
+    _row("12", 2500, 0),
+    _row("1.5", 3000, 1),
+    _row("-3", 2100, 2),
+    _row("8", 50, 3),
+]
+
+
+def _write(path, rows):
+    if path.suffix == ".json":
+        path.write_text(json.dumps(rows), encoding="utf-8")
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif path.suffix == ".parquet":
+        Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        raise AssertionError(path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_load_table_local_formats(tmp_path, suffix):
+    path = _write(tmp_path / f"train{suffix}", TRAIN_ROWS)
+    ds = load_table(str(path), required=tuple(TRAIN_COLS))
+    assert len(ds) == 4
+    assert ds.to_list() == TRAIN_ROWS
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_load_train_dataset_from_file_with_filters(tmp_path, suffix):
+    path = _write(tmp_path / f"train{suffix}", TRAIN_ROWS)
+    assert load_train_dataset(str(path))["Answer"] == ["12", "1.5", "-3", "8"]
+    assert load_train_dataset(str(path), data_filter="numeric")["Answer"] == ["12", "-3", "8"]
+    hard = load_train_dataset(str(path), data_filter="hard_numeric")
+    assert hard["problem"] == ["problem 0", "problem 2"]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_missing_columns_named_with_file(tmp_path, suffix):
+    rows = [{"problem": "p", "solution": "s", "Answer": "1"}]
+    path = _write(tmp_path / f"partial{suffix}", rows)
+    with pytest.raises(ValueError) as e:
+        load_train_dataset(str(path))
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "COT_Reason" in msg and "generated_token_count" in msg
+    # Present columns are not reported as missing.
+    assert "lacks column(s) ['COT_Reason', 'generated_token_count']" in msg
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_missing_file(tmp_path, suffix):
+    path = tmp_path / "sub" / f"nope{suffix}"
+    with pytest.raises(FileNotFoundError) as e:
+        load_train_dataset(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:
+        load_eval_dataset(str(path))
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["train.csv", "train.txt", "train"])
+def test_wrong_suffix(tmp_path, name):
+    path = tmp_path / name
+    path.write_text("problem,answer\n1+1,2\n", encoding="utf-8")
+    with pytest.raises(ValueError) as e:
+        load_table(str(path), required=("problem",))
+    msg = str(e.value)
+    assert str(path) in msg
+    assert ".json" in msg and ".jsonl" in msg and ".parquet" in msg
+
+
+def test_suffix_is_case_insensitive(tmp_path):
+    path = _write(tmp_path / "t.jsonl", TRAIN_ROWS)
+    upper = path.rename(tmp_path / "T.JSONL")
+    assert len(load_table(str(upper), required=("problem",))) == 4
+
+
+def test_directory_is_not_a_file(tmp_path):
+    d = tmp_path / "data.json"
+    d.mkdir()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_table(str(d), required=("problem",))
+
+
+AIME_ROWS = [
+    {"problem": "Find the remainder when 2^10 is divided by 7.", "answer": 2},
+    {"problem": "How many primes are less than 20?", "answer": "8"},
+    {"problem": "Compute 10 + 23.", "answer": "033"},
+]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_eval_file_without_id_gets_positions(tmp_path, suffix):
+    rows = [{"problem": r["problem"], "answer": str(r["answer"])} for r in AIME_ROWS]
+    path = _write(tmp_path / f"aime{suffix}", rows)
+    assert load_eval_dataset(str(path)) == [
+        {"id": "0", "problem": "Find the remainder when 2^10 is divided by 7.", "answer": "2"},
+        {"id": "1", "problem": "How many primes are less than 20?", "answer": "8"},
+        {"id": "2", "problem": "Compute 10 + 23.", "answer": "033"},
+    ]
+
+
+def test_eval_file_keeps_ids_and_stringifies(tmp_path):
+    rows = [
+        {"id": 60, "problem": "P one", "solution": "s", "answer": 33, "url": "u"},
+        {"id": 61, "problem": "P two", "solution": "s", "answer": 204, "url": "u"},
+    ]
+    path = _write(tmp_path / "aime.jsonl", rows)
+    assert load_eval_dataset(str(path)) == [
+        {"id": "60", "problem": "P one", "answer": "33"},
+        {"id": "61", "problem": "P two", "answer": "204"},
+    ]
+
+
+def test_eval_file_missing_answer(tmp_path):
+    path = _write(tmp_path / "aime.json", [{"id": 1, "problem": "P"}])
+    with pytest.raises(ValueError) as e:
+        load_eval_dataset(str(path))
+    assert str(path) in str(e.value) and "'answer'" in str(e.value)

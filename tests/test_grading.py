@@ -1,0 +1,228 @@
+"""Tests for opsd.grading: box extraction, think-block rule, normalisation and correctness."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from opsd import grading
+from opsd.grading import (
+    answer_region,
+    extract_boxed,
+    fallback_equal,
+    find_boxes,
+    grade,
+    is_correct,
+    normalize_answer,
+)
+
+# (completion text, gold, expected correct, expected extracted)
+CASES = [
+    # leading zeros and spacing
+    (r"So the answer is $\boxed{033}$.", "33", True, "033"),
+    (r"\boxed{007}", "7", True, "007"),
+    (r"\boxed{0}", "0", True, "0"),
+    (r"\boxed{ 12 }", "12", True, "12"),
+    (r"\boxed {8}", "8", True, "8"),
+    # fractions and decimals
+    (r"\boxed{\dfrac{1}{2}}", "0.5", True, r"\dfrac{1}{2}"),
+    (r"\boxed{\frac12}", r"\frac{1}{2}", True, r"\frac12"),
+    (r"\boxed{0.5}", r"\tfrac{1}{2}", True, "0.5"),
+    (r"\boxed{5.0}", "5", True, "5.0"),
+    (r"\boxed{33.0000001}", "33", False, "33.0000001"),
+    # nested braces, nested boxes, escaped braces
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", True, r"\frac{\sqrt{3}}{2}"),
+    (r"\boxed{\boxed{42}}", "42", True, "42"),
+    (r"\boxed{\{1, 2\}}", r"\{1,2\}", True, r"\{1, 2\}"),
+    # several boxes: the last complete one wins
+    (r"First \boxed{3}, then \boxed{4}.", "4", True, "4"),
+    (r"First \boxed{3}, then \boxed{4}.", "3", False, "4"),
+    (r"\boxed{5} is the answer. Wait... \boxed{7}", "7", True, "7"),
+    (r"\boxed{5} is the answer. Wait... \boxed{7}", "5", False, "7"),
+    # truncated box: skipped, an earlier complete box counts, else no answer
+    (r"The answer is \boxed{12", "12", False, None),
+    (r"\boxed{5} hmm, actually \boxed{12", "5", True, "5"),
+    (r"\boxed{5} hmm, actually \boxed{12", "12", False, "5"),
+    # no box / empty box
+    ("The answer is 5.", "5", False, None),
+    (r"\boxed{}", "5", False, None),
+    (r"\boxed{9} and then \boxed{ }", "9", True, "9"),
+    # think block
+    (r"<think>maybe \boxed{5}</think> I am not sure.", "5", False, None),
+    (r"<think>maybe \boxed{4}</think>The answer is \boxed{5}.", "5", True, "5"),
+    (r"<think>maybe \boxed{4}</think>The answer is \boxed{5}.", "4", False, "5"),
+    (r"<think>still thinking \boxed{5} and", "5", False, None),
+    (r"<think>a</think> b <think>c \boxed{1}</think> \boxed{9}", "9", True, "9"),
+    ("<think>\n\n</think>\n\nSo $\\boxed{13}$.", "13", True, "13"),
+    (r"reasoning \boxed{2} (template opened the think block)</think>\boxed{3}", "3", True, "3"),
+    # text around the number, assignments, units, choices
+    (r"\boxed{x = 5}", "5", True, "x = 5"),
+    (r"\boxed{n=33}", "33", True, "n=33"),
+    (r"\boxed{5 \text{ cm}}", "5", True, r"5 \text{ cm}"),
+    (r"\boxed{\text{(A)}}", "A", True, r"\text{(A)}"),
+    (r"\boxed{\text{(A)}}", "B", False, r"\text{(A)}"),
+    (r"\boxed{3, 4}", "3", False, "3, 4"),
+    # thousands separators, degrees, dollars, percent
+    (r"\boxed{1,000}", "1000", True, "1,000"),
+    (r"\boxed{1{,}000}", "1000", True, "1{,}000"),
+    (r"\boxed{100^\circ}", "100", True, r"100^\circ"),
+    (r"\boxed{\$25}", "25", True, r"\$25"),
+    (r"\boxed{50\%}", "50", True, r"50\%"),
+    # signs and near misses
+    (r"\boxed{-3}", "-3", True, "-3"),
+    (r"\boxed{-3}", "3", False, "-3"),
+    ("\\boxed{\u22123}", "-3", True, "\u22123"),
+    (r"\boxed{6}", "60", False, "6"),
+    (r"\boxed{204}", "240", False, "204"),
+    (r"\boxed{025}", "250", False, "025"),
+    # radicals
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", True, r"2\sqrt{2}"),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{8}", False, r"2\sqrt{3}"),
+    # other box forms
+    (r"\fbox{5}", "5", True, "5"),
+    (r"The answer is $\boxed 5$.", "5", True, "5"),
+    (r"\boxed 17.", "17", True, "17"),
+    (r"\boxed5", "5", True, "5"),
+    (r"\boxedanswer{5}", "5", False, None),
+    # fallback-only: math-verify rejects "12." but the normalised strings match
+    (r"\boxed{12.}", "12", True, "12."),
+]
+
+
+@pytest.mark.parametrize(("text", "gold", "correct", "extracted"), CASES)
+def test_grade_table(text: str, gold: str, correct: bool, extracted: str | None) -> None:
+    result = grade(text, gold)
+    assert result["extracted"] == extracted
+    assert result["has_box"] is (extracted is not None)
+    assert result["correct"] is correct
+
+
+def test_table_is_large_and_has_negatives() -> None:
+    assert len(CASES) >= 35
+    assert sum(not c for _, _, c, _ in CASES) >= 10
+
+
+@pytest.mark.parametrize(
+    ("text", "region"),
+    [
+        ("plain answer", "plain answer"),
+        ("<think>x</think>tail", "tail"),
+        ("<think>x</think>a</think>b", "b"),
+        ("<think>never closed", None),
+        ("implicit open</think>tail", "tail"),
+    ],
+)
+def test_answer_region(text: str, region: str | None) -> None:
+    assert answer_region(text) == region
+
+
+def test_find_boxes_marks_truncated() -> None:
+    assert find_boxes(r"\boxed{1} \fbox{2} \boxed{3") == ["1", "2", None]
+    assert find_boxes(r"\boxed{a\}b} \boxed{c}") == [r"a\}b", "c"]
+    assert find_boxes("no boxes") == []
+
+
+def test_extract_boxed_last_complete_box() -> None:
+    assert extract_boxed(r"\boxed{1}\boxed{2}") == "2"
+    assert extract_boxed(r"\boxed{1}\boxed{}") == "1"
+    assert extract_boxed(r"\boxed{1}\boxed{2") == "1"
+    assert extract_boxed(r"\boxed") is None
+    assert extract_boxed(r"\boxed ") is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "normal"),
+    [
+        ("007", "7"),
+        ("0", "0"),
+        ("-0", "0"),
+        ("+5", "5"),
+        (" 1,000 ", "1000"),
+        ("1,234,567", "1234567"),
+        ("3,4", "3,4"),
+        ("$12$", "12"),
+        (r"\$25", "25"),
+        (r"\text{(A)}", "A"),
+        (r"\textbf{\text{7}}", "7"),
+        (r"\left(1, 2\right)", "(1,2)"),
+        (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\tfrac12", r"\frac{1}{2}"),
+        ("12.", "12"),
+        (r"100^\circ", "100"),
+        (r"100^{\circ}", "100"),
+        (r"50\%", "50"),
+        ("x = 5", "5"),
+        ("x=y=5", "x=y=5"),
+        ("\u22123", "-3"),
+        (r"1\,000", "1000"),
+    ],
+)
+def test_normalize_answer(raw: str, normal: str) -> None:
+    assert normalize_answer(raw) == normal
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "equal"),
+    [
+        ("5.0", "5", True),
+        ("1/2", r"\frac{1}{2}", True),
+        (r"\dfrac{2}{4}", "0.5", True),
+        ("007", "7", True),
+        ("6", "60", False),
+        ("-3", "3", False),
+        ("", "0", False),
+        ("abc", "abd", False),
+    ],
+)
+def test_fallback_equal(pred: str, gold: str, equal: bool) -> None:
+    assert fallback_equal(pred, gold) is equal
+
+
+def test_none_and_blank_predictions_are_wrong() -> None:
+    assert is_correct(None, "5") is False
+    assert is_correct("   ", "5") is False
+
+
+def test_fallback_used_when_math_verify_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math_verify
+    from math_verify.errors import TimeoutException
+
+    def boom(*args: object, **kwargs: object) -> list:
+        raise RuntimeError("parser exploded")
+
+    monkeypatch.setattr(math_verify, "parse", boom)
+    assert is_correct("007", "7") is True
+    assert is_correct("6", "60") is False
+
+    def slow(*args: object, **kwargs: object) -> list:
+        raise TimeoutException("too slow")
+
+    monkeypatch.setattr(math_verify, "parse", slow)
+    assert is_correct("1,000", "1000") is True
+    assert is_correct("999", "1000") is False
+
+
+def test_signal_timeout_only_in_main_thread() -> None:
+    assert grading._signal_timeout(2.5) == 3
+    assert grading._signal_timeout(0.2) == 1
+    assert grading._signal_timeout(0) is None
+    seen: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: seen.update(t=grading._signal_timeout(5.0)))
+    thread.start()
+    thread.join()
+    assert seen["t"] is None
+
+
+def test_is_correct_in_worker_thread() -> None:
+    # signal-based timeouts would raise off the main thread; grading must still work there.
+    results: dict[str, bool] = {}
+
+    def work() -> None:
+        results["half"] = is_correct(r"\dfrac{1}{2}", "0.5")
+        results["wrong"] = is_correct("6", "60")
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert results == {"half": True, "wrong": False}

@@ -1,0 +1,366 @@
+"""Tests for opsd.recipe: recipe.env parsing, OPSD_* environment overrides and their argv round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from opsd.config import OPSDConfig
+from opsd.recipe import (
+    BUDGET_KEYS,
+    MAX_COMPLETION_CAP,
+    RECIPE_KEYS,
+    Override,
+    RecipeError,
+    _specs,
+    env_overrides,
+    parse_recipe,
+    resolve_overrides,
+    to_argv,
+)
+
+BUDGET_MESSAGE = "fixed by the capped harness"
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "recipe.env") -> Path:
+    path = tmp_path / name
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def refusal(path: Path) -> str:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(path)
+    return str(info.value)
+
+
+def parse_argv(tmp_path: Path, argv: list[str]) -> OPSDConfig:
+    (config,) = HfArgumentParser(OPSDConfig).parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path)] + argv
+    )
+    return config
+
+
+def typed(field: str, value: str) -> object:
+    """What the config attribute must equal after argparse reads `value`."""
+    kind = _specs()[field].kind
+    return {"bool": lambda v: v == "true", "int": int, "float": float}.get(kind, str)(value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------------------
+def test_key_tables_name_real_settable_fields():
+    fields = {f.name for f in dataclasses.fields(OPSDConfig)}
+    assert RECIPE_KEYS <= fields
+    assert BUDGET_KEYS <= fields
+    assert not RECIPE_KEYS & BUDGET_KEYS
+    assert all(_specs()[k].kind != "unsupported" for k in RECIPE_KEYS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Good recipes
+# ------------------------------------------------------------------------------------------------------------
+def test_good_lines_parse(tmp_path):
+    path = write(
+        tmp_path,
+        "# OPSD recipe\n"
+        "\n"
+        "LEARNING_RATE=1e-5\n"
+        "   OPSD_BETA = 0.5   # trailing comment\n"
+        "CLIP_MODE='token'\n"
+        'LOSS_TYPE="jsd"  # quoted, then a comment\n'
+        "FIX_POSITION_IDS=No\n"
+        "TEACHER_THINKING=TRUE\n"
+        "TOP_K=+20\n"
+        "STUDENT_PROMPT_FILE=prompts/a#b.txt\n"
+        'TEACHER_PROMPT_FILE="prompts/my #1 prompt.txt"\n'
+        "\t# indented comment\n",
+    )
+    got = parse_recipe(path)
+    assert [(o.field, o.value) for o in got] == [
+        ("learning_rate", "1e-05"),
+        ("beta", "0.5"),
+        ("clip_mode", "token"),
+        ("loss_type", "jsd"),
+        ("fix_position_ids", "false"),
+        ("teacher_thinking", "true"),
+        ("top_k", "20"),
+        ("student_prompt_file", "prompts/a#b.txt"),
+        ("teacher_prompt_file", "prompts/my #1 prompt.txt"),
+    ]
+    assert got[0].source == f"{path}:3"
+    assert got[1].source == f"{path}:4"
+
+
+def test_crlf_and_bom(tmp_path):
+    path = write(tmp_path, "\ufeffBETA=1\r\n# comment\r\nWARMUP_STEPS=0.1\r\n")
+    assert [(o.field, o.value) for o in parse_recipe(path)] == [("beta", "1.0"), ("warmup_steps", "0.1")]
+
+
+def test_empty_file(tmp_path):
+    assert parse_recipe(write(tmp_path, "")) == []
+
+
+def test_sample_recipe_with_every_key_round_trips(tmp_path):
+    """A recipe setting every tunable key to its default parses and gives the default config back."""
+    defaults = OPSDConfig(output_dir=str(tmp_path))
+    lines = ["# every tunable key at its default"]
+    for key in sorted(RECIPE_KEYS):
+        value = getattr(defaults, key)
+        value = value.value if isinstance(value, enum.Enum) else value  # lr_scheduler_type becomes an enum
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        lines.append(f'{key.upper()}="{text}"')
+    got = parse_recipe(write(tmp_path, "\n".join(lines) + "\n"))
+    assert {o.field for o in got} == RECIPE_KEYS
+    config = parse_argv(tmp_path, to_argv(got))
+    for key in RECIPE_KEYS:
+        assert getattr(config, key) == getattr(defaults, key), key
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Refusals: each names the file, the line and the fix
+# ------------------------------------------------------------------------------------------------------------
+REFUSALS = {
+    "no equals sign": ("LEARNING_RATE 1e-5", "no '='"),
+    "empty key": ("=0.5", "key before '=' is empty"),
+    "space in key": ("LEARNING RATE=1e-5", "not a valid key"),
+    "lower-case key": ("learning_rate=1e-5", "did you mean LEARNING_RATE"),
+    "export": ("export BETA=0.5", "drop 'export'"),
+    "unknown key": ("LEARNIN_RATE=1e-5", "did you mean LEARNING_RATE"),
+    "removed warmup_ratio": ("WARMUP_RATIO=0.1", "below 1 is a ratio"),
+    "not tunable": ("BF16=false", "not tunable in recipe.env"),
+    "int as float": ("TOP_K=1.5", "expects an integer"),
+    "float word": ("BETA=half", "expects a finite number"),
+    "nan": ("BETA=nan", "expects a finite number"),
+    "inf": ("LEARNING_RATE=inf", "expects a finite number"),
+    "overflow": ("LEARNING_RATE=1e999", "expects a finite number"),
+    "empty number": ("BETA=", "expects a finite number"),
+    "bad bool": ("TEACHER_THINKING=maybe", "expects true or false"),
+    "bad choice": ("CLIP_MODE=elementt", "did you mean element"),
+    "bad scheduler": ("LR_SCHEDULER_TYPE=cosinus", "did you mean cosine"),
+    "completion over cap": (
+        f"MAX_COMPLETION_LENGTH={MAX_COMPLETION_CAP + 1}",
+        f"outside 1..{MAX_COMPLETION_CAP}",
+    ),
+    "completion zero": ("MAX_COMPLETION_LENGTH=0", f"outside 1..{MAX_COMPLETION_CAP}"),
+    "unclosed quote": ('BETA="0.5', "never closed"),
+    "text after quote": ('BETA="0.5" x', "follows the closing quote"),
+    "quote inside value": ("STUDENT_PROMPT_FILE=it's.txt", "quote the whole value"),
+    "variable in path": ("STUDENT_PROMPT_FILE=$HOME/p.txt", "nothing is expanded"),
+    "escape char": ("BETA=0\x1b[2J", "control character U+001B"),
+    "tab in value": ("STUDENT_PROMPT_FILE=a\tb.txt", "control character U+0009"),
+    "bidi override": ("STUDENT_PROMPT_FILE=a\u202eb.txt", "control character U+202E"),
+    "long line": ("BETA=" + "0" * 5000, "bytes long (limit 4096)"),
+}
+
+
+@pytest.mark.parametrize("line, expected", REFUSALS.values(), ids=REFUSALS.keys())
+def test_refusals_name_file_line_and_fix(tmp_path, line, expected):
+    path = write(tmp_path, f"# header\nLORA_R=32\n{line}\n")
+    message = refusal(path)
+    assert f"{path}:3:" in message
+    assert expected in message
+    assert "fix:" in message
+    assert "1 problem(s)" in message
+
+
+def test_duplicate_names_both_lines(tmp_path):
+    message = refusal(write(tmp_path, "BETA=0.5\nLORA_R=8\nOPSD_BETA=0.5\n"))
+    assert "BETA is set twice, on lines 1 and 3" in message
+
+
+def test_invalid_utf8(tmp_path):
+    assert "not valid UTF-8" in refusal(write(tmp_path, b"BETA=0.5\nSTUDENT_PROMPT_FILE=\xff.txt\n"))
+
+
+def test_missing_file(tmp_path):
+    assert "cannot read the recipe" in refusal(tmp_path / "nope.env")
+
+
+def test_oversized_file(tmp_path):
+    assert "too big for a recipe" in refusal(write(tmp_path, "# padding\n" * 200_000))
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["MAX_STEPS", "PER_DEVICE_TRAIN_BATCH_SIZE", "GRADIENT_ACCUMULATION_STEPS", "SEED", "NUM_GENERATIONS"],
+)
+@pytest.mark.parametrize("prefix", ["", "OPSD_"])
+def test_budget_keys_refused(tmp_path, key, prefix):
+    path = write(tmp_path, f"BETA=0.5\n{prefix}{key}=1\n")
+    message = refusal(path)
+    assert f"{path}:2:" in message
+    assert BUDGET_MESSAGE in message
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    path = write(tmp_path, "BETA=x\nLORA_R=8\nMAX_STEPS=5\nnonsense\nCLIP_MODE=nope\nTOP_P=0.9\nLORA_R=9\n")
+    message = refusal(path)
+    assert "5 problem(s)" in message
+    for lineno in (1, 3, 4, 5, 7):
+        assert f"{path}:{lineno}:" in message
+    for lineno in (2, 6):
+        assert f"{path}:{lineno}:" not in message
+
+
+def test_error_list_is_capped(tmp_path):
+    message = refusal(write(tmp_path, "BETA=x\n" * 120))
+    assert "120 problem(s)" in message
+    assert "and 70 more" in message
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hostile lines: refused, and nothing in them ever runs
+# ------------------------------------------------------------------------------------------------------------
+HOSTILE = {
+    "command substitution": "LEARNING_RATE=$(touch {m})",
+    "backticks": "LEARNING_RATE=`touch {m}`",
+    "semicolon": "BETA=0; touch {m}",
+    "and-and": "OPSD_BETA=0 && rm -rf {victim} && touch {m}",
+    "pipe": "BETA=0 | touch {m}",
+    "mismatched quotes": "BETA=\"0' ; touch {m}",
+    "quoted command": "BETA='0; touch {m}'",
+    "substitution in path": "STUDENT_PROMPT_FILE=$(touch {m})",
+    "backticks in path": "TEACHER_PROMPT_FILE=`touch {m}`",
+    "cyrillic key": "\u0412ETA=0",
+    "fullwidth digits": "LEARNING_RATE=\uff11e-5",
+    "fullwidth int": "TOP_K=\uff12\uff10",
+    "huge line": "BETA=0 $(touch {m}) " + "x" * 100_000,
+    "no equals": "touch {m}",
+    "nul byte": "BETA=0\x00; touch {m}",
+    "newline injection via CR": "BETA=0\r; touch {m}",
+}
+
+
+@pytest.mark.parametrize("template", HOSTILE.values(), ids=HOSTILE.keys())
+def test_hostile_lines_refused_and_never_run(tmp_path, template):
+    marker, victim = tmp_path / "PWNED_marker", tmp_path / "victim"
+    victim.mkdir()
+    path = write(tmp_path, "LORA_R=32\n" + template.format(m=marker, victim=victim) + "\n")
+    message = refusal(path)
+    assert f"{path}:2:" in message
+    assert len(message) < 2000  # the huge line is shown cut, not echoed whole
+    with pytest.raises(RecipeError):
+        resolve_overrides(path, {}, capped=True)
+    assert not marker.exists()
+    assert victim.is_dir()
+
+
+@pytest.mark.parametrize("value", ["0; touch {m}", "$(touch {m})", "`touch {m}`", "0\n", "\uff10"])
+def test_hostile_env_values_refused(tmp_path, value):
+    marker = tmp_path / "PWNED_env"
+    with pytest.raises(RecipeError, match="OPSD_BETA"):
+        env_overrides({"OPSD_BETA": value.format(m=marker)}, allowed=RECIPE_KEYS)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Environment
+# ------------------------------------------------------------------------------------------------------------
+def test_env_overrides_parse_and_skip_others():
+    env = {"OPSD_BETA": "1", "OPSD_CACHE_DIR": "/cache", "PATH": "/bin", "OPSD_TEACHER_THINKING": "no"}
+    got = env_overrides(env)
+    assert got == [
+        Override("beta", "1.0", "env OPSD_BETA"),
+        Override("teacher_thinking", "false", "env OPSD_TEACHER_THINKING"),
+    ]
+
+
+def test_env_unknown_name_suggests_field():
+    with pytest.raises(RecipeError) as info:
+        env_overrides({"OPSD_LEARNIN_RATE": "1e-5"})
+    assert "OPSD_LEARNIN_RATE" in str(info.value)
+    assert "did you mean OPSD_LEARNING_RATE" in str(info.value)
+    with pytest.raises(ValueError, match="OPSD_FOO.*nearest is OPSD_"):
+        env_overrides({"OPSD_FOO": "1"})
+
+
+def test_env_lower_case_name_refused():
+    with pytest.raises(RecipeError, match="did you mean OPSD_BETA"):
+        env_overrides({"OPSD_beta": "0.5"})
+
+
+def test_env_capped_restriction():
+    assert env_overrides({"OPSD_MAX_STEPS": "5", "OPSD_BF16": "false"}) == [
+        Override("bf16", "false", "env OPSD_BF16"),
+        Override("max_steps", "5", "env OPSD_MAX_STEPS"),
+    ]
+    with pytest.raises(RecipeError) as info:
+        env_overrides({"OPSD_MAX_STEPS": "5", "OPSD_BF16": "false", "OPSD_BETA": "0.5"}, allowed=RECIPE_KEYS)
+    message = str(info.value)
+    assert "2 problem(s)" in message
+    assert "OPSD_MAX_STEPS is " + BUDGET_MESSAGE in message
+    assert "OPSD_BF16 is a config field but not tunable" in message
+
+
+def test_env_completion_cap_only_when_capped():
+    assert env_overrides({"OPSD_MAX_COMPLETION_LENGTH": "8192"})[0].value == "8192"
+    with pytest.raises(RecipeError, match="outside 1..4096"):
+        env_overrides({"OPSD_MAX_COMPLETION_LENGTH": "8192"}, allowed=RECIPE_KEYS)
+
+
+def test_env_list_field_points_to_yaml():
+    with pytest.raises(RecipeError, match="YAML"):
+        env_overrides({"OPSD_LABEL_NAMES": "labels"})
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resolve_overrides and to_argv
+# ------------------------------------------------------------------------------------------------------------
+def test_env_beats_recipe(tmp_path, caplog):
+    path = write(tmp_path, "BETA=0.5\nLORA_R=8\n")
+    with caplog.at_level(logging.INFO, logger="opsd.recipe"):
+        got = resolve_overrides(path, {"OPSD_BETA": "1"}, capped=True)
+    assert got == [Override("lora_r", "8", f"{path}:2"), Override("beta", "1.0", "env OPSD_BETA")]
+    assert f"override lora_r=8 ({path}:2)" in caplog.text
+    assert "override beta=1.0 (env OPSD_BETA)" in caplog.text
+    assert "replaced by env OPSD_BETA" in caplog.text
+
+
+def test_resolve_without_recipe_and_uncapped():
+    assert resolve_overrides(None, {"OPSD_MAX_STEPS": "3"}, capped=False) == [
+        Override("max_steps", "3", "env OPSD_MAX_STEPS")
+    ]
+    with pytest.raises(RecipeError, match=BUDGET_MESSAGE):
+        resolve_overrides(None, {"OPSD_MAX_STEPS": "3"}, capped=True)
+
+
+def test_resolve_reports_recipe_and_env_problems_together(tmp_path):
+    path = write(tmp_path, "BETA=x\n")
+    with pytest.raises(RecipeError) as info:
+        resolve_overrides(path, {"OPSD_TOP_K": "many"}, capped=True)
+    assert f"{path}:1:" in str(info.value)
+    assert "OPSD_TOP_K" in str(info.value)
+
+
+def test_to_argv_round_trips_through_the_real_parser(tmp_path):
+    recipe = write(
+        tmp_path,
+        "LEARNING_RATE=3e-6\nFIX_POSITION_IDS=false\nSTUDENT_THINKING=yes\nCLIP_MODE=rescale\n"
+        "MAX_COMPLETION_LENGTH=2048\nWARMUP_STEPS=0.1\nTEACHER_PROMPT_FILE='-odd name.txt'\n",
+    )
+    overrides = resolve_overrides(
+        recipe, {"OPSD_ADAM_BETA1": "0.8", "OPSD_WEIGHT_DECAY": "-0.01"}, capped=True
+    )
+    argv = to_argv(overrides)
+    assert argv[0] == "--learning_rate=3e-06"
+    config = parse_argv(tmp_path, argv)
+    for o in overrides:
+        assert getattr(config, o.field) == typed(o.field, o.value), o.field
+    assert config.learning_rate == 3e-6
+    assert config.fix_position_ids is False
+    assert config.student_thinking is True
+    assert config.weight_decay == -0.01  # a leading '-' stays a value, not a flag
+    assert config.teacher_prompt_file == "-odd name.txt"
+    assert config.max_completion_length == 2048
+
+
+def test_overrides_win_over_earlier_cli_flags(tmp_path):
+    argv = ["--beta", "0.2"] + to_argv([Override("beta", "0.7", "test")])
+    assert parse_argv(tmp_path, argv).beta == 0.7
