@@ -24,6 +24,7 @@ import time
 
 import torch
 from trl.experimental.sdft import SDFTTrainer
+from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
@@ -85,6 +86,24 @@ def merged_named_weights(model):
             yield name, p.detach()
 
 
+class InitialisedAdapterEMA(PEFTAdapterEMACallback):
+    """TRL's LoRA EMA teacher, but starting from the student's initial adapter instead of zeros.
+
+    So the EMA teacher is the initial policy at step 0 and afterwards the exponential moving average of the
+    trainable weights, teacher_t = decay * teacher_{t-1} + (1 - decay) * student_t (SPEC §1).
+    """
+
+    def _initialize_teacher_adapter(self):
+        from peft import set_peft_model_state_dict
+
+        if self._initialized:
+            return
+        super()._initialize_teacher_adapter()
+        self.shadow_weights = {k: v.detach().clone() for k, v in self._get_student_state_dict().items()}
+        model = self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+        set_peft_model_state_dict(model, self.shadow_weights, adapter_name=self.teacher_adapter_name)
+
+
 class OPSDTeacherBuilder:
     """Builds `[teacher prompt ; completion]` rows for SDFTTrainer (its teacher-context hook)."""
 
@@ -129,6 +148,21 @@ class OPSDTrainer(SDFTTrainer):
             max_teacher_prompt_tokens=a.max_teacher_prompt_length,
         )
         self.teacher_context_builder = OPSDTeacherBuilder(self)
+
+    def _setup_teacher_model(self) -> None:
+        super()._setup_teacher_model()
+        ema = [cb for cb in self.callback_handler.callbacks if type(cb) is PEFTAdapterEMACallback]
+        for cb in ema:
+            self.callback_handler.remove_callback(cb)
+            self.add_callback(
+                InitialisedAdapterEMA(
+                    model=cb.model,
+                    teacher_adapter_name=cb.teacher_adapter_name,
+                    update_rate=cb.update_rate,
+                    sync_steps=cb.sync_steps,
+                    accelerator=cb.accelerator,
+                )
+            )
 
     # -- prompts and rollouts ----------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts):

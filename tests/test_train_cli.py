@@ -1,0 +1,281 @@
+"""opsd_train.py as users run it: subprocesses on the tiny model (vLLM and fallback), the embedded model,
+configuration precedence and refusals; teacher modes in-process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(args, tmp_path, extra_env=None, timeout=900):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
+    env.update(ENV, OPSD_CACHE_DIR=os.environ.get("OPSD_CACHE_DIR", str(Path.home() / ".cache" / "opsd")))
+    env.update(extra_env or {})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "opsd_train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def tiny_args(model_dir, out, *extra):
+    return [
+        "--model_name_or_path",
+        str(model_dir),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_completion_length",
+        "12",
+        "--lora_r",
+        "8",
+        "--lora_alpha",
+        "16",
+        "--save_steps",
+        "1",
+        "--vllm_max_model_length",
+        "1024",
+        "--gradient_checkpointing",
+        "false",
+        *extra,
+    ]
+
+
+def check_run(out, steps):
+    ckpt = out / f"checkpoint-{steps}"
+    assert (ckpt / ".complete").is_file() and (ckpt / "adapter_model.safetensors").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    assert {"opsd/divergence", "opsd/clipped_frac", "opsd/top1_agree", "rollout/tokens_per_s"} <= set(
+        train[0]
+    )
+    return json.loads((out / "opsd_config.json").read_text()), ckpt
+
+
+def test_cli_vllm_lora_run_with_env_override_and_reload(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    res = run_train(
+        tiny_args(tiny_model_dir, out, "--beta", "0.5"),
+        tmp_path,
+        {"OPSD_BETA": "1.0", "OPSD_CLIP_MODE": "token"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg, ckpt = check_run(out, 2)
+    # env beats the CLI flag; the engine actually used is recorded
+    assert cfg["beta"] == 1.0 and cfg["clip_mode"] == "token" and cfg["use_vllm"] is True
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tuned = PeftModel.from_pretrained(base, str(ckpt))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        with tuned.disable_adapter():
+            before = tuned(ids).logits
+        after = tuned(ids).logits
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
+
+
+def test_cli_transformers_fallback(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    res = run_train(
+        tiny_args(tiny_model_dir, out, "--rollout_engine", "transformers", "--max_steps", "1"), tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg, _ = check_run(out, 1)
+    assert cfg["use_vllm"] is False
+
+
+@pytest.mark.slow
+def test_cli_embedded_model_two_steps(tmp_path):
+    out = tmp_path / "run"
+    res = run_train(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "1",
+            "--max_completion_length",
+            "16",
+            "--save_steps",
+            "2",
+            "--gradient_checkpointing",
+            "false",
+            "--vllm_max_model_length",
+            "1024",
+        ],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg, _ = check_run(out, 2)
+    assert cfg["resolved_model_path"].endswith("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        ([], {"OPSD_BETAA": "0.5"}, "OPSD_BETAA"),
+        (["--beta", "1.5"], {}, "beta=1.5 is out of range"),
+        (["--clip_mode", "elementwise"], {}, "clip_mode='elementwise' is not allowed"),
+        (["--model_name_or_path", "./no/such/model"], {}, "not a model directory"),
+        (["--dataset_name", "missing.jsonl"], {}, "does not exist"),
+    ],
+)
+def test_cli_refuses_bad_input_before_loading(tmp_path, args, env, message):
+    res = run_train(["--output_dir", str(tmp_path / "o"), *args], tmp_path, env, timeout=300)
+    assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_bad_recipe_line_is_named(tmp_path):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("LEARNING_RATE=1e-5\nMAX_STEPS=5\n")
+    res = run_train(["--output_dir", str(tmp_path / "o"), "--recipe", str(recipe)], tmp_path, timeout=300)
+    assert res.returncode != 0 and "recipe.env:2" in res.stderr
+
+
+def test_precedence_defaults_yaml_cli_recipe_env(tmp_path):
+    from opsd_train import parse_config
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("beta: 0.1\ntemperature: 0.9\ntop_k_loss: 3\nwavg_last: 2\n")
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("TEMPERATURE=0.8\nTOP_K_LOSS=4\n")
+    argv = [
+        "--config",
+        str(yaml),
+        "--output_dir",
+        str(tmp_path),
+        "--temperature",
+        "0.95",
+        "--top_k_loss",
+        "5",
+        "--wavg_last",
+        "3",
+        "--recipe",
+        str(recipe),
+    ]
+    cfg, _ = parse_config(argv, environ={"OPSD_TOP_K_LOSS": "6"})
+    assert cfg.beta == 0.1  # YAML over default
+    assert cfg.wavg_last == 3  # CLI over YAML
+    assert cfg.temperature == 0.8  # recipe over CLI
+    assert cfg.top_k_loss == 6  # env over recipe
+    assert cfg.learning_rate == 5e-6 and cfg.jsd_token_clip == 0.05  # published defaults
+
+
+def test_every_shipped_config_loads(tmp_path):
+    from opsd_train import parse_config
+
+    configs = sorted((ROOT / "configs").rglob("*.yaml"))
+    assert configs
+    for path in configs:
+        text = path.read_text()
+        assert text.startswith("#") and ("opsd_train.py" in text or "accelerate" in text), (
+            f"{path}: no header"
+        )
+        if "compute_environment" in text:  # an accelerate launcher config
+            from accelerate.commands.config.config_args import load_config_from_file
+
+            load_config_from_file(str(path))
+        else:
+            cfg, _ = parse_config(["--config", str(path), "--output_dir", str(tmp_path)], environ={})
+            assert cfg.max_steps > 0
+
+
+# -- teacher modes and full fine-tuning, in-process with transformers rollouts ---------------------------------
+
+
+def _trainer(tiny_model_dir, tmp_path, **overrides):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd.config import OPSDConfig
+    from opsd_train import build_dataset
+    from opsd_trainer import OPSDTrainer
+
+    use_peft = overrides.pop("use_peft", True)
+    cfg = OPSDConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_completion_length=8,
+        use_vllm=False,
+        learning_rate=5e-2,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        **overrides,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if use_peft
+        else None
+    )
+    return OPSDTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=build_dataset(cfg),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=peft,
+    )
+
+
+def test_ema_teacher_follows_hand_computed_average(tiny_model_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    trainer = _trainer(tiny_model_dir, tmp_path, teacher_mode="ema", ema_decay=0.75)
+    student = {n: p for n, p in trainer.model.named_parameters() if ".default." in n and "lora_" in n}
+    expected = {n: p.detach().clone() for n, p in student.items()}  # teacher starts as the initial student
+
+    class Track(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            for n, p in student.items():
+                expected[n] = 0.75 * expected[n] + 0.25 * p.detach()
+
+    trainer.callback_handler.callbacks.insert(0, Track())
+    trainer.train()
+    teacher = dict(trainer.model.named_parameters())
+    for n, value in expected.items():
+        torch.testing.assert_close(teacher[n.replace(".default.", ".teacher.")], value, atol=1e-6, rtol=1e-5)
+    assert any(
+        not torch.allclose(teacher[n.replace(".default.", ".teacher.")], p) for n, p in student.items()
+    )
+
+
+def test_dynamic_teacher_is_the_current_student(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, teacher_mode="dynamic")
+    trainer.train()
+    assert trainer.teacher_model is trainer.model
+
+
+def test_full_finetuning_fixed_teacher_is_a_frozen_copy(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, use_peft=False)
+    initial = {n: p.detach().clone() for n, p in trainer.teacher_model.named_parameters()}
+    trainer.train()
+    assert trainer.teacher_model is not trainer.model
+    assert all(torch.equal(p, initial[n]) for n, p in trainer.teacher_model.named_parameters())
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, initial[n])]
+    assert moved, "full fine-tuning changed no weight"
