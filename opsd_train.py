@@ -45,6 +45,21 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     return config, extra
 
 
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Drop records past the checkpoint being resumed (and a line cut by a kill), so steps stay continuous."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
 def build_dataset(config: OPSDConfig):
     from opsd.data import load_train_dataset
     from opsd.prompts import reference_text
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> Path:
     resume = latest_complete_checkpoint(out)
     if resume is not None:
         logger.info("resuming from %s", resume)
+        if state.is_main_process:
+            trim_metrics(out / "metrics.jsonl", int(resume.name.split("-")[1]))
         if wavg is not None:
             wavg.restore(resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)

@@ -180,6 +180,12 @@ class OPSDTrainer(SDFTTrainer):
         return out
 
     def _generate_vllm(self, prompt_ids):
+        # Sampling seed from (seed, step, rank): a resumed run draws the same rollouts as an uninterrupted
+        # one. Ranks of one tensor-parallel group share it, as they must.
+        gen = self.vllm_generation
+        rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
+        seed = (self.args.seed * 1_000_003 + self.state.global_step * 1_009 + rank) % 2**31
+        gen.generation_kwargs = {**(gen.generation_kwargs or {}), "seed": seed}
         if self.state.global_step != self._last_loaded_step:
             t0 = time.perf_counter()
             self._sync_rollout_weights()

@@ -1,0 +1,60 @@
+"""Score a model or an OPSD checkpoint on AIME 2024 (SPEC §4): n samples per problem, graded, with errors.
+
+The published protocol (30 problems x 12 samples, temperature 1.0, top_p 0.95, top_k off, min_p 0,
+thinking on, 38,912 new tokens, model length 40,960) is the default:
+
+    python eval_aime.py --model Qwen/Qwen3-1.7B --out runs/eval/base
+    python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/checkpoint-100 --out runs/eval/opsd-100
+    python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/checkpoint-100 --out runs/eval/opsd-100 \
+        --num-gpus 4                     # 4 data-parallel workers, one GPU each
+    python eval_aime.py --dataset builtin --limit 4 --n 2 --max-tokens 256 --out runs/eval/smoke   # CPU smoke
+
+Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the three capped seeds):
+
+    for s in 42 43 44; do
+      python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/released/capped_seed$s/checkpoint-100 \
+          --out runs/eval/released-$s
+      python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/improved/capped_seed$s/checkpoint-100 \
+          --out runs/eval/improved-$s
+    done
+    python eval_aime.py --aggregate runs/eval/released-{42,43,44} --out runs/eval/released
+    python eval_aime.py --aggregate runs/eval/improved-{42,43,44} --out runs/eval/improved
+    python eval_aime.py --compare runs/eval/released-42 runs/eval/improved-42      # paired per problem
+    python eval_aime.py --plot-steps runs/eval/base runs/eval/opsd-* --out runs/eval/curve
+
+`--aggregate` gives mean ± SE across runs; the difference of two recipes' means has SE
+sqrt(SE_a^2 + SE_b^2). `--compare` pairs the problems of two single runs, which removes problem
+difficulty from the noise but not the run-to-run spread.
+
+A LoRA checkpoint is served by vLLM's LoRA support (no merge); `--merge-adapter` merges it with peft
+first; the transformers engine loads it with peft. Results go to `--out`: samples.jsonl (resumable:
+rerun the same command after a crash), eval_config.json, summary.json, per_problem.csv; see
+`opsd/evaluate.py` for formats, seeding and the resume rule. Differences from the reference
+evaluation: per-sample seeds, crash-safe resume, standard errors on every rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from opsd.evaluate import RunFailed, UserError, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        lines = run(sys.argv[1:] if argv is None else argv, script=__file__)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"failed: {e}", file=sys.stderr)
+        return 1
+    if lines:
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The capped budget (SPEC §3): the launch plan that `train_capped.sh` runs.
+
+100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
+The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the
+number of processes. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
+which `opsd_train.py --capped` checks against the whitelist in `opsd.recipe`.
+
+Profiles keep the 100 steps and shrink the rest for machines without GPUs:
+- `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
+- `demo`: the embedded SmolLM2-135M on built-in data, 2 problems per step and 48-token rollouts, sized for
+  a 2-core CPU (~15 min);
+- `smoke`: the same shape with 8-token rollouts, for CI on a tiny model.
+
+    python -m opsd.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D]
+
+prints the launch command as a JSON plan (`train_capped.sh` executes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STEPS = 100
+PROBLEMS_PER_STEP = 32
+PER_DEVICE_BATCH = 4
+SAVE_EVERY = 10
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    dataset: str
+    problems_per_step: int
+    max_completion_length: int | None  # None = the recipe's value
+    extra: tuple[str, ...] = ()
+
+
+PROFILES = {
+    "full": Profile("Qwen/Qwen3-1.7B", "siyanzhao/Openthoughts_math_30k_opsd", PROBLEMS_PER_STEP, None),
+    "demo": Profile(
+        "", "builtin", 2, 48,
+        ("--gradient_checkpointing=false", "--lora_r=16", "--lora_alpha=32", "--vllm_max_model_length=1024"),
+    ),
+    "smoke": Profile(
+        "", "builtin", 2, 8,
+        ("--gradient_checkpointing=false", "--lora_r=8", "--lora_alpha=16", "--vllm_max_model_length=1024"),
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class Plan:
+    name: str
+    seed: int
+    profile: str
+    num_processes: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    problems_per_step: int
+    max_steps: int
+    output_dir: str
+    final_checkpoint: str
+    accelerate_config: str
+    command: list[str] = field(default_factory=list)
+
+
+def split_batch(problems_per_step: int, num_processes: int) -> tuple[int, int]:
+    """(per-device batch, accumulation steps) with batch × accumulation × processes = problems_per_step."""
+    if num_processes < 1 or problems_per_step % num_processes:
+        raise ValueError(
+            f"{problems_per_step} problems per step cannot be split over {num_processes} processes; "
+            "use 1, 2, 4 or 8 GPUs"
+        )
+    per_process = problems_per_step // num_processes
+    batch = min(PER_DEVICE_BATCH, per_process)
+    while per_process % batch:
+        batch -= 1
+    return batch, per_process // batch
+
+
+def accelerate_config_for(num_processes: int, gpu: bool, root: Path) -> Path:
+    if not gpu:
+        return root / "configs" / "accelerate" / "cpu.yaml"
+    if num_processes == 4:
+        return root / "accelerate.yaml"
+    return root / "configs" / "accelerate" / f"zero2_{num_processes}gpu.yaml"
+
+
+def make_plan(
+    *, name: str, seed: int, num_gpus: int, profile: str, model: str | None, dataset: str | None,
+    root: Path, gpu: bool, recipe: Path, runs_dir: Path | None = None,
+) -> Plan:  # fmt: skip
+    if profile not in PROFILES:
+        raise ValueError(f"profile {profile!r}; choose one of {sorted(PROFILES)}")
+    prof = PROFILES[profile]
+    procs = num_gpus if gpu else 1
+    batch, accum = split_batch(prof.problems_per_step, procs)
+    out = (runs_dir or root / "runs") / name / f"capped_seed{seed}"
+    cfg = accelerate_config_for(procs, gpu, root)
+    if not cfg.is_file():
+        raise FileNotFoundError(f"no accelerate config for {procs} process(es): {cfg}")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_processes", str(procs),
+        str(root / "opsd_train.py"), "--capped", "--recipe", str(recipe),
+        f"--model_name_or_path={model if model is not None else prof.model}",
+        f"--dataset_name={dataset if dataset is not None else prof.dataset}",
+        f"--output_dir={out}", f"--seed={seed}", f"--max_steps={STEPS}",
+        f"--per_device_train_batch_size={batch}", f"--gradient_accumulation_steps={accum}",
+        f"--save_steps={SAVE_EVERY}", "--save_strategy=steps", "--num_generations=1",
+        *prof.extra,
+    ]  # fmt: skip
+    if prof.max_completion_length is not None:
+        # Placed before the recipe's overrides only in precedence terms: opsd_train appends recipe/env
+        # values after these flags, so a recipe may still shorten completions further.
+        cmd.append(f"--max_completion_length={prof.max_completion_length}")
+    return Plan(
+        name=name, seed=seed, profile=profile, num_processes=procs, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum, problems_per_step=prof.problems_per_step, max_steps=STEPS,
+        output_dir=str(out), final_checkpoint=str(out / f"checkpoint-{STEPS}"), accelerate_config=str(cfg),
+        command=cmd,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="opsd")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--num-gpus", type=int, default=4)
+    p.add_argument("--profile", default="full", choices=sorted(PROFILES))
+    p.add_argument("--model", default=None, help="model instead of the profile's (a hub name or a directory)")
+    p.add_argument("--dataset", default=None, help="training data instead of the profile's")
+    p.add_argument("--recipe", default=None, help="recipe file (default: recipe.env in the repo root)")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
+    p.add_argument("--runs-dir", default=None, help="where runs/<name> go (default: runs/ in the repo root)")
+    p.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan and the budget arithmetic; train nothing"
+    )
+    a = p.parse_args(argv)
+    if a.gpu == "auto":
+        import torch
+
+        gpu = torch.cuda.is_available()
+    else:
+        gpu = a.gpu == "yes"
+    root = Path(a.root)
+    recipe = Path(a.recipe).resolve() if a.recipe else root / "recipe.env"
+    try:
+        plan = make_plan(
+            name=a.name, seed=a.seed, num_gpus=a.num_gpus, profile=a.profile, model=a.model,
+            dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
+            runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
+        )  # fmt: skip
+        from opsd.recipe import resolve_overrides
+
+        overrides = resolve_overrides(recipe, os.environ, capped=True)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"train_capped: {err}", file=sys.stderr)
+        return 2
+    out = asdict(plan)
+    out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
+    out["budget"] = (
+        f"{plan.max_steps} steps x {plan.problems_per_step} problems = {plan.per_device_train_batch_size} "
+        f"per device x {plan.gradient_accumulation_steps} accumulation x {plan.num_processes} process(es)"
+    )
+    out["shell"] = shlex.join(plan.command)
+    print(json.dumps(out, indent=1), file=sys.stderr if not a.dry_run else sys.stdout)
+    if a.dry_run:
+        return 0
+    rc = subprocess.run(plan.command).returncode
+    final = Path(plan.final_checkpoint)
+    if rc != 0 or not (final / ".complete").is_file():
+        print(
+            f"train_capped: training stopped (exit {rc}) before {final} was complete; rerun the same "
+            "command to resume from the last complete checkpoint",
+            file=sys.stderr,
+        )
+        return rc or 1
+    print(final)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

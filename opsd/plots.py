@@ -1,0 +1,83 @@
+"""Evaluation plots (PNG, matplotlib's Agg backend, so no display is needed).
+
+Both take plain numbers: per-problem accuracies are fractions in [0, 1] and are drawn in percent;
+run-level accuracies (avg@n) and their SEs are already in percent, as `opsd.metrics` reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def per_problem_accuracy(
+    ids: Sequence[str], accuracy: Sequence[float], se: Sequence[float], path: str | Path, title: str = ""
+) -> Path:
+    """Bar per problem (accuracy in %) with its binomial SE as error bar and the mean as a dashed line."""
+    path = Path(path)
+    values = [100.0 * a for a in accuracy]
+    errors = [100.0 * e for e in se]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(ids) + 2), 4))
+    ax.bar(range(len(ids)), values, yerr=errors, capsize=2, color="tab:blue", ecolor="0.3")
+    if values:
+        ax.axhline(sum(values) / len(values), color="tab:red", linestyle="--", linewidth=1, label="mean")
+        ax.legend(loc="upper right")
+    ax.set_xticks(range(len(ids)), [str(i) for i in ids], rotation=90, fontsize=7)
+    ax.set_xlabel("problem")
+    ax.set_ylabel("accuracy (%) ± binomial SE")
+    ax.set_ylim(0, 105)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    logger.info("wrote %s", path)
+    return path
+
+
+def accuracy_vs_step(points: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
+    """avg@n against training step: each run a point with its SE error bar, a line through the step means.
+
+    `points` are mappings with ``step``, ``avg`` (percent), ``avg_se`` (percent or None) and ``label``.
+    """
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [p["step"] for p in points]
+    ax.errorbar(
+        steps,
+        [p["avg"] for p in points],
+        yerr=[p["avg_se"] or 0.0 for p in points],
+        fmt="o",
+        capsize=3,
+        color="tab:blue",
+        label="run ± SE over problems",
+    )
+    by_step: dict[int, list[float]] = {}
+    for p in points:
+        by_step.setdefault(p["step"], []).append(p["avg"])
+    xs = sorted(by_step)
+    ax.plot(
+        xs,
+        [sum(by_step[x]) / len(by_step[x]) for x in xs],
+        color="tab:blue",
+        alpha=0.5,
+        label="mean per step",
+    )
+    labels = sorted({p.get("label", "avg") for p in points})
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"{' / '.join(labels)} (%)")
+    ax.set_title(title)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    logger.info("wrote %s", path)
+    return path

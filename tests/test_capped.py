@@ -1,0 +1,167 @@
+"""train_capped.sh end to end on CPU (tiny model, smoke profile): the 100-step budget, refusals, exact resume,
+and tail weight averaging against a hand-computed mean."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def harness(*args, env=None, **kw):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
+    full_env.update(ENV, **(env or {}))
+    return subprocess.Popen(
+        ["bash", str(ROOT / "train_capped.sh"), *args],
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+def finish(proc, timeout=900):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize(("gpus", "batch", "accum"), [(1, 4, 8), (2, 4, 4), (4, 4, 2), (8, 4, 1)])
+def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
+    rc, out, err = finish(
+        harness(
+            "--dry-run", "--num-gpus", str(gpus), "--gpu", "yes", "--name", "x", "--runs-dir", str(tmp_path)
+        )
+    )
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (batch, accum)
+    assert batch * accum * gpus == 32 and plan["max_steps"] == 100
+    assert plan["final_checkpoint"] == str(tmp_path / "x" / "capped_seed42" / "checkpoint-100")
+    assert "--max_steps=100" in plan["command"] and "--seed=42" in plan["command"]
+    assert not (tmp_path / "x").exists()
+
+
+def test_dry_run_refusals(tmp_path):
+    rc, _, err = finish(harness("--dry-run", "--num-gpus", "3", "--gpu", "yes"))
+    assert rc == 2 and "cannot be split over 3 processes" in err
+    bad = tmp_path / "bad.env"
+    bad.write_text("BETA=0.5\nPER_DEVICE_TRAIN_BATCH_SIZE=8\n")
+    rc, _, err = finish(harness("--dry-run", "--recipe", str(bad)))
+    assert rc == 2 and "bad.env:2" in err and "fixed by the capped harness" in err
+    rc, _, err = finish(harness("--dry-run", env={"OPSD_MAX_STEPS": "50"}))
+    assert rc == 2 and "OPSD_MAX_STEPS" in err
+
+
+def _adapter(ckpt):
+    return load_file(str(ckpt / "adapter_model.safetensors"))
+
+
+def _steps(run_dir):
+    return [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
+
+
+@pytest.mark.slow
+def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
+    common = ("--profile", "smoke", "--model", str(tiny_model_dir), "--recipe", str(ROOT / "recipe.env"))
+    # An uninterrupted run: 100 steps, the final checkpoint's path printed last.
+    rc, out, err = finish(harness(*common, "--name", "whole", "--runs-dir", str(tmp_path)))
+    assert rc == 0, err[-3000:]
+    whole = tmp_path / "whole" / "capped_seed42"
+    assert out.strip().splitlines()[-1] == str(whole / "checkpoint-100")
+    assert _steps(whole) == list(range(1, 101))
+    cfg = json.loads((whole / "opsd_config.json").read_text())
+    assert (cfg["max_steps"], cfg["seed"], cfg["data_filter"], cfg["lr_scheduler_type"]) == (
+        100,
+        42,
+        "hard_numeric",
+        "linear",
+    )
+
+    # The same command killed mid-way, then rerun: it resumes and still stops at exactly 100.
+    proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), start_new_session=True)
+    cut = tmp_path / "cut" / "capped_seed42"
+    deadline = time.time() + 600
+    while not (cut / "checkpoint-30" / ".complete").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before checkpoint-30"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert not (cut / "checkpoint-100").exists()
+    rc, out, err = finish(harness(*common, "--name", "cut", "--runs-dir", str(tmp_path)))
+    assert rc == 0, err[-3000:]
+    assert "resuming from" in err
+    assert out.strip().splitlines()[-1] == str(cut / "checkpoint-100")
+    assert _steps(cut) == list(range(1, 101))
+    a, b = _adapter(whole / "checkpoint-100"), _adapter(cut / "checkpoint-100")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+
+
+def test_tail_weight_average_matches_hand_computed_mean(tiny_model_dir, tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from opsd.callbacks import TailWeightAverage
+    from opsd.config import OPSDConfig
+    from opsd_train import build_dataset
+    from opsd_trainer import OPSDTrainer
+
+    cfg = OPSDConfig(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_completion_length=6,
+        use_vllm=False,
+        learning_rate=5e-2,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        wavg_last=2,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = OPSDTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=build_dataset(cfg),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
+    seen = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append(
+                {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+            )
+
+    wavg = TailWeightAverage(trainer.model, 2)
+    trainer.add_callback(Record())
+    trainer.add_callback(wavg)
+    trainer.train()
+    final = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    out = wavg.save_average(trainer, 4)
+    assert out == tmp_path / "checkpoint-4-wavg2"
+    saved = _adapter(out)
+    assert len(seen) == 4 and any(not torch.equal(seen[2][n], seen[3][n]) for n in final)
+    for name in final:
+        expected = (seen[2][name] + seen[3][name]) / 2
+        key = name.replace(".default", "")
+        torch.testing.assert_close(saved[key], expected, atol=1e-7, rtol=1e-6)
+        # the live model keeps its final (not averaged) weights
+        assert torch.equal(dict(trainer.model.named_parameters())[name], final[name])

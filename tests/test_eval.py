@@ -1,0 +1,488 @@
+"""eval_aime.py run as a subprocess with the real engines (vLLM CPU, transformers) on tiny models.
+
+Correctness accounting needs completions that contain boxed answers, which a random model never
+writes. So the module trains, in a few seconds, a LoRA adapter ("the boxer") on top of the tiny model
+that answers any of our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am not sure.`, each about
+a third of the time. Sampled at temperature 1 this gives right, wrong and missing answers in one run,
+and since only the adapter can produce a box, boxes in the output also show that vLLM served the LoRA.
+The metrics are then recomputed from samples.jsonl with code written here, not opsd.metrics.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "eval_aime.py"
+# One thread per process: on a small CPU machine, OpenMP threads of parallel processes spin against
+# each other and slow everything down by orders of magnitude.
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+PROBLEMS = [("p0", "What is 3 + 4?", "7"), ("p1", "What is 2 * 4?", "8"), ("p2", "What is 18 / 2?", "9")]
+BOXER_COMPLETIONS = ["\\boxed{7}", "\\boxed{8}", "I am not sure."]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.slow
+
+
+def run_eval(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def problems_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "three.jsonl"
+    return write_jsonl(path, [{"id": i, "problem": p, "answer": a} for i, p, a in PROBLEMS])
+
+
+@pytest.fixture(scope="module")
+def boxer(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(base model dir, LoRA checkpoint dir `.../checkpoint-100`) trained to box 7 or 8 or give up."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd.prompts import PromptBuilder
+
+    root = tmp_path_factory.mktemp("boxer")
+    base_dir, adapter_dir = root / "base", root / "run" / "checkpoint-100"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    # The random model's logits are nearly flat (tied embeddings of std 0.02) and LoRA cannot change the
+    # final norm, so the base gets a larger final-norm gain; it stays a random model that never boxes.
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+    builder = PromptBuilder(tok, student_thinking=True)  # the script's default rendering (thinking on)
+    rows = []
+    for _, problem, _ in PROBLEMS:
+        prompt = builder.student_ids(problem)
+        for text in BOXER_COMPLETIONS:
+            rows.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[i, : len(p) + len(c)] = 1
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
+    opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(200):
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.set_num_threads(threads)
+    # Three equally likely endings: the optimum mean token loss is well below 1 (it started near 34).
+    assert loss.item() < 0.5
+    peft_model.save_pretrained(adapter_dir)
+    return base_dir, adapter_dir
+
+
+# --- the end-to-end run, checked against an independent recomputation ------------------------------------
+
+
+def last_box(text: str) -> str | None:
+    found = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    return found[-1] if found else None
+
+
+def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, tmp_path):
+    base_dir, adapter_dir = boxer
+    out = tmp_path / "e2e"
+    proc = ok(
+        run_eval(
+            "--model",
+            base_dir,
+            "--adapter",
+            adapter_dir,
+            "--dataset",
+            problems_file,
+            "--n",
+            4,
+            "--max-tokens",
+            16,
+            "--max-model-len",
+            512,
+            "--out",
+            out,
+            "--plot",
+        )
+    )
+    assert "avg@4" in proc.stdout and "adapter: vllm-lora" in proc.stdout
+
+    samples = read_jsonl(out / "samples.jsonl")
+    by_id: dict[str, list[dict]] = {}
+    for s in samples:
+        by_id.setdefault(s["id"], []).append(s)
+    assert list(by_id) == ["p0", "p1", "p2"]
+    gold = {i: a for i, _, a in PROBLEMS}
+    for pid, rows in by_id.items():
+        assert sorted(r["idx"] for r in rows) == [0, 1, 2, 3]
+        assert [("prompt" in r) for r in sorted(rows, key=lambda r: r["idx"])] == [True, False, False, False]
+        for r in rows:
+            assert r["gold"] == gold[pid]
+            assert r["extracted"] == last_box(r["text"])
+            assert r["has_box"] == (r["extracted"] is not None)
+            assert r["correct"] == (r["extracted"] == gold[pid])
+    n_correct = sum(s["correct"] for s in samples)
+    n_boxed = sum(s["has_box"] for s in samples)
+    # A mix of right, wrong and missing answers, which only the served adapter can produce.
+    assert 0 < n_correct < n_boxed < len(samples)
+
+    def rate(values):  # percent over problems, and its SE over problems
+        return 100 * statistics.mean(values), 100 * statistics.stdev(values) / math.sqrt(len(values))
+
+    def majority_right(rows):
+        votes = Counter(
+            r["extracted"] for r in sorted(rows, key=lambda r: r["idx"]) if r["extracted"] is not None
+        )
+        if not votes:
+            return False
+        top = max(votes.values())
+        answer = next(a for a in votes if votes[a] == top)  # Counter keeps first-seen order for ties
+        return answer == gold[rows[0]["id"]]
+
+    groups = list(by_id.values())
+    expected = {
+        "avg": rate([sum(r["correct"] for r in g) / 4 for g in groups]),
+        "pass_at_k": rate([float(any(r["correct"] for r in g)) for g in groups]),  # k = n: any correct
+        "maj": rate([float(majority_right(g)) for g in groups]),
+        "format_rate": rate([sum(r["has_box"] for r in g) / 4 for g in groups]),
+        "truncation_rate": rate([sum(r["truncated"] for r in g) / 4 for g in groups]),
+    }
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = summary["metrics"]
+    for key, (value, se) in expected.items():
+        assert metrics[key] == pytest.approx(value), key
+        assert metrics[f"{key}_se"] == pytest.approx(se), key
+    assert metrics["mean_tokens"] == pytest.approx(
+        statistics.mean(statistics.mean(r["n_tokens"] for r in g) for g in groups)
+    )
+    assert metrics["labels"] == {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"}
+    assert summary["engine"] == "vllm" and summary["adapter_mode"] == "vllm-lora" and summary["step"] == 100
+    assert summary["new_samples"] == 12 and summary["new_tokens"] == sum(s["n_tokens"] for s in samples)
+    assert summary["config"]["n"] == 4 and summary["config"]["max_model_len_used"] == 512
+    assert summary["versions"]["vllm"] and summary["versions"]["torch"]
+
+    with (out / "per_problem.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [row["id"] for row in table] == ["p0", "p1", "p2"]
+    for row, g in zip(table, groups, strict=True):
+        assert int(row["n_correct"]) == sum(r["correct"] for r in g) and row["gold"] == gold[row["id"]]
+    assert (out / "per_problem.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+# --- resume ---------------------------------------------------------------------------------------------
+
+
+def test_kill_and_resume(tiny_model_dir, tmp_path):
+    out = tmp_path / "resume"
+    samples_path = out / "samples.jsonl"
+    # 30 problems, one per chunk: long enough to kill after the first chunk. The default max_model_len
+    # (40960) is also cut to the tiny model's 2048 on the way.
+    args = [
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        "builtin",
+        "--n",
+        4,
+        "--max-tokens",
+        96,
+        "--chunk-size",
+        1,
+        "--out",
+        out,
+    ]
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *map(str, args)],
+            cwd=REPO,
+            env=ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while not (samples_path.is_file() and samples_path.stat().st_size > 0):
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no chunk was written in time"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = samples_path.read_bytes()
+    lines = before[: before.rfind(b"\n") + 1].splitlines(keepends=True)
+    assert 4 <= len(lines) < 120, "the run must be killed part way, after a chunk"
+    # A kill inside one large write can leave part of a problem's samples and a torn line; make that
+    # happen whatever the kill hit: drop the last two samples and end the file with a torn line.
+    kept, dropped = lines[:-2], [json.loads(line) for line in lines[-2:]]
+    assert [d["idx"] for d in dropped] == [2, 3]
+    complete = b"".join(kept)
+    samples_path.write_bytes(complete + b'{"id": "builtin-029", "idx": 0, "text": "tor')
+    done = len(kept)
+
+    refused = run_eval(*args[:-2], "--temperature", 0.5, "--out", out)
+    assert refused.returncode == 2 and "temperature" in refused.stderr and "Traceback" not in refused.stderr
+
+    ok(run_eval(*args))
+    after = samples_path.read_bytes()
+    assert after.startswith(complete)  # pre-kill lines unchanged, byte for byte
+    records = read_jsonl(samples_path)
+    keys = [(r["id"], r["idx"]) for r in records]
+    assert len(keys) == len(set(keys)) == 120
+    assert set(keys) == {(f"builtin-{p:03d}", i) for p in range(30) for i in range(4)}
+    # Samples 2 and 3 of the cut problem were requested as one request of n=2; seeded by their index,
+    # they come out as in the killed run (vLLM on the CPU is deterministic for a seeded request).
+    redone = {(r["id"], r["idx"]): r["text"] for r in records}
+    assert [redone[(d["id"], d["idx"])] for d in dropped] == [d["text"] for d in dropped]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["new_samples"] == 120 - done
+    assert summary["metrics"]["n_problems"] == 30 and summary["config"]["max_model_len_used"] == 2048
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def error_inputs(tmp_path_factory, problems_file) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("errors")
+    (root / "not-an-adapter").mkdir()
+    return {
+        "good": problems_file,
+        "wrong_columns": write_jsonl(root / "wrong.jsonl", [{"question": "1 + 1?", "solution": "2"}]),
+        "not_adapter": root / "not-an-adapter",
+    }
+
+
+ERROR_CASES = {
+    "missing dataset file": (["--dataset", "{missing}/nope.jsonl"], "does not exist"),
+    "wrong columns": (["--dataset", "{wrong_columns}"], "lacks column(s) ['problem', 'answer']"),
+    "n = 0": (["--n", "0"], "n=0 is invalid"),
+    "k > n": (["--n", "4", "--k", "5"], "k=5 is invalid: pass@k needs 1 <= k <= n=4"),
+    "missing model dir": (["--model", "{missing}/model"], "is not a model directory (no config.json)"),
+    "missing adapter dir": (["--adapter", "{missing}/checkpoint-9"], "adapter directory"),
+    "adapter without config": (["--adapter", "{not_adapter}"], "has no adapter_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_user_errors_exit_2_without_traceback(case, error_inputs, tiny_model_dir, tmp_path):
+    args, message = ERROR_CASES[case]
+    paths = {"missing": tmp_path / "missing", **{k: str(v) for k, v in error_inputs.items()}}
+    args = [a.format(**paths) for a in args]
+    base = ["--model", tiny_model_dir, "--dataset", error_inputs["good"], "--n", 4, "--out", tmp_path / "out"]
+    proc = run_eval(*base, *args)  # later flags win
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "samples.jsonl").exists()
+
+
+# --- compare, aggregate, step plot on hand-written results ----------------------------------------------
+
+
+def write_result(
+    path: Path,
+    accuracy: dict[str, float],
+    avg: float,
+    step: int | None = None,
+    pass_at_k: float = 80.0,
+    maj: float = 60.0,
+) -> Path:
+    """A summary.json with the fields the comparison modes read."""
+    path.mkdir(parents=True)
+    metrics = {
+        "avg": avg,
+        "avg_se": 2.0,
+        "pass_at_k": pass_at_k,
+        "pass_at_k_se": 3.0,
+        "maj": maj,
+        "maj_se": 3.0,
+        "format_rate": 95.0,
+        "format_rate_se": 1.0,
+        "n": 4,
+        "k": 4,
+        "n_problems": len(accuracy),
+        "labels": {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"},
+        "problems": [{"id": pid, "n": 4, "accuracy": a} for pid, a in accuracy.items()],
+    }
+    (path / "summary.json").write_text(
+        json.dumps({"config": {"dataset_source": "x", "n": 4}, "step": step, "metrics": metrics})
+    )
+    return path
+
+
+def test_compare_paired_difference(tmp_path):
+    a = write_result(tmp_path / "a", {"q1": 0.5, "q2": 0.5, "q3": 0.5, "q4": 0.5}, avg=50.0)
+    b = write_result(tmp_path / "b", {"q1": 0.75, "q2": 0.5, "q3": 0.5, "q4": 0.75}, avg=62.5)
+    proc = ok(run_eval("--compare", a, b, "--out", tmp_path / "cmp"))
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    # Differences b - a in points: 25, 0, 0, 25 -> mean 12.5. Deviations +-12.5, so the sample variance is
+    # 4 * 156.25 / 3 = 208.33 and the SE sqrt(208.33 / 4) = 7.2169. 95% t (df 3, 3.182446): +-22.967.
+    assert result["mean_diff"] == pytest.approx(12.5)
+    assert result["se"] == pytest.approx(7.2169, abs=1e-4)
+    assert result["ci_low"] == pytest.approx(12.5 - 22.9676, abs=1e-3)
+    assert result["n_problems"] == 4
+    assert "+12.50" in proc.stdout
+
+
+def test_compare_refuses_missing_summary_and_disjoint_problems(tmp_path):
+    a = write_result(tmp_path / "a", {"q1": 0.5}, avg=50.0)
+    other = write_result(tmp_path / "other", {"z1": 0.5}, avg=50.0)
+    (tmp_path / "empty").mkdir()
+    for b, message in ((tmp_path / "empty", "summary.json not found"), (other, "share no problem ids")):
+        proc = run_eval("--compare", a, b)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_aggregate_and_step_plot(tmp_path):
+    # The improved recipe's three published runs (SPEC §4): 56.94, 53.06, 56.11.
+    runs = [
+        write_result(tmp_path / f"r{i}", {"q1": 0.5}, avg=v, step=s, pass_at_k=p)
+        for i, (v, s, p) in enumerate([(56.94, 0, 70.0), (53.06, 50, 80.0), (56.11, 100, 90.0)])
+    ]
+    proc = ok(run_eval("--aggregate", *runs, "--out", tmp_path / "agg"))
+    result = json.loads((tmp_path / "agg" / "aggregate.json").read_text())
+    # Mean 166.11 / 3 = 55.37. Deviations 1.57, -2.31, 0.74: squares sum to 8.3486, variance 4.1743,
+    # SE sqrt(4.1743 / 3) = 1.1796. pass@4: 70, 80, 90 -> mean 80, SE 10 / sqrt(3) = 5.7735.
+    assert result["avg"]["mean"] == pytest.approx(55.37)
+    assert result["avg"]["se"] == pytest.approx(1.1796, abs=1e-4)
+    assert result["pass_at_k"]["mean"] == pytest.approx(80.0)
+    assert result["pass_at_k"]["se"] == pytest.approx(5.7735, abs=1e-4)
+    assert "55.37 ± 1.18" in proc.stdout
+
+    ok(run_eval("--plot-steps", *runs, "--out", tmp_path / "curve"))
+    points = json.loads((tmp_path / "curve" / "accuracy_vs_step.json").read_text())
+    assert sorted((p["step"], p["avg"]) for p in points) == [(0, 56.94), (50, 53.06), (100, 56.11)]
+    assert (tmp_path / "curve" / "accuracy_vs_step.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+# --- the transformers engine, alone and data parallel ------------------------------------------------------
+
+
+def test_transformers_engine_with_peft_adapter(boxer, problems_file, tmp_path):
+    base_dir, adapter_dir = boxer
+    out = tmp_path / "hf"
+    proc = ok(
+        run_eval(
+            "--model",
+            base_dir,
+            "--adapter",
+            adapter_dir,
+            "--dataset",
+            problems_file,
+            "--limit",
+            2,
+            "--n",
+            2,
+            "--max-tokens",
+            16,
+            "--max-model-len",
+            512,
+            "--engine",
+            "transformers",
+            "--out",
+            out,
+        )
+    )
+    assert "adapter: peft" in proc.stdout
+    samples = read_jsonl(out / "samples.jsonl")
+    assert sorted((s["id"], s["idx"]) for s in samples) == [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "transformers" and summary["metrics"]["n_problems"] == 2
+    assert summary["metrics"]["avg"] == pytest.approx(
+        100
+        * statistics.mean(
+            statistics.mean(s["correct"] for s in samples if s["id"] == pid) for pid in ("p0", "p1")
+        )
+    )
+
+
+def test_num_gpus_2_on_cpu_merges_every_sample_once(boxer, tmp_path):
+    base_dir, adapter_dir = boxer
+    out = tmp_path / "dp"
+    proc = ok(
+        run_eval(
+            "--model",
+            base_dir,
+            "--adapter",
+            adapter_dir,
+            "--merge-adapter",
+            "--dataset",
+            "builtin",
+            "--limit",
+            5,
+            "--n",
+            2,
+            "--max-tokens",
+            8,
+            "--engine",
+            "transformers",
+            "--num-gpus",
+            2,
+            "--out",
+            out,
+        )
+    )
+    assert "adapter: merged" in proc.stdout
+    keys = [(s["id"], s["idx"]) for s in read_jsonl(out / "samples.jsonl")]
+    assert len(keys) == len(set(keys)) == 10
+    assert set(keys) == {(f"builtin-{p:03d}", i) for p in range(5) for i in range(2)}
+    assert not (out / "shards").exists()  # worker files merged and removed
+    assert json.loads((out / "summary.json").read_text())["metrics"]["n_problems"] == 5
