@@ -111,7 +111,6 @@ def main(argv: list[str] | None = None) -> Path:
         COMPLETE_MARK,
         CompleteMark,
         MetricsJSONL,
-        OptimizerTimer,
         TailWeightAverage,
         latest_complete_checkpoint,
     )
@@ -157,7 +156,6 @@ def main(argv: list[str] | None = None) -> Path:
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
     trainer.add_callback(MetricsJSONL())
-    trainer.add_callback(OptimizerTimer(trainer._metrics["train"]))
     wavg = None
     if config.wavg_last:
         wavg = TailWeightAverage(trainer.model, config.wavg_last)

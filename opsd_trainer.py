@@ -1,7 +1,8 @@
 """OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (SPEC §1).
 
     from opsd_trainer import OPSDTrainer
-    from opsd.config import OPSDConfig
+    from opsd.callbacks import StepTimer
+from opsd.config import OPSDConfig
     trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
 
 What differs from `SDFTTrainer` (everything else — vLLM colocate/server/sleep/TP rollouts, LoRA merge for
@@ -21,42 +22,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 
 import torch
 from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
+from opsd.callbacks import StepTimer
 from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
 from opsd.prompts import PromptBuilder
+from opsd.scoring import completion_hidden, left_pad, lm_head_weight
 
 logger = logging.getLogger(__name__)
-
-
-def positions(prompt_mask_BP: torch.Tensor, completion_width: int, fix: bool) -> torch.Tensor:
-    """Position ids of `[left-padded prompt ; completion]` rows, shape (B, P + C).
-
-    `fix=True`: each real token's index in its own unpadded sequence (prompt tokens 0..Lp-1, completion
-    tokens Lp, Lp+1, ...), which is what the rollout engine used. `fix=False`: the reference code's layout
-    (prompts right-padded to width P, completions appended), i.e. completion token j sits at P + j.
-    Padding tokens get position 0; they are masked out of attention anyway.
-    """
-    prompt_len_B = prompt_mask_BP.sum(dim=1, keepdim=True)
-    pos_prompt = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
-    start_B1 = prompt_len_B if fix else torch.full_like(prompt_len_B, prompt_mask_BP.size(1))
-    pos_completion = start_B1 + torch.arange(completion_width, device=prompt_mask_BP.device)
-    return torch.cat([pos_prompt * prompt_mask_BP, pos_completion], dim=1)
-
-
-def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def merged_named_weights(model):
@@ -148,6 +126,9 @@ class OPSDTrainer(SDFTTrainer):
             max_teacher_prompt_tokens=a.max_teacher_prompt_length,
         )
         self.teacher_context_builder = OPSDTeacherBuilder(self)
+        # Seconds per phase in the current optimizer step; StepTimer turns them into time/<phase>_s metrics.
+        self.phase_s: dict[str, float] = defaultdict(float)
+        self.add_callback(StepTimer(self._metrics["train"], self.phase_s))
 
     def _setup_teacher_model(self) -> None:
         super()._setup_teacher_model()
@@ -175,7 +156,7 @@ class OPSDTrainer(SDFTTrainer):
         out = super()._generate(prompt_ids)
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(c) for c in out[1])
-        self._metrics["train"]["time/rollout_s"].append(elapsed)
+        self.phase_s["rollout"] += elapsed
         self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(elapsed, 1e-9))
         return out
 
@@ -190,7 +171,7 @@ class OPSDTrainer(SDFTTrainer):
             t0 = time.perf_counter()
             self._sync_rollout_weights()
             self._last_loaded_step = self.state.global_step
-            self._metrics["train"]["time/weight_sync_s"].append(time.perf_counter() - t0)
+            self.phase_s["weight_sync"] += time.perf_counter() - t0
         return super()._generate_vllm(prompt_ids)
 
     def _sync_rollout_weights(self) -> None:
@@ -234,29 +215,18 @@ class OPSDTrainer(SDFTTrainer):
 
     # -- scoring and loss --------------------------------------------------------------------------------------
     def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        """Final hidden states that predict each valid completion token, flattened to (N, H)."""
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        position_ids = positions(prompt_mask, completion_ids.size(1), self.args.fix_position_ids)
-        # Through the wrapped model (DDP/DeepSpeed see the forward); logits only for the last position.
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=1,
+        return completion_hidden(
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            fix_positions=self.args.fix_position_ids,
         )
-        width = prompt_ids.size(1)
-        hidden_BCH = out.hidden_states[-1][:, width - 1 : width - 1 + completion_ids.size(1)]
-        return hidden_BCH[completion_mask.bool()]
 
     @staticmethod
     def _lm_head_weight(model) -> torch.Tensor:
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("models whose lm_head has a bias are not supported by the chunked loss")
-        return head.weight
+        return lm_head_weight(model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -296,7 +266,7 @@ class OPSDTrainer(SDFTTrainer):
         denom = inputs["num_loss_tokens"].clamp(min=1).to(loss_sum.dtype)
         loss = loss_sum / denom * self.accelerator.num_processes
         self._record_loss_stats(loss_sum.detach(), stats)
-        self._metrics["train"]["time/score_loss_s"].append(time.perf_counter() - t0)
+        self.phase_s["score_loss"] += time.perf_counter() - t0
         return loss
 
     def _record_loss_stats(self, loss_sum: torch.Tensor, stats: dict) -> None:

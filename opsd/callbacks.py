@@ -45,20 +45,43 @@ class MetricsJSONL(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
-class OptimizerTimer(TrainerCallback):
-    """Times the optimizer step (clip + step + zero_grad) into the trainer's metrics."""
+class StepTimer(TrainerCallback):
+    """Per optimizer step: wall time, optimizer time, and the trainer's phase totals (rollout, sync, loss).
 
-    def __init__(self, metrics: dict):
+    The trainer adds seconds to `phase_s` (a dict) as phases run; each step's totals become the metrics
+    `time/<phase>_s`, so a step's split adds up across its accumulation micro-batches.
+    """
+
+    def __init__(self, metrics: dict, phase_s: dict):
         self.metrics = metrics
-        self._t0 = None
+        self.phase_s = phase_s
+        self._t_step = self._t_opt = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._allocated_gib = torch.cuda.memory_allocated() / 2**30
+        self._t_step = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._t0 = time.perf_counter()
+        self._t_opt = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._t0 is not None:
-            self.metrics["time/optimizer_s"].append(time.perf_counter() - self._t0)
-            self._t0 = None
+        now = time.perf_counter()
+        if self._t_opt is not None:
+            self.metrics["time/optimizer_s"].append(now - self._t_opt)
+        if self._t_step is not None:
+            self.metrics["time/step_s"].append(now - self._t_step)
+        if torch.cuda.is_available():
+            # Everything this process holds at its peak (colocated vLLM included), and the part the step added.
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.metrics["memory/peak_gib"].append(peak)
+            self.metrics["memory/step_extra_gib"].append(peak - self._allocated_gib)
+        for phase, seconds in self.phase_s.items():
+            self.metrics[f"time/{phase}_s"].append(seconds)
+        self.phase_s.clear()
+        self._t_step = self._t_opt = None
+        self._allocated_gib = 0.0
 
 
 class TailWeightAverage(TrainerCallback):

@@ -34,6 +34,7 @@ class SamplingConfig:
     min_p: float = 0.0
     seed: int = 0
     logprobs: bool = False
+    min_tokens: int = 0  # benchmarks force fixed-length completions with min_tokens == max_tokens
 
 
 def vllm_available() -> bool:
@@ -92,6 +93,7 @@ class VLLMEngine:
             min_p=sampling.min_p,
             seed=sampling.seed,
             logprobs=0 if sampling.logprobs else None,
+            min_tokens=sampling.min_tokens,
         )
         lora = None
         if lora_path:
@@ -117,8 +119,10 @@ class VLLMEngine:
 class HFEngine:
     """`transformers.generate` with left padding, batched; the fallback when vLLM is absent."""
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 32):
+    def __init__(self, model, tokenizer, *, batch_size: int = 32, cache_implementation: str | None = None):
         self.model = model.eval()
+        # "static" preallocates the KV cache, which lets transformers compile the decoding step.
+        self.cache_implementation = cache_implementation
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         eos = model.generation_config.eos_token_id
@@ -152,6 +156,8 @@ class HFEngine:
                 top_k=sampling.top_k or None,
                 min_p=sampling.min_p or None,
                 max_new_tokens=sampling.max_tokens,
+                min_new_tokens=sampling.min_tokens or None,
+                cache_implementation=self.cache_implementation,
                 pad_token_id=pad,
                 eos_token_id=sorted(self.eos_ids),
                 output_scores=sampling.logprobs,

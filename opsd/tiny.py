@@ -37,8 +37,14 @@ def _corpus() -> list[str]:
     return texts + ["\\boxed{} \\frac{1}{2} x^2 + y = z. 0123456789 The answer is"] * 20
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
-    """Train a byte-level BPE tokenizer with a Qwen3-style chat template and save it to `out_dir`."""
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, pad_vocab_to: int = 0):
+    """Train a byte-level BPE tokenizer with a Qwen3-style chat template and save it to `out_dir`.
+
+    `pad_vocab_to` appends unreachable placeholder tokens up to that size, so that a model with a real
+    vocabulary size (151,936 for Qwen3) can decode every id it samples.
+    """
+    import json
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,6 +58,12 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    if pad_vocab_to:
+        spec = json.loads(tok.to_str())
+        vocab = spec["model"]["vocab"]
+        for i in range(len(vocab), pad_vocab_to):
+            vocab[f"<unused_{i}>"] = i
+        tok = Tokenizer.from_str(json.dumps(spec))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opsd_trainer import positions
+from opsd.scoring import positions
 
 
 def _naive_positions(prompt_mask, completion_width, fix):
@@ -66,7 +66,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 def _scoring_batch(trainer, tok):
     """Prompts of different lengths with fixed completions, laid out like a training batch."""
-    from opsd_trainer import left_pad
+    from opsd.scoring import left_pad
 
     problems = [
         "What is 2 + 3?",

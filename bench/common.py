@@ -1,0 +1,47 @@
+"""Shared pieces of the GPU benchmarks: the random-weight Qwen3-1.7B checkpoint and the JSON record."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def qwen3_1p7b_dir(path: str | Path) -> Path:
+    """A random-weight Qwen3-1.7B (bf16) with a locally trained tokenizer padded to its 151,936-token vocabulary."""
+    from opsd.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        tok = build_tokenizer(path, pad_vocab_to=151936)
+        build_qwen3(path, tokenizer=tok, dtype="bfloat16", **qwen3_1p7b_shape())
+    return path
+
+
+def machine() -> dict:
+    import transformers
+
+    info = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpus"] = torch.cuda.device_count()
+    for name in ("vllm", "trl", "peft"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+def write(result: dict, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    return out
