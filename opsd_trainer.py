@@ -145,6 +145,16 @@ class OPSDTrainer(SDFTTrainer):
                 )
             )
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Everything a micro-batch costs except the rollouts and weight sync that may run inside it
+        # (prompt building, scoring, loss, backward) is booked as "train_micro".
+        t0 = time.perf_counter()
+        before = self.phase_s["rollout"] + self.phase_s["weight_sync"]
+        out = super().training_step(model, inputs, num_items_in_batch)
+        inside = self.phase_s["rollout"] + self.phase_s["weight_sync"] - before
+        self.phase_s["train_micro"] += time.perf_counter() - t0 - inside
+        return out
+
     # -- prompts and rollouts ----------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts):
         # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own

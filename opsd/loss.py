@@ -222,9 +222,11 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
 
         for start in range(0, student_hidden_NH.shape[0], chunk_size):
             end = start + chunk_size
+            # Hidden states may come out of a mixed-precision model in float32 while lm_head is bf16: the
+            # logits are computed in the weight's dtype, as the model's own lm_head would.
             h_s_CH = student_hidden_NH[start:end].detach()
-            s_logits_CV = (h_s_CH @ w_s_VH.T).requires_grad_(need_h or need_w)  # leaf: grad mode is off here
-            t_logits_CV = h_t_NH[start:end] @ w_t_VH.T
+            s_logits_CV = (h_s_CH.to(w_s_VH.dtype) @ w_s_VH.T).requires_grad_(need_h or need_w)  # leaf
+            t_logits_CV = h_t_NH[start:end].to(w_t_VH.dtype) @ w_t_VH.T
             ids_C = None if target_ids_N is None else target_ids_N[start:end]
             with torch.enable_grad():
                 loss_C, stats = token_divergence(s_logits_CV, t_logits_CV, target_ids_N=ids_C, **loss_kwargs)

@@ -495,3 +495,20 @@ def test_grad_accumulation_chunked_path():
         (loss_mb / n_global).backward()
     close(h_s.grad, g_h, atol=1e-6, rtol=0)
     close(w_s.grad, g_w, atol=1e-6, rtol=0)
+
+
+def test_chunked_mixed_dtypes_compute_logits_in_weight_dtype():
+    """float32 hidden states (autocast output) with a bf16 lm_head: same as casting the hidden states first."""
+    torch.manual_seed(0)
+    h_s = torch.randn(9, 16, requires_grad=True)
+    h_t = torch.randn(9, 16)
+    w = torch.randn(40, 16).to(torch.bfloat16)
+    kw = dict(beta=0.5, temperature=1.0, clip=0.05, clip_mode="element")
+    loss, _ = chunked_opsd_loss(h_s, h_t, w, w, chunk_size=4, **kw)
+    loss.backward()
+    h_s_bf = h_s.detach().to(torch.bfloat16).requires_grad_(True)
+    ref, _ = chunked_opsd_loss(h_s_bf, h_t.to(torch.bfloat16), w, w, chunk_size=4, **kw)
+    ref.backward()
+    assert h_s.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(h_s.grad, h_s_bf.grad.float(), atol=1e-2, rtol=1e-2)
