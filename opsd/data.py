@@ -15,9 +15,10 @@ import logging
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from datasets import Dataset
+if TYPE_CHECKING:  # `datasets` is imported where tables are built, so the generators need only the stdlib
+    from datasets import Dataset
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ def load_train_dataset(
 ) -> Dataset:
     """The training set: `builtin` (or empty) for the generated problems, else a hub name or a file."""
     if name_or_path in ("", BUILTIN):
+        from datasets import Dataset
+
         ds = Dataset.from_list(builtin_train_rows(seed=seed))
     else:
         ds = load_table(name_or_path, split=split, required=TRAIN_COLUMNS)

@@ -58,11 +58,14 @@ class VLLMEngine:
         seed: int = 0,
         enable_lora: bool = False,
         max_lora_rank: int = 64,
-        dtype: str = "auto",
+        dtype: str | None = None,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM
 
+        if dtype is None:
+            # vLLM's CPU backend turns float32 checkpoints into bf16 by default, which is ~3x slower there.
+            dtype = "auto" if torch.cuda.is_available() else "float32"
         kwargs = dict(
             model=model,
             tokenizer=model,

@@ -279,3 +279,25 @@ def test_full_finetuning_fixed_teacher_is_a_frozen_copy(tiny_model_dir, tmp_path
     assert all(torch.equal(p, initial[n]) for n, p in trainer.teacher_model.named_parameters())
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, initial[n])]
     assert moved, "full fine-tuning changed no weight"
+
+
+def test_shipped_recipes_parse_and_match_the_spec():
+    from opsd.recipe import parse_recipe
+
+    recipes = {p.name: p for p in (ROOT / "configs" / "recipes").glob("*.env")}
+    assert {"published.env", "improved.env"} <= set(recipes)
+    for path in [ROOT / "recipe.env", *recipes.values()]:
+        text = path.read_text()
+        assert text.startswith("#") and "train_capped.sh" in text, f"{path}: no header with its command"
+    values = {p.name: {o.field: o.value for o in parse_recipe(p)} for p in recipes.values()}
+    shipped = {o.field: o.value for o in parse_recipe(ROOT / "recipe.env")}
+    improved = {"data_filter": "hard_numeric", "learning_rate": "1e-05", "lr_scheduler_type": "linear"}
+    assert values["improved.env"] == improved and shipped == improved
+    # every value of the published recipe equals the config default (the paper's recipe is the default)
+    from opsd.config import OPSDConfig
+
+    defaults = OPSDConfig(output_dir="/tmp/unused")
+    for field, value in values["published.env"].items():
+        default = getattr(defaults, field)
+        default = getattr(default, "value", default)
+        assert str(default).lower() == value.lower() or float(default) == float(value), field
