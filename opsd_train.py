@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> Path:
         trainer._save_checkpoint(trainer.model, trial=None)
         if state.is_main_process:
             (final / COMPLETE_MARK).touch()
-    if wavg is not None and state.is_main_process:
+    if wavg is not None:  # on every process: saving may be collective (DeepSpeed)
         wavg.save_average(trainer, trainer.state.global_step)
     if state.is_main_process:
         logger.info(

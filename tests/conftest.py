@@ -34,3 +34,31 @@ def vllm_tiny(tiny_model_dir):
     from opsd.rollout import VLLMEngine
 
     return VLLMEngine(str(tiny_model_dir), max_model_len=512, dtype="float32")
+
+
+def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
+    """An OPSDTrainer on the tiny model with transformers rollouts: 2 problems per step, LoRA r4 on q/v."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd.config import OPSDConfig
+    from opsd_train import build_dataset
+    from opsd_trainer import OPSDTrainer
+
+    settings = dict(
+        output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        max_completion_length=8, use_vllm=False, learning_rate=5e-2, save_strategy="no",
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    cfg = OPSDConfig(**{**settings, **overrides})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if use_peft
+        else None
+    )
+    return OPSDTrainer(
+        model=model, args=cfg, train_dataset=build_dataset(cfg),
+        processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft,
+    )  # fmt: skip

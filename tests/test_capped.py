@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV
+from tests.conftest import ENV, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,34 +114,11 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
 
 
 def test_tail_weight_average_matches_hand_computed_mean(tiny_model_dir, tmp_path):
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
 
     from opsd.callbacks import TailWeightAverage
-    from opsd.config import OPSDConfig
-    from opsd_train import build_dataset
-    from opsd_trainer import OPSDTrainer
 
-    cfg = OPSDConfig(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        max_completion_length=6,
-        use_vllm=False,
-        learning_rate=5e-2,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        wavg_last=2,
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = OPSDTrainer(
-        model=model,
-        args=cfg,
-        train_dataset=build_dataset(cfg),
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"),
-    )
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=4, max_completion_length=6, wavg_last=2)
     seen = []
 
     class Record(TrainerCallback):

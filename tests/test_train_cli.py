@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ENV
+from tests.conftest import ENV, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,39 +208,7 @@ def test_every_shipped_config_loads(tmp_path):
 
 
 def _trainer(tiny_model_dir, tmp_path, **overrides):
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opsd.config import OPSDConfig
-    from opsd_train import build_dataset
-    from opsd_trainer import OPSDTrainer
-
-    use_peft = overrides.pop("use_peft", True)
-    cfg = OPSDConfig(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        max_completion_length=8,
-        use_vllm=False,
-        learning_rate=5e-2,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        **overrides,
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    peft = (
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-        if use_peft
-        else None
-    )
-    return OPSDTrainer(
-        model=model,
-        args=cfg,
-        train_dataset=build_dataset(cfg),
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        peft_config=peft,
-    )
+    return make_trainer(tiny_model_dir, tmp_path, **overrides)
 
 
 def test_ema_teacher_follows_hand_computed_average(tiny_model_dir, tmp_path):
