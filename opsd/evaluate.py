@@ -452,30 +452,13 @@ def _sampling(config: EvalConfig, r: Request):
 
 
 def _vllm_generate(engine, requests: Sequence[Request], config: EvalConfig, lora_path: str | None):
-    """One batched vLLM call with each request's own n and seed (`VLLMEngine.generate` shares one of each)."""
-    from vllm import SamplingParams
-
-    from opsd.rollout import Sample
-
-    params = []
-    for r in requests:
-        sc = _sampling(config, r)
-        params.append(SamplingParams(
-            n=r.count, max_tokens=sc.max_tokens, temperature=sc.temperature, top_p=sc.top_p,
-            top_k=sc.top_k if sc.top_k > 0 else -1, min_p=sc.min_p, seed=sc.seed,
-        ))  # fmt: skip
-    lora = None
-    if lora_path:
-        from vllm.lora.request import LoRARequest
-
-        lora = LoRARequest("adapter", 1, lora_path)
-    prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
-    outputs = engine.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-
-    def sample(o) -> Sample:
-        return Sample(list(o.token_ids), o.text, "length" if o.finish_reason == "length" else "stop")
-
-    return [[sample(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+    """One batched vLLM call with each request's own n and seed."""
+    return engine.generate(
+        [r.prompt_ids for r in requests],
+        [_sampling(config, r) for r in requests],
+        n=[r.count for r in requests],
+        lora_path=lora_path,
+    )
 
 
 def _hf_generate(engine, requests: Sequence[Request], config: EvalConfig):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,21 +84,32 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, n: int = 1, lora_path: str | None = None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig | Sequence[SamplingConfig],
+        n: int | Sequence[int] = 1,
+        lora_path: str | None = None,
     ) -> list[list[Sample]]:
+        """One batched call; `sampling` and `n` may be given per prompt (e.g. each with its own seed)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            min_p=sampling.min_p,
-            seed=sampling.seed,
-            logprobs=0 if sampling.logprobs else None,
-            min_tokens=sampling.min_tokens,
-        )
+        count = len(prompt_ids)
+        samplings = [sampling] * count if isinstance(sampling, SamplingConfig) else list(sampling)
+        ns = [n] * count if isinstance(n, int) else list(n)
+        params = [
+            SamplingParams(
+                n=k,
+                max_tokens=sc.max_tokens,
+                temperature=sc.temperature,
+                top_p=sc.top_p,
+                top_k=sc.top_k if sc.top_k > 0 else -1,
+                min_p=sc.min_p,
+                seed=sc.seed,
+                logprobs=0 if sc.logprobs else None,
+                min_tokens=sc.min_tokens,
+            )
+            for sc, k in zip(samplings, ns, strict=True)
+        ]
         lora = None
         if lora_path:
             from vllm.lora.request import LoRARequest
@@ -107,11 +119,11 @@ class VLLMEngine:
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, lora_request=lora, use_tqdm=False
         )
         results = []
-        for out in outputs:
+        for out, sc in zip(outputs, samplings, strict=True):
             samples = []
-            for o in out.outputs:
+            for o in sorted(out.outputs, key=lambda o: o.index):  # sample j of a request is output index j
                 lps = None
-                if sampling.logprobs:
+                if sc.logprobs:
                     lps = [step[tok].logprob for step, tok in zip(o.logprobs, o.token_ids, strict=True)]
                 reason = "length" if o.finish_reason == "length" else "stop"
                 samples.append(Sample(list(o.token_ids), o.text, reason, lps))
