@@ -828,118 +828,16 @@ def run_eval(config: EvalConfig, argv: Sequence[str], script: str) -> list[str]:
     return lines
 
 
-# --- comparing results --------------------------------------------------------------------------------------
-
-
-def load_summary(path: str) -> dict[str, Any]:
-    f = Path(path).expanduser() / SUMMARY_FILE
-    if not f.is_file():
-        raise UserError(
-            f"{f} not found: pass result directories written by eval_aime.py (each holds {SUMMARY_FILE})"
-        )
-    summary = json.loads(f.read_text())
-    if "metrics" not in summary or "problems" not in summary["metrics"]:
-        raise UserError(f"{f} has no metrics.problems table; was it written by eval_aime.py?")
-    return summary
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def run_compare(config: EvalConfig) -> list[str]:
-    from opsd.metrics import paired_compare, per_problem_accuracy
-
-    a_dir, b_dir = config.compare
-    a, b = load_summary(a_dir), load_summary(b_dir)
-    for key in ("dataset_source", "n"):
-        if a["config"].get(key) != b["config"].get(key):
-            logger.warning(
-                "the two results differ in %s (%r vs %r)", key, a["config"].get(key), b["config"].get(key)
-            )
-    acc_a, acc_b = per_problem_accuracy(a["metrics"]), per_problem_accuracy(b["metrics"])
-    if not set(acc_a) & set(acc_b):
-        raise UserError(
-            f"{a_dir} and {b_dir} share no problem ids: a paired comparison needs the same problems"
-        )
-    result = {"a": a_dir, "b": b_dir, **paired_compare(acc_a, acc_b)}
-    lines = [
-        f"a = {a_dir}: {_fmt(result['mean_a'])}   b = {b_dir}: {_fmt(result['mean_b'])}   (avg accuracy, %)",
-        f"b - a = {result['mean_diff']:+.2f} points, SE {_fmt(result['se'])}, 95% CI "
-        f"[{_fmt(result['ci_low'])}, {_fmt(result['ci_high'])}], paired over {result['n_problems']} problems",
-    ]
-    if config.out:
-        out = Path(config.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines.append(f"written: {out / 'compare.json'}")
-    return lines
-
-
-AGGREGATE_METRICS = ("avg", "pass_at_k", "maj", "format_rate")
-
-
-def run_aggregate(config: EvalConfig) -> list[str]:
-    from opsd.metrics import aggregate_runs
-
-    summaries = [load_summary(d) for d in config.aggregate]
-    labels = {json.dumps(s["metrics"]["labels"], sort_keys=True) for s in summaries}
-    if len(labels) > 1:
-        raise UserError(f"the runs use different n or k ({sorted(labels)}); aggregate runs of one protocol")
-    label = summaries[0]["metrics"]["labels"]
-    result: dict[str, Any] = {"runs": list(config.aggregate)}
-    lines = [f"{len(summaries)} run(s): {', '.join(config.aggregate)}"]
-    for key in AGGREGATE_METRICS:
-        values = [float(s["metrics"][key]) for s in summaries]
-        agg = aggregate_runs(values)
-        result[key] = {**agg, "values": values}
-        name = label.get(key, key)
-        runs = ", ".join(f"{v:.2f}" for v in values)
-        lines.append(f"{name:>12} {agg['mean']:.2f} ± {_fmt(agg['se'])} (runs: {runs})")
-    if config.out:
-        out = Path(config.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "aggregate.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines.append(f"written: {out / 'aggregate.json'}")
-    return lines
-
-
-def run_plot_steps(config: EvalConfig) -> list[str]:
-    from opsd.plots import accuracy_vs_step
-
-    points = []
-    for d in config.plot_steps:
-        s = load_summary(d)
-        step = s.get("step")
-        if step is None:
-            logger.info("%s names no checkpoint-N; plotted at step 0 (the base model)", d)
-            step = 0
-        points.append(
-            {
-                "run": d,
-                "step": int(step),
-                "avg": s["metrics"]["avg"],
-                "avg_se": s["metrics"]["avg_se"],
-                "label": s["metrics"]["labels"]["avg"],
-            }
-        )
-    out = Path(config.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    png = accuracy_vs_step(points, out / "accuracy_vs_step.png")
-    (out / "accuracy_vs_step.json").write_text(json.dumps(points, indent=2) + "\n")
-    return [
-        f"{p['step']:>6}  {p['avg']:.2f} ± {_fmt(p['avg_se'])}  {p['run']}"
-        for p in sorted(points, key=lambda p: p["step"])
-    ] + [f"plot: {png}"]
-
-
 def run(argv: Sequence[str], script: str) -> list[str]:
     """Parse `argv` and run the chosen mode; returns the report lines. `script` is re-run by workers."""
     config = parse_config(argv)
+    if config.mode == "eval":
+        return run_eval(config, argv, script)
+    # Imported here, not at the top: opsd.report imports this module.
+    from opsd.report import run_aggregate, run_compare, run_plot_steps
+
     if config.mode == "compare":
         return run_compare(config)
     if config.mode == "aggregate":
         return run_aggregate(config)
-    if config.mode == "plot_steps":
-        return run_plot_steps(config)
-    return run_eval(config, argv, script)
+    return run_plot_steps(config)
