@@ -49,12 +49,18 @@ def run_compare(config: EvalConfig) -> list[str]:
         f"b - a = {result['mean_diff']:+.2f} points, SE {_fmt(result['se'])}, 95% CI "
         f"[{_fmt(result['ci_low'])}, {_fmt(result['ci_high'])}], paired over {result['n_problems']} problems",
     ]
-    if config.out:
-        out = Path(config.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines.append(f"written: {out / 'compare.json'}")
+    _save_result(config, "compare.json", result, lines)
     return lines
+
+
+def _save_result(config: EvalConfig, filename: str, result: dict[str, Any], lines: list[str]) -> None:
+    """Write `result` as JSON under --out, when one was given, and say where."""
+    if not config.out:
+        return
+    out = Path(config.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / filename).write_text(json.dumps(result, indent=2) + "\n")
+    lines.append(f"written: {out / filename}")
 
 
 AGGREGATE_METRICS = ("avg", "pass_at_k", "maj", "format_rate")
@@ -77,11 +83,7 @@ def run_aggregate(config: EvalConfig) -> list[str]:
         name = label.get(key, key)
         runs = ", ".join(f"{v:.2f}" for v in values)
         lines.append(f"{name:>12} {agg['mean']:.2f} ± {_fmt(agg['se'])} (runs: {runs})")
-    if config.out:
-        out = Path(config.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "aggregate.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines.append(f"written: {out / 'aggregate.json'}")
+    _save_result(config, "aggregate.json", result, lines)
     return lines
 
 

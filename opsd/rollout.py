@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opsd.scoring import left_pad
+
 logger = logging.getLogger(__name__)
 
 
@@ -156,15 +158,11 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
-            width = max(len(c) for c in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, c in enumerate(chunk):
-                ids[i, width - len(c) :] = torch.tensor(c)
-                mask[i, width - len(c) :] = 1
+            ids, mask = left_pad(chunk, pad, device)
+            width = ids.size(1)
             out = self.model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
+                input_ids=ids,
+                attention_mask=mask,
                 do_sample=sampling.temperature > 0,
                 temperature=sampling.temperature if sampling.temperature > 0 else None,
                 top_p=sampling.top_p,
