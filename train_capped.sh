@@ -2,7 +2,8 @@
 # The capped budget (SPEC §3): exactly 100 optimizer steps of 32 problems, seed 42, via accelerate.
 #
 #   bash train_capped.sh [--name NAME] [--seed 42] [--num-gpus 4] [--profile full|demo|smoke]
-#                        [--model M] [--dataset D] [--recipe recipe.env] [--dry-run]
+#                        [--model M] [--dataset D] [--recipe recipe.env] [--runs-dir DIR]
+#                        [--accelerate-config FILE] [--dry-run]
 #
 # Tune the method only in recipe.env (KEY=VALUE, parsed never executed, whitelisted keys) and with OPSD_*
 # variables; anything that would change the budget is refused before a model loads. Writes

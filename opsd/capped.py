@@ -95,7 +95,7 @@ def accelerate_config_for(num_processes: int, gpu: bool, root: Path) -> Path:
 
 def make_plan(
     *, name: str, seed: int, num_gpus: int, profile: str, model: str | None, dataset: str | None,
-    root: Path, gpu: bool, recipe: Path, runs_dir: Path | None = None,
+    root: Path, gpu: bool, recipe: Path, runs_dir: Path | None = None, accelerate_config: Path | None = None,
 ) -> Plan:  # fmt: skip
     if profile not in PROFILES:
         raise ValueError(f"profile {profile!r}; choose one of {sorted(PROFILES)}")
@@ -103,9 +103,11 @@ def make_plan(
     procs = num_gpus if gpu else 1
     batch, accum = split_batch(prof.problems_per_step, procs)
     out = (runs_dir or root / "runs") / name / f"capped_seed{seed}"
-    cfg = accelerate_config_for(procs, gpu, root)
+    cfg = accelerate_config or accelerate_config_for(procs, gpu, root)
     if not cfg.is_file():
-        raise FileNotFoundError(f"no accelerate config for {procs} process(es): {cfg}")
+        raise FileNotFoundError(
+            f"no accelerate config for {procs} process(es): {cfg}; pass one with --accelerate-config"
+        )
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_processes", str(procs),
         str(root / "opsd_train.py"), "--capped", "--recipe", str(recipe),
@@ -141,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", default=None, help="where runs/<name> go (default: runs/ in the repo root)")
     p.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto")
     p.add_argument(
+        "--accelerate-config",
+        default=None,
+        help="accelerate config instead of the one chosen by --num-gpus (accelerate.yaml for 4 GPUs, "
+        "configs/accelerate/zero2_<N>gpu.yaml otherwise); --num-gpus still sets the process count",
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="print the plan and the budget arithmetic; train nothing"
     )
     a = p.parse_args(argv)
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             name=a.name, seed=a.seed, num_gpus=a.num_gpus, profile=a.profile, model=a.model,
             dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
+            accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
         from opsd.recipe import resolve_overrides
 
