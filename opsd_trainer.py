@@ -82,6 +82,36 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
         set_peft_model_state_dict(model, self.shadow_weights, adapter_name=self.teacher_adapter_name)
 
 
+def rollout_seed(seed: int, step: int, position: int) -> int:
+    """Seed of the training rollout at `position` of optimizer step `step`'s global batch (< 2**20 rows)."""
+    return ((seed * 1_000_003 + step) * (1 << 20) + position) % (1 << 62)
+
+
+class PerRowSeeds:
+    """The colocated `vllm.LLM`, except that `generate` seeds each prompt of a call with its own seed.
+
+    TRL passes one `SamplingParams` for the whole batch; with a seed in it every request would draw the
+    same random numbers (identical samples for a repeated prompt). Everything else is the wrapped engine's.
+    """
+
+    def __init__(self, llm, seeds_for):
+        self.llm = llm
+        self.seeds_for = seeds_for  # number of prompts -> one seed per prompt
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        if sampling_params is not None and not isinstance(sampling_params, list | tuple):
+            per_row = []
+            for seed in self.seeds_for(len(prompts)):
+                sp = sampling_params.clone()
+                sp.seed = seed
+                per_row.append(sp)
+            sampling_params = per_row
+        return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+
+
 class OPSDTeacherBuilder:
     """Builds `[teacher prompt ; completion]` rows for SDFTTrainer (its teacher-context hook)."""
 
@@ -171,18 +201,37 @@ class OPSDTrainer(SDFTTrainer):
         return out
 
     def _generate_vllm(self, prompt_ids):
-        # Sampling seed from (seed, step, rank): a resumed run draws the same rollouts as an uninterrupted
-        # one. Ranks of one tensor-parallel group share it, as they must.
-        gen = self.vllm_generation
-        rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
-        seed = (self.args.seed * 1_000_003 + self.state.global_step * 1_009 + rank) % 2**31
-        gen.generation_kwargs = {**(gen.generation_kwargs or {}), "seed": seed}
         if self.state.global_step != self._last_loaded_step:
             t0 = time.perf_counter()
             self._sync_rollout_weights()
             self._last_loaded_step = self.state.global_step
             self.phase_s["weight_sync"] += time.perf_counter() - t0
+        gen = self.vllm_generation
+        if gen.mode == "colocate":
+            if not isinstance(gen.llm, PerRowSeeds):
+                gen.llm = PerRowSeeds(gen.llm, self._rollout_seeds)
+        else:
+            # The server samples the whole batch from one seed (its i-th sample of a prompt from seed + i).
+            rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
+            gen.generation_kwargs = {
+                **(gen.generation_kwargs or {}),
+                "seed": rollout_seed(self.args.seed, self.state.global_step, rank),
+            }
         return super()._generate_vllm(prompt_ids)
+
+    def _rollout_seeds(self, num_rows: int) -> list[int]:
+        """Seeds of one colocated generate call: one per row, from (seed, step, the row's global position).
+
+        Each process generates its contiguous share of the step's global generation batch (TRL's sampler),
+        and a tensor-parallel group generates the shares of its ranks in rank order, so position =
+        first rank of the group x rows per rank + row. Hence every row of a step has its own seed (repeated
+        prompts of num_generations > 1 get different samples), a resumed run draws the same rollouts, and
+        the rollouts do not depend on how many processes share the step.
+        """
+        tp = self.args.vllm_tensor_parallel_size
+        first = self.accelerator.process_index // tp * tp
+        offset = first * (num_rows // tp)
+        return [rollout_seed(self.args.seed, self.state.global_step, offset + j) for j in range(num_rows)]
 
     def _sync_rollout_weights(self) -> None:
         gen = self.vllm_generation

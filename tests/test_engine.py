@@ -113,3 +113,35 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
+    """PerRowSeeds (the trainer's wrapper of the colocated engine) against the engine with one seed."""
+    from vllm import SamplingParams
+
+    from opsd_trainer import PerRowSeeds, rollout_seed
+
+    tok = vllm_tiny.llm.get_tokenizer()
+    rows = [{"prompt_token_ids": tok("What is 2 + 3?").input_ids}] * 4 + [
+        {"prompt_token_ids": tok("Compute 7 * 6.").input_ids}
+    ] * 2
+    sp = SamplingParams(temperature=1.0, max_tokens=16, seed=123)
+
+    def texts(outputs):
+        return [tuple(o.outputs[0].token_ids) for o in outputs]
+
+    # One seed for the batch (what TRL would pass): a repeated prompt gets the same sample every time.
+    shared = texts(vllm_tiny.llm.generate(rows, sampling_params=sp, use_tqdm=False))
+    assert len(set(shared[:4])) == 1
+    # Per-row seeds: distinct samples for the repeated prompt.
+    whole = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, j) for j in range(n)])
+    got = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
+    assert len(set(got[:4])) > 1
+    # Two "processes" with contiguous shares draw exactly the rows of the single call.
+    first = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, j) for j in range(n)])
+    second = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, 3 + j) for j in range(n)])
+    split = texts(first.generate(rows[:3], sampling_params=sp, use_tqdm=False)) + texts(
+        second.generate(rows[3:], sampling_params=sp, use_tqdm=False)
+    )
+    assert split == got
+    assert whole.get_tokenizer() is vllm_tiny.llm.get_tokenizer()  # everything else is the engine's
