@@ -14,6 +14,8 @@ the weight sync, teacher kinds, buffered generation over the accumulation window
 - loss: the clipped generalized JSD of `opsd.loss`, computed in chunks from final hidden states so the
   `[batch, completion, vocab]` logits never exist, normalised by the number of valid completion tokens
   of the whole optimizer step across accumulation and processes;
+- rollouts: each row of a step's global batch is sampled with its own seed (`PerRowSeeds`), so resumed runs
+  and runs on any number of processes draw the same rollouts;
 - weight sync on CPU vLLM goes through `reload_weights` (per-parameter `load_weights` fails there);
 - metrics: divergence, clipped share, top-1 agreement, rollout tokens/s and step time by phase.
 """
