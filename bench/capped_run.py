@@ -32,21 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
+from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
 from opsd.callbacks import latest_complete_checkpoint  # noqa: E402
-
-PHASES = [
-    "time/step_s",
-    "time/rollout_s",
-    "time/weight_sync_s",
-    "time/train_micro_s",
-    "time/score_loss_s",
-    "time/optimizer_s",
-    "rollout/tokens_per_s",
-    "completions/mean_length",
-    "memory/peak_gib",
-    "memory/step_extra_gib",
-]
 
 
 class GPUMemoryPoller:
@@ -115,7 +102,7 @@ def step_stats(metrics_path: Path) -> dict:
         "step_s": step_s,
         "step1_s": step_s[0] if step_s else None,
         "sum_step_s": sum(step_s),
-        "median_after_step1": {k: med(k, later) for k in PHASES},
+        "median_after_step1": {k: med(k, later) for k in STEP_METRICS},
         "mean_step_s_after_step1": statistics.fmean(r["time/step_s"] for r in later) if later else None,
         "max_memory_peak_gib_rank0": max((r.get("memory/peak_gib", 0.0) for r in ordered), default=None),
         "loss_first_last": [ordered[0].get("loss"), ordered[-1].get("loss")] if ordered else None,

@@ -8,6 +8,20 @@ from pathlib import Path
 
 import torch
 
+# What the trainer logs per optimizer step (StepTimer and TRL) that the step benchmarks summarise.
+STEP_METRICS = [
+    "time/step_s",
+    "time/rollout_s",
+    "time/weight_sync_s",
+    "time/train_micro_s",
+    "time/score_loss_s",
+    "time/optimizer_s",
+    "rollout/tokens_per_s",
+    "memory/peak_gib",
+    "memory/step_extra_gib",
+    "completions/mean_length",
+]
+
 
 def qwen3_1p7b_dir(path: str | Path) -> Path:
     """A random-weight Qwen3-1.7B (bf16) with a locally trained tokenizer padded to its 151,936-token vocabulary."""

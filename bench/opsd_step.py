@@ -24,20 +24,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
-
-KEYS = [
-    "time/step_s",
-    "time/rollout_s",
-    "time/weight_sync_s",
-    "time/train_micro_s",
-    "time/score_loss_s",
-    "time/optimizer_s",
-    "rollout/tokens_per_s",
-    "memory/peak_gib",
-    "memory/step_extra_gib",
-    "completions/mean_length",
-]
+from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
 
 
 def run(length: int, model_dir: Path, work: Path, steps: int, micro: int, ckpt: bool) -> dict:
@@ -85,9 +72,9 @@ def run(length: int, model_dir: Path, work: Path, steps: int, micro: int, ckpt: 
         "gradient_checkpointing": ckpt,
         "status": "ok",
         "steps_measured": len(measured),
-        "per_step": [{k: r.get(k) for k in KEYS} for r in steps_logged],
+        "per_step": [{k: r.get(k) for k in STEP_METRICS} for r in steps_logged],
     }
-    for k in KEYS:
+    for k in STEP_METRICS:
         vals = [r[k] for r in measured if r.get(k) is not None]
         row[k] = statistics.median(vals) if vals else None
     return row

