@@ -26,11 +26,13 @@ Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the t
 sqrt(SE_a^2 + SE_b^2). `--compare` pairs the problems of two single runs, which removes problem
 difficulty from the noise but not the run-to-run spread.
 
-A LoRA checkpoint is served by vLLM's LoRA support (no merge); `--merge-adapter` merges it with peft
-first; the transformers engine loads it with peft. Results go to `--out`: samples.jsonl (resumable:
-rerun the same command after a crash), eval_config.json, summary.json, per_problem.csv; see
-`opsd/evaluate.py` for formats, seeding and the resume rule. Differences from the reference
-evaluation: per-sample seeds, crash-safe resume, standard errors on every rate.
+A LoRA checkpoint is served by vLLM's LoRA support on a GPU and merged with peft first on vLLM's CPU
+backend (LoRA serving there is ~10x slower and can crash); `--merge-adapter` / `--no-merge-adapter`
+force either path; the transformers engine loads it with peft. Results go to `--out`: samples.jsonl
+(resumable: rerun the same command after a crash), eval_config.json, summary.json, per_problem.csv; see
+`opsd/evaluate.py` for formats, seeding and the resume rule. If the vLLM engine dies mid-run, the script
+prints one line and exits with status 2; the finished samples are kept and a rerun resumes. Differences
+from the reference evaluation: per-sample seeds, crash-safe resume, standard errors on every rate.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RunFailed as e:
+    except RunFailed as e:  # EngineDied (the vLLM engine raised) exits with 2, other failures with 1
         print(f"failed: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     if lines:
         print("\n".join(lines))
     return 0

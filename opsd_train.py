@@ -115,11 +115,15 @@ def main(argv: list[str] | None = None) -> Path:
         latest_complete_checkpoint,
     )
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
+    from opsd.probe import Probe, split_probe
     from opsd_trainer import OPSDTrainer
 
     model_path = resolve_model_path(config.model_name_or_path)
     choose_rollout_engine(config)
     dataset = build_dataset(config)  # before the model: bad data fails fast
+    probe_rows = []
+    if config.probe_steps:
+        dataset, probe_rows = split_probe(dataset, config.probe_size, seed=config.seed)
     out = Path(config.output_dir)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> Path:
     trainer = OPSDTrainer(
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
+    if probe_rows:
+        trainer.add_callback(Probe(trainer, probe_rows, config.probe_steps))
     trainer.add_callback(MetricsJSONL())
     wavg = None
     if config.wavg_last:

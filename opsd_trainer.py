@@ -17,7 +17,8 @@ the weight sync, teacher kinds, buffered generation over the accumulation window
 - rollouts: each row of a step's global batch is sampled with its own seed (`PerRowSeeds`), so resumed runs
   and runs on any number of processes draw the same rollouts;
 - weight sync on CPU vLLM goes through `reload_weights` (per-parameter `load_weights` fails there);
-- metrics: divergence, clipped share, top-1 agreement, rollout tokens/s and step time by phase.
+- metrics: divergence, clipped share, top-1 agreement, rollout tokens/s and step time by phase; the probe
+  (`opsd.probe`, added by opsd_train.py) scores held-out problems with the current student and teacher.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
 def rollout_seed(seed: int, step: int, position: int) -> int:
     """Seed of the training rollout at `position` of optimizer step `step`'s global batch (< 2**20 rows)."""
     return ((seed * 1_000_003 + step) * (1 << 20) + position) % (1 << 62)
+
+
+# The probe's frozen rollouts are seeded as if from this step, which no training step uses.
+PROBE_SEED_STEP = -1
 
 
 class PerRowSeeds:
@@ -161,6 +166,27 @@ class OPSDTrainer(SDFTTrainer):
         # Seconds per phase in the current optimizer step; StepTimer turns them into time/<phase>_s metrics.
         self.phase_s: dict[str, float] = defaultdict(float)
         self.add_callback(StepTimer(self._metrics["train"], self.phase_s))
+        self._seed_step: int | None = None  # overrides the step that rollout seeds derive from
+
+    @property
+    def _rollout_step(self) -> int:
+        return self.state.global_step if self._seed_step is None else self._seed_step
+
+    def sample_probe_rollouts(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """One completion per prompt from the current student, for the probe (`opsd.probe`).
+
+        Sampled like a training rollout but from seeds no training step uses, with the global random state
+        restored afterwards (the transformers engine draws from it), and kept out of the step's timing and
+        rollout metrics: a run with the probe draws the same training rollouts as one without.
+        """
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        self._seed_step = PROBE_SEED_STEP
+        try:
+            with torch.random.fork_rng(devices=devices):
+                _, completions = super()._generate(prompt_ids)
+        finally:
+            self._seed_step = None
+        return [list(c) for c in completions]
 
     def _setup_teacher_model(self) -> None:
         super()._setup_teacher_model()
@@ -217,7 +243,7 @@ class OPSDTrainer(SDFTTrainer):
             rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
             gen.generation_kwargs = {
                 **(gen.generation_kwargs or {}),
-                "seed": rollout_seed(self.args.seed, self.state.global_step, rank),
+                "seed": rollout_seed(self.args.seed, self._rollout_step, rank),
             }
         return super()._generate_vllm(prompt_ids)
 
@@ -233,7 +259,7 @@ class OPSDTrainer(SDFTTrainer):
         tp = self.args.vllm_tensor_parallel_size
         first = self.accelerator.process_index // tp * tp
         offset = first * (num_rows // tp)
-        return [rollout_seed(self.args.seed, self.state.global_step, offset + j) for j in range(num_rows)]
+        return [rollout_seed(self.args.seed, self._rollout_step, offset + j) for j in range(num_rows)]
 
     def _sync_rollout_weights(self) -> None:
         gen = self.vllm_generation

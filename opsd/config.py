@@ -159,6 +159,20 @@ class OPSDConfig(SDFTConfig):
     wavg_last: int = field(
         default=0, metadata=_help("Average trainable weights over the last N optimizer steps; 0 = off.")
     )
+    # Probe --------------------------------------------------------------------------------------------------
+    probe_steps: int = field(
+        default=10,
+        metadata=_help(
+            "Score the held-out probe (divergence, top-1 agreement, teacher-token log-prob) every N steps; 0 = off."
+        ),
+    )
+    probe_size: int = field(
+        default=16,
+        metadata=_help(
+            "Problems held out of the training data for the probe (rounded down to a multiple of the "
+            "processes); 0 = no probe and no hold-out."
+        ),
+    )
 
     def __post_init__(self):
         import torch
@@ -190,6 +204,8 @@ class OPSDConfig(SDFTConfig):
         bound("teacher_ref_max_chars", self.teacher_ref_max_chars >= 0, "must be >= 0 (0 = no cut)")
         bound("max_teacher_prompt_length", self.max_teacher_prompt_length >= 0, "must be >= 0 (0 = no cap)")
         bound("wavg_last", self.wavg_last >= 0, "must be >= 0 (0 = off)")
+        bound("probe_steps", self.probe_steps >= 0, "must be >= 0 (0 = off)")
+        bound("probe_size", self.probe_size >= 0, "must be >= 0 (0 = off)")
         bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
         bound("lora_r", self.lora_r > 0, "must be > 0")
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")

@@ -7,7 +7,9 @@ Output directory (`--out DIR`):
   ``extracted`` (the graded answer or null), ``correct``, ``has_box``, ``n_tokens``, ``truncated``
   (stopped by the length cap) and ``gold``; sample 0 of a problem also holds ``prompt`` (the rendered
   prompt, special tokens included).
-* ``eval_config.json``: the resolved settings; a rerun into DIR must match it in `RESUME_KEYS`.
+* ``eval_config.json``: the resolved settings; a rerun into DIR must match it in `RESUME_KEYS`. Its
+  ``adapter_mode`` says how an adapter was applied: ``merged`` (peft merge, then plain vLLM or
+  transformers), ``vllm-lora`` (vLLM's LoRA support), ``peft`` (transformers with a PeftModel), or null.
 * ``summary.json``: config, versions, engine, timing and `opsd.metrics.summarize` under ``metrics``;
   ``per_problem.csv``: the per-problem table; ``per_problem.png`` with ``--plot``.
 
@@ -20,6 +22,19 @@ so each sample index has its own seed: resumed samples come from fresh seeds, ne
 samples already on disk, and a rerun is deterministic up to the engine's numerics. (transformers
 seeds the whole request with its seed.)
 
+Adapters (``--merge-adapter auto|true|false``, ``--merge-adapter`` = true, ``--no-merge-adapter`` = false).
+auto, the default, merges the adapter on vLLM's CPU backend (vLLM chosen, no CUDA GPU) and serves it with
+vLLM's LoRA support on a GPU; the transformers engine loads it with peft. On the CPU backend (SmolLM2-135M,
+2 cores), LoRA serving took 60-90 s per problem against ~8 s merged (vLLM turns torch.compile off for LoRA
+there) and died after 12 min: vLLM rewinds a seeded request's generator when it drops a partially
+prefilled step, which a CPU generator cannot do. The resolved ``adapter_mode`` is a resume key: merged
+and LoRA samples differ numerically, so a rerun that would switch paths (e.g. a GPU run resumed on a CPU)
+is refused with the flag that matches.
+
+Engine failures. An exception out of vLLM's generate (EngineDeadError, a sampler RuntimeError, ...) ends
+the run with `EngineDied` (one line, exit 2); the chunks finished before it are in ``samples.jsonl`` and a
+rerun resumes from them; the traceback is appended to ``DIR/engine_error.log``.
+
 Data parallel (``--num-gpus N``): the parent starts N workers of the same script, each with
 ``CUDA_VISIBLE_DEVICES`` set to its GPU(s) and ``--shard r/N``; worker r takes every N-th problem that
 still has missing samples and appends to ``DIR/shards/samples-r{r}-of{N}.jsonl``. The parent then
@@ -28,6 +43,7 @@ appends the workers' new lines to ``samples.jsonl`` (deduplicated by key) and su
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -40,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +71,7 @@ SUMMARY_FILE = "summary.json"
 SHARD_DIR = "shards"
 # Settings that change what is sampled or how it is graded; a resumed run must match all of them.
 RESUME_KEYS = (
-    "model_path", "adapter_path", "merge_adapter", "engine_used", "dataset_source", "split", "n",
+    "model_path", "adapter_path", "adapter_mode", "engine_used", "dataset_source", "split", "n",
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_model_len_used", "thinking",
     "student_template", "seed",
 )  # fmt: skip
@@ -62,6 +79,11 @@ CSV_COLUMNS = (
     "id", "gold", "n", "n_correct", "accuracy", "accuracy_se", "pass_at_k", "maj", "format_rate",
     "truncation_rate", "mean_tokens",
 )  # fmt: skip
+_MERGE_WORDS = {
+    "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
+    "false": "false", "no": "false", "n": "false", "f": "false", "0": "false", "off": "false",
+}  # fmt: skip
+ENGINE_ERROR_LOG = "engine_error.log"
 SEED_STRIDE = 1 << 16  # seeds of one problem's samples; n above this would reuse a seed
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -72,6 +94,14 @@ class UserError(Exception):
 
 class RunFailed(Exception):
     """The run could not finish (a worker died); what was sampled is kept and a rerun resumes (exit 1)."""
+
+    exit_code = 1
+
+
+class EngineDied(RunFailed):
+    """vLLM raised during generation; the finished chunks are kept and a rerun resumes (one line, exit 2)."""
+
+    exit_code = 2
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -88,7 +118,16 @@ class EvalConfig:
     # What to evaluate
     model: str = _arg("", "Hub name or model directory; empty = the embedded SmolLM2-135M.")
     adapter: str = _arg("", "LoRA checkpoint dir from training (has adapter_config.json).")
-    merge_adapter: bool = _arg(False, "Merge the adapter with peft first (for adapters vLLM cannot serve).")
+    merge_adapter: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: merge the adapter with peft first on vLLM's CPU backend, serve it as a LoRA with "
+            "vLLM on a GPU | true (--merge-adapter): always merge | false (--no-merge-adapter): never.",
+            "nargs": "?",
+            "const": "true",
+            "metavar": "{auto,true,false}",
+        },
+    )
     dataset: str = _arg("HuggingFaceH4/aime_2024", "Hub dataset, .json/.jsonl/.parquet file, or builtin.")
     split: str = _arg("train", "Split of a hub dataset.")
     limit: int = _arg(0, "Evaluate only the first L problems (smoke runs); 0 = all.")
@@ -145,8 +184,13 @@ class EvalConfig:
             raise bad("engine", f"choose one of {ENGINES}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if self.merge_adapter and not self.adapter:
-            raise ValueError("merge_adapter=True needs --adapter CHECKPOINT")
+        # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
+        value = {True: "true", False: "false", None: "auto"}.get(self.merge_adapter, self.merge_adapter)
+        if not isinstance(value, str) or value.lower() not in _MERGE_WORDS:
+            raise bad("merge_adapter", "choose auto, true (--merge-adapter) or false (--no-merge-adapter)")
+        self.merge_adapter = _MERGE_WORDS[value.lower()]
+        if self.merge_adapter == "true" and not self.adapter:
+            raise ValueError("--merge-adapter needs --adapter CHECKPOINT")
         if self.compare and len(self.compare) != 2:
             raise ValueError(f"compare={self.compare} is invalid: pass exactly two result directories A B")
         modes = [m for m in ("compare", "aggregate", "plot_steps") if getattr(self, m)]
@@ -181,6 +225,11 @@ def parse_config(argv: Sequence[str]) -> EvalConfig:
     parser = HfArgumentParser(
         EvalConfig, description="Score a model or LoRA checkpoint on AIME-style problems."
     )
+    # merge_adapter is a three-way str (HfArgumentParser adds --no_X only for bools defaulting to True).
+    parser.add_argument(
+        "--no_merge_adapter", "--no-merge-adapter", dest="merge_adapter", action="store_const",
+        const="false", default=argparse.SUPPRESS, help="Same as --merge-adapter false.",
+    )  # fmt: skip
     try:
         (config,) = parser.parse_args_into_dataclasses(args=list(argv))
     except ValueError as e:
@@ -386,9 +435,13 @@ def check_resume(out: Path, resolved: dict[str, Any]) -> None:
         diff = [k for k in RESUME_KEYS if saved.get(k, "<missing>") != resolved[k]]
         if diff:
             detail = "; ".join(f"{k}: saved {saved.get(k, '<missing>')!r}, now {resolved[k]!r}" for k in diff)
+            hint = ""
+            if "adapter_mode" in diff and saved.get("adapter_mode") and resolved["adapter_mode"]:
+                flag = "--merge-adapter" if saved["adapter_mode"] == "merged" else "--no-merge-adapter"
+                hint = f" (the saved run applied the adapter {saved['adapter_mode']}: {flag} resumes it)"
             raise UserError(
                 f"{out} holds an evaluation with different settings ({', '.join(diff)}): {detail}. "
-                "Use a new --out, or rerun with the saved settings to resume"
+                f"Use a new --out, or rerun with the saved settings to resume{hint}"
             )
     elif (out / SAMPLES_FILE).is_file():
         raise UserError(
@@ -501,7 +554,7 @@ def build_engine(job: Job, scratch: Path):
         from opsd.rollout import VLLMEngine
 
         load_path, enable_lora, rank = model_path, False, 16
-        if adapter_path and config.merge_adapter:
+        if resolved["adapter_mode"] == "merged":
             load_path = str(scratch)
             logger.info("merging %s into %s for vLLM", adapter_path, scratch)
             _merge(model_path, adapter_path).save_pretrained(load_path)
@@ -533,7 +586,7 @@ def build_engine(job: Job, scratch: Path):
     from opsd.models import resolve_dtype
     from opsd.rollout import HFEngine
 
-    if adapter_path and config.merge_adapter:
+    if resolved["adapter_mode"] == "merged":
         model = _merge(model_path, adapter_path)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype("auto"))
@@ -581,7 +634,11 @@ def generate_missing(job: Job, requests: list[Request], samples_path: Path, scra
         batch = [r for r in requests if r.problem["id"] in members]
         t1 = time.perf_counter()
         if job.resolved["engine_used"] == "vllm":
-            outputs = _vllm_generate(engine, batch, config, lora_path)
+            try:
+                outputs = _vllm_generate(engine, batch, config, lora_path)
+            except Exception as e:  # the engine is dead whatever vLLM raised; keep the finished chunks
+                bar.close()
+                raise EngineDied(_engine_died_message(job, e, samples_path)) from e
         else:
             outputs = _hf_generate(engine, batch, config)
         gen_s += time.perf_counter() - t1
@@ -615,7 +672,63 @@ def generate_missing(job: Job, requests: list[Request], samples_path: Path, scra
     return {"engine_start_s": start_s, "generation_s": gen_s, "new_samples": count, "new_tokens": tokens}
 
 
+def _describe(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _engine_died_message(job: Job, e: Exception, samples_path: Path) -> str:
+    """One line: what vLLM raised (and its root cause), what is kept, how to go on; traceback to a log."""
+    cause, seen = e, {id(e)}
+    while True:
+        nxt = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        cause = nxt
+        seen.add(id(nxt))
+    what = _describe(e) + (f", caused by {_describe(cause)}" if cause is not e else "")
+    log = job.out / ENGINE_ERROR_LOG
+    try:
+        with log.open("a", encoding="utf-8") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {samples_path}\n")
+            f.write("".join(traceback.format_exception(e)))
+        where = f"; traceback in {log}"
+    except OSError:
+        where = ""
+    kept = len(read_samples(samples_path, repair=False))
+    mode = job.resolved["adapter_mode"]
+    if mode == "vllm-lora" and not _cuda_available():
+        advice = "on a CPU, serve adapters merged (the default): drop --no-merge-adapter and use a new --out"
+    elif mode == "vllm-lora":
+        advice = "if it dies again, --merge-adapter with a new --out serves the adapter merged"
+    else:
+        advice = "if it dies again, --engine transformers with a new --out avoids vLLM"
+    return (
+        f"the vLLM engine died during generation ({what}); the {kept} samples written so far are kept in "
+        f"{samples_path} and a rerun of the same command resumes from them; {advice}{where}"
+    )
+
+
 # --- the evaluation run -------------------------------------------------------------------------------------
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cuda: bool) -> str | None:
+    """How the adapter is applied: merged | vllm-lora | peft, or None without an adapter.
+
+    `merge_adapter` auto merges on vLLM's CPU backend (vLLM, no CUDA GPU) and not elsewhere."""
+    if not has_adapter:
+        return None
+    merge = merge_adapter == "true" or (merge_adapter == "auto" and engine == "vllm" and not cuda)
+    if merge:
+        return "merged"
+    return "vllm-lora" if engine == "vllm" else "peft"
 
 
 def resolve(config: EvalConfig) -> Job:
@@ -644,9 +757,12 @@ def resolve(config: EvalConfig) -> Job:
     dataset = config.dataset
     if Path(dataset).expanduser().is_file():
         dataset = str(Path(dataset).expanduser().resolve())
-    adapter_mode = None
-    if adapter_path:
-        adapter_mode = "merged" if config.merge_adapter else ("vllm-lora" if engine == "vllm" else "peft")
+    adapter_mode = resolve_adapter_mode(config.merge_adapter, engine, bool(adapter_path), _cuda_available())
+    if adapter_mode == "merged" and config.merge_adapter == "auto":
+        logger.info(
+            "merging the adapter first: vLLM's CPU backend serves LoRA slowly and can fail on seeded "
+            "requests (--no-merge-adapter serves it as a LoRA)"
+        )
     resolved = {
         **{
             k: v

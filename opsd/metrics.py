@@ -218,6 +218,11 @@ def per_problem_accuracy(summary: Mapping[str, Any]) -> dict[str, float]:
     return {row["id"]: row["accuracy"] for row in summary["problems"]}
 
 
+def per_problem_format_rate(summary: Mapping[str, Any]) -> dict[str, float]:
+    """{problem id: share of its samples with a complete boxed answer}, for `paired_compare`."""
+    return {row["id"]: row["format_rate"] for row in summary["problems"]}
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """One line such as ``avg@12 54.22 ± 3.10 | pass@12 ... | format 98.9 | len 8123 | trunc 1.2``."""
 

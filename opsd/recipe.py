@@ -73,8 +73,8 @@ RECIPE_KEYS = frozenset({
     "teacher_mode", "ema_decay", "data_filter", "teacher_ref", "teacher_ref_max_chars",
     "max_teacher_prompt_length", "student_thinking", "teacher_thinking", "student_prompt_file",
     "teacher_prompt_file",
-    # budget helpers that spend no extra compute
-    "wavg_last",
+    # budget helpers that spend no extra compute; the probe's cadence (a few forwards every N steps)
+    "wavg_last", "probe_steps",
 })  # fmt: skip
 
 # Fields that change how much compute or data a run gets, or what it is measured on: the capped harness
@@ -87,7 +87,7 @@ BUDGET_KEYS = frozenset({
     # rollouts per problem and reuse of each rollout
     "num_generations", "generation_batch_size", "steps_per_generation", "num_iterations",
     # what is trained, on what, in which order
-    "model_name_or_path", "dataset_name", "dataset_split", "seed", "data_seed",
+    "model_name_or_path", "dataset_name", "dataset_split", "seed", "data_seed", "probe_size",
     # where results land and resuming (a resumed run would get more than the budget)
     "output_dir", "save_steps", "save_strategy", "resume_from_checkpoint",
 })  # fmt: skip

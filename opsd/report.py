@@ -29,7 +29,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def run_compare(config: EvalConfig) -> list[str]:
-    from opsd.metrics import paired_compare, per_problem_accuracy
+    from opsd.metrics import paired_compare, per_problem_accuracy, per_problem_format_rate
 
     a_dir, b_dir = config.compare
     a, b = load_summary(a_dir), load_summary(b_dir)
@@ -43,12 +43,21 @@ def run_compare(config: EvalConfig) -> list[str]:
         raise UserError(
             f"{a_dir} and {b_dir} share no problem ids: a paired comparison needs the same problems"
         )
-    result = {"a": a_dir, "b": b_dir, **paired_compare(acc_a, acc_b)}
-    lines = [
-        f"a = {a_dir}: {_fmt(result['mean_a'])}   b = {b_dir}: {_fmt(result['mean_b'])}   (avg accuracy, %)",
-        f"b - a = {result['mean_diff']:+.2f} points, SE {_fmt(result['se'])}, 95% CI "
-        f"[{_fmt(result['ci_low'])}, {_fmt(result['ci_high'])}], paired over {result['n_problems']} problems",
-    ]
+    # Accuracy at the top level; the format rate (share of samples with a complete box) paired the same way.
+    fmt_a, fmt_b = per_problem_format_rate(a["metrics"]), per_problem_format_rate(b["metrics"])
+    result = {
+        "a": a_dir,
+        "b": b_dir,
+        **paired_compare(acc_a, acc_b),
+        "format_rate": paired_compare(fmt_a, fmt_b),
+    }
+    lines = []
+    for label, r in (("avg accuracy", result), ("format rate", result["format_rate"])):
+        lines += [
+            f"{label}: a = {a_dir}: {_fmt(r['mean_a'])}   b = {b_dir}: {_fmt(r['mean_b'])}   (%)",
+            f"  b - a = {r['mean_diff']:+.2f} points, SE {_fmt(r['se'])}, 95% CI "
+            f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}], paired over {r['n_problems']} problems",
+        ]
     _save_result(config, "compare.json", result, lines)
     return lines
 

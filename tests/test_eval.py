@@ -4,13 +4,15 @@ Correctness accounting needs completions that contain boxed answers, which a ran
 writes. So the module trains, in a few seconds, a LoRA adapter ("the boxer") on top of the tiny model
 that answers any of our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am not sure.`, each about
 a third of the time. Sampled at temperature 1 this gives right, wrong and missing answers in one run,
-and since only the adapter can produce a box, boxes in the output also show that vLLM served the LoRA.
+and since only the adapter can produce a box, boxes in the output also show that the adapter was applied
+(served as a LoRA with --no-merge-adapter, merged by default on the CPU).
 The metrics are then recomputed from samples.jsonl with code written here, not opsd.metrics.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -152,6 +154,7 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
             base_dir,
             "--adapter",
             adapter_dir,
+            "--no-merge-adapter",  # vLLM's LoRA serving, which a CPU run would not use by default
             "--dataset",
             problems_file,
             "--n",
@@ -217,6 +220,9 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
     )
     assert metrics["labels"] == {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"}
     assert summary["engine"] == "vllm" and summary["adapter_mode"] == "vllm-lora" and summary["step"] == 100
+    assert summary["config"]["merge_adapter"] == "false"
+    saved = json.loads((out / "eval_config.json").read_text())
+    assert saved["adapter_mode"] == "vllm-lora" and saved["merge_adapter"] == "false"
     assert summary["new_samples"] == 12 and summary["new_tokens"] == sum(s["n_tokens"] for s in samples)
     assert summary["config"]["n"] == 4 and summary["config"]["max_model_len_used"] == 512
     assert summary["versions"]["vllm"] and summary["versions"]["torch"]
@@ -227,6 +233,151 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
     for row, g in zip(table, groups, strict=True):
         assert int(row["n_correct"]) == sum(r["correct"] for r in g) and row["gold"] == gold[row["id"]]
     assert (out / "per_problem.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+# --- how an adapter is applied: merged by default on vLLM's CPU backend ----------------------------------
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the default merges on vLLM's CPU backend only"
+)
+def test_cpu_adapter_default_is_merged_and_equals_merge_adapter(boxer, problems_file, tmp_path):
+    base_dir, adapter_dir = boxer
+    common = ["--model", base_dir, "--adapter", adapter_dir, "--dataset", problems_file, "--limit", 2]
+    common += ["--n", 2, "--max-tokens", 16, "--max-model-len", 512]
+    auto, forced = tmp_path / "auto", tmp_path / "forced"
+    proc = ok(run_eval(*common, "--out", auto))
+    assert "adapter: merged" in proc.stdout
+    ok(run_eval(*common, "--merge-adapter", "--out", forced))
+    for out, flag in ((auto, "auto"), (forced, "true")):
+        saved = json.loads((out / "eval_config.json").read_text())
+        summary = json.loads((out / "summary.json").read_text())
+        assert saved["merge_adapter"] == flag and saved["adapter_mode"] == "merged"
+        assert summary["adapter_mode"] == "merged" and summary["config"]["adapter_mode"] == "merged"
+    samples = read_jsonl(auto / "samples.jsonl")
+    assert samples == read_jsonl(forced / "samples.jsonl")  # the same path, so the same samples
+    assert len(samples) == 4 and any(s["has_box"] for s in samples)  # only the adapter boxes
+
+    # The same command again resumes (nothing left to sample); switching the path is refused with the
+    # flag that matches the saved run, before any engine starts.
+    again = ok(run_eval(*common, "--out", auto))
+    assert "adapter: merged" in again.stdout
+    assert json.loads((auto / "summary.json").read_text())["new_samples"] == 0
+    switched = run_eval(*common, "--no-merge-adapter", "--out", auto)
+    assert switched.returncode == 2 and "Traceback" not in switched.stderr
+    assert "adapter_mode: saved 'merged', now 'vllm-lora'" in switched.stderr
+    assert "--merge-adapter resumes it" in switched.stderr
+    assert read_jsonl(auto / "samples.jsonl") == samples
+
+
+FLAG_SPELLINGS = {
+    (): "auto",
+    ("--merge-adapter",): "true",
+    ("--merge_adapter",): "true",
+    ("--no-merge-adapter",): "false",
+    ("--no_merge_adapter",): "false",
+    ("--merge-adapter", "false"): "false",
+    ("--merge_adapter", "True"): "true",
+    ("--merge-adapter=auto",): "auto",
+    ("--no-merge-adapter", "--merge-adapter"): "true",  # the last flag wins
+}
+
+
+@pytest.mark.parametrize("flags", list(FLAG_SPELLINGS), ids=lambda f: " ".join(f) or "none")
+def test_merge_adapter_flag_spellings(flags):
+    from opsd.evaluate import parse_config
+
+    config = parse_config(["--adapter", "ckpt", *flags, "--n", "3", "--out", "x"])
+    assert config.merge_adapter == FLAG_SPELLINGS[flags] and config.n == 3  # a bare flag takes no value
+
+
+def test_merge_adapter_bad_values_are_user_errors():
+    from opsd.evaluate import UserError, parse_config
+
+    with pytest.raises(UserError, match="choose auto, true"):
+        parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])
+    with pytest.raises(UserError, match="--merge-adapter needs --adapter"):
+        parse_config(["--merge-adapter", "--out", "x"])
+
+
+@pytest.mark.parametrize(
+    ("merge", "engine", "cuda", "expected"),
+    [
+        ("auto", "vllm", False, "merged"),  # vLLM's CPU backend
+        ("auto", "vllm", True, "vllm-lora"),  # a GPU: serve the LoRA
+        ("auto", "transformers", False, "peft"),
+        ("auto", "transformers", True, "peft"),
+        ("true", "vllm", True, "merged"),
+        ("true", "transformers", False, "merged"),
+        ("false", "vllm", False, "vllm-lora"),
+        ("false", "transformers", True, "peft"),
+    ],
+)
+def test_adapter_mode_resolution(merge, engine, cuda, expected):
+    from opsd.evaluate import resolve_adapter_mode
+
+    assert resolve_adapter_mode(merge, engine, True, cuda) == expected
+    assert resolve_adapter_mode(merge, engine, False, cuda) is None
+
+
+# --- the vLLM engine dying mid-run ------------------------------------------------------------------------
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("eval_aime_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_death_exits_2_keeps_chunks_and_rerun_resumes(
+    vllm_tiny, tiny_model_dir, problems_file, tmp_path, monkeypatch, capsys
+):
+    """In-process run on the shared real vLLM engine, whose generate raises on the second chunk."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    import opsd.evaluate as evaluate
+
+    script = load_script()
+    monkeypatch.setattr(evaluate, "build_engine", lambda job, scratch: (vllm_tiny, None))
+    real, calls, fail_on = vllm_tiny.generate, [], {2}
+
+    def generate(prompt_ids, sampling, n=1, lora_path=None):
+        calls.append(list(n))
+        if len(calls) in fail_on:  # what vLLM raised on the CPU backend, as the frontend sees it
+            raise EngineDeadError() from RuntimeError("CPU Generator does not use offset")
+        return real(prompt_ids, sampling, n=n, lora_path=lora_path)
+
+    monkeypatch.setattr(vllm_tiny, "generate", generate)
+    out = tmp_path / "dies"
+    args = ["--model", tiny_model_dir, "--dataset", problems_file, "--n", 2, "--max-tokens", 8]
+    args = [*map(str, args), "--max-model-len", "512", "--chunk-size", "1"]
+
+    assert script.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [x for x in err.splitlines() if "vLLM engine died" in x]
+    assert line.startswith("failed: the vLLM engine died during generation (EngineDeadError: ")
+    assert "caused by RuntimeError: CPU Generator does not use offset" in line
+    assert f"the 2 samples written so far are kept in {out / 'samples.jsonl'}" in line
+    assert "a rerun of the same command resumes" in line
+    assert "Traceback" in (out / "engine_error.log").read_text()
+    kept = (out / "samples.jsonl").read_bytes()
+    assert [(r["id"], r["idx"]) for r in read_jsonl(out / "samples.jsonl")] == [("p0", 0), ("p0", 1)]
+    assert not (out / "summary.json").exists()
+
+    calls.clear()
+    fail_on.clear()
+    assert script.main([*args, "--out", str(out)]) == 0
+    assert calls == [[2], [2]]  # only p1 and p2, one chunk each: the kept samples are not redone
+    assert (out / "samples.jsonl").read_bytes().startswith(kept)
+    resumed = read_jsonl(out / "samples.jsonl")
+    assert [(r["id"], r["idx"]) for r in resumed] == [(p, i) for p in ("p0", "p1", "p2") for i in (0, 1)]
+    assert json.loads((out / "summary.json").read_text())["new_samples"] == 4
+
+    # The interrupted and resumed run holds the samples an uninterrupted run draws.
+    assert script.main([*args, "--out", str(tmp_path / "whole")]) == 0
+    assert read_jsonl(tmp_path / "whole" / "samples.jsonl") == resumed
 
 
 # --- resume ---------------------------------------------------------------------------------------------
@@ -344,6 +495,7 @@ def write_result(
     step: int | None = None,
     pass_at_k: float = 80.0,
     maj: float = 60.0,
+    format_rate: dict[str, float] | None = None,
 ) -> Path:
     """A summary.json with the fields the comparison modes read."""
     path.mkdir(parents=True)
@@ -360,7 +512,10 @@ def write_result(
         "k": 4,
         "n_problems": len(accuracy),
         "labels": {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"},
-        "problems": [{"id": pid, "n": 4, "accuracy": a} for pid, a in accuracy.items()],
+        "problems": [
+            {"id": pid, "n": 4, "accuracy": a, "format_rate": (format_rate or {}).get(pid, 1.0)}
+            for pid, a in accuracy.items()
+        ],
     }
     (path / "summary.json").write_text(
         json.dumps({"config": {"dataset_source": "x", "n": 4}, "step": step, "metrics": metrics})
@@ -369,8 +524,14 @@ def write_result(
 
 
 def test_compare_paired_difference(tmp_path):
-    a = write_result(tmp_path / "a", {"q1": 0.5, "q2": 0.5, "q3": 0.5, "q4": 0.5}, avg=50.0)
-    b = write_result(tmp_path / "b", {"q1": 0.75, "q2": 0.5, "q3": 0.5, "q4": 0.75}, avg=62.5)
+    a = write_result(
+        tmp_path / "a", {"q1": 0.5, "q2": 0.5, "q3": 0.5, "q4": 0.5}, avg=50.0,
+        format_rate={"q1": 0.0, "q2": 0.25, "q3": 0.5, "q4": 0.25},
+    )  # fmt: skip
+    b = write_result(
+        tmp_path / "b", {"q1": 0.75, "q2": 0.5, "q3": 0.5, "q4": 0.75}, avg=62.5,
+        format_rate={"q1": 0.5, "q2": 0.75, "q3": 1.0, "q4": 0.75},
+    )  # fmt: skip
     proc = ok(run_eval("--compare", a, b, "--out", tmp_path / "cmp"))
     result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     # Differences b - a in points: 25, 0, 0, 25 -> mean 12.5. Deviations +-12.5, so the sample variance is
@@ -380,6 +541,11 @@ def test_compare_paired_difference(tmp_path):
     assert result["ci_low"] == pytest.approx(12.5 - 22.9676, abs=1e-3)
     assert result["n_problems"] == 4
     assert "+12.50" in proc.stdout
+    # Format rate: every problem gains 50 points, so the SE is 0 and the interval is the point.
+    fmt = result["format_rate"]
+    assert (fmt["mean_a"], fmt["mean_b"], fmt["mean_diff"]) == pytest.approx((25.0, 75.0, 50.0))
+    assert fmt["se"] == pytest.approx(0.0) and fmt["ci_low"] == pytest.approx(50.0)
+    assert "format rate" in proc.stdout and "+50.00" in proc.stdout
 
 
 def test_compare_refuses_missing_summary_and_disjoint_problems(tmp_path):
