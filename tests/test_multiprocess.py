@@ -65,8 +65,12 @@ def _adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "adapter_model.safetensors"))
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _completion_lengths(out: Path) -> tuple[float, float]:
-    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    rec = next(r for r in _records(out) if "completions/min_length" in r)
     return rec["completions/min_length"], rec["completions/max_length"]
 
 
@@ -90,6 +94,13 @@ def test_two_processes_take_the_one_process_gradient_step(tiny_model_dir, tmp_pa
     assert moved and all(ref[k].abs().max() > 1e-5 for k in moved)  # lora_B starts at zero
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-9, msg=k)
+    # The probe: the same frozen set (one rollout per held-out problem, sampled by each rank for its share)
+    # and the same step-0 scores, each rank scoring half and the sums reduced.
+    frozen = [json.loads((tmp_path / d / "probe_set.json").read_text())["rows"] for d in ("one", "two")]
+    assert len(frozen[0]) == 16 and frozen[0] == frozen[1]
+    probe = [next(r for r in _records(tmp_path / d) if r["step"] == 0) for d in ("one", "two")]
+    for key in ("probe/divergence", "probe/top1_agree", "probe/teacher_token_logp"):
+        assert probe[1][key] == pytest.approx(probe[0][key], rel=1e-4, abs=1e-6), key
 
 
 def test_deepspeed_two_processes_resume_equals_uninterrupted(tiny_model_dir, tmp_path):
