@@ -27,6 +27,7 @@ EVAL_COLUMNS = ("problem", "answer")
 DATA_FILTERS = ("none", "numeric", "hard_numeric")
 HARD_MIN_TOKENS = 2000
 BUILTIN = "builtin"
+EASY = "builtin:easy"
 
 _NUMERIC_ANSWER = re.compile(r"-?\d{1,6}")
 _LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -88,14 +89,30 @@ def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
     return ds
 
 
+def _builtin_set(name: str):
+    """(training-rows function, evaluation-rows function) of a built-in set, or None for other names."""
+    if name == "":
+        name = BUILTIN
+    if not name.startswith(BUILTIN):
+        return None
+    sets = {BUILTIN: (builtin_train_rows, builtin_eval_rows), EASY: (easy_train_rows, easy_eval_rows)}
+    if name not in sets:
+        if name.startswith(BUILTIN + ":"):
+            raise ValueError(f"unknown built-in dataset {name!r}; the built-in sets are {sorted(sets)}")
+        return None
+    return sets[name]
+
+
 def load_train_dataset(
     name_or_path: str, *, split: str = "train", data_filter: str = "none", seed: int = 0
 ) -> Dataset:
-    """The training set: `builtin` (or empty) for the generated problems, else a hub name or a file."""
-    if name_or_path in ("", BUILTIN):
+    """The training set: a built-in set by name (`builtin`, `builtin:easy`; empty = `builtin`), else a hub
+    name or a file."""
+    builtin = _builtin_set(name_or_path)
+    if builtin is not None:
         from datasets import Dataset
 
-        ds = Dataset.from_list(builtin_train_rows(seed=seed))
+        ds = Dataset.from_list(builtin[0](seed=seed))
     else:
         ds = load_table(name_or_path, split=split, required=TRAIN_COLUMNS)
     return filter_rows(ds, data_filter)
@@ -103,8 +120,9 @@ def load_train_dataset(
 
 def load_eval_dataset(name_or_path: str, *, split: str = "train") -> list[dict[str, str]]:
     """Evaluation problems as dicts with `id`, `problem`, `answer` (strings)."""
-    if name_or_path in ("", BUILTIN):
-        return builtin_eval_rows()
+    builtin = _builtin_set(name_or_path)
+    if builtin is not None:
+        return builtin[1]()
     ds = load_table(name_or_path, split=split, required=EVAL_COLUMNS)
     ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
     return [
@@ -236,5 +254,92 @@ def builtin_eval_rows(n: int = 30, seed: int = 2024) -> list[dict[str, str]]:
         if problem in train or any(r["problem"] == problem for r in rows):
             continue
         rows.append({"id": f"builtin-{len(rows):03d}", "problem": problem, "answer": str(answer)})
+        if len(rows) == n:
+            return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `builtin:easy`: a ladder of one-step arithmetic that the embedded SmolLM2-135M-Instruct partly solves.
+# Its wording follows what that model answers best (math-style `$a+b$`, "Express your answer as a whole
+# number."); the base model writes a complete \boxed{} in a few percent of samples, so the format and the
+# answer both have room to move. Levels: one-digit sums, sums with a two-digit term, differences, products.
+
+
+def _e_sum(rng: random.Random) -> tuple[str, list[str], int]:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    wording = rng.choice(("Evaluate ${a}+{b}$.", "Find ${a}+{b}$. Express your answer as a whole number."))
+    return wording.format(a=a, b=b), [f"{a} + {b} = {a + b}"], a + b
+
+
+def _e_sum_tens(rng: random.Random) -> tuple[str, list[str], int]:
+    a, b = rng.randint(10, 60), rng.randint(1, 9)
+    wording = rng.choice(("Evaluate ${a}+{b}$.", "Find ${a}+{b}$. Express your answer as a whole number."))
+    return wording.format(a=a, b=b), [f"{a} + {b} = {a + b}"], a + b
+
+
+def _e_diff(rng: random.Random) -> tuple[str, list[str], int]:
+    b = rng.randint(1, 9)
+    a = rng.randint(b + 1, 20)
+    wording = rng.choice(("Evaluate ${a}-{b}$.", "Find ${a}-{b}$. Express your answer as a whole number."))
+    return wording.format(a=a, b=b), [f"{a} - {b} = {a - b}"], a - b
+
+
+def _e_prod(rng: random.Random) -> tuple[str, list[str], int]:
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    wording = rng.choice(
+        ("Evaluate ${a} \\times {b}$.", "Find ${a} \\times {b}$. Express your answer as a whole number.")
+    )
+    return wording.format(a=a, b=b), [f"{a} * {b} = {a * b}"], a * b
+
+
+_EASY_TEMPLATES = (_e_sum, _e_sum, _e_sum_tens, _e_diff, _e_prod)
+EASY_EVAL_SIZE = 40
+
+
+def _easy_stream(seed: int):
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice(_EASY_TEMPLATES)(rng)
+
+
+def _training_row(problem: str, steps: list[str], answer: int, index: int) -> dict[str, Any]:
+    return {
+        "problem": problem,
+        "solution": " ".join(steps) + f". The answer is $\\boxed{{{answer}}}$.",
+        "Answer": str(answer),
+        "COT_Reason": "Let me work through this carefully. "
+        + " Then ".join(f"I compute {s}." for s in steps)
+        + f" Checking the arithmetic again confirms it, so the final answer is {answer}.",
+        "generated_token_count": 900 * len(steps) + 37 * (index % 11),
+    }
+
+
+def easy_eval_rows(n: int = EASY_EVAL_SIZE, seed: int = 7) -> list[dict[str, str]]:
+    """`n` held-out `builtin:easy` problems in the AIME schema (ids `easy-000`, ...)."""
+    rows, seen = [], set()
+    for problem, _, answer in _easy_stream(seed):
+        if problem in seen:
+            continue
+        seen.add(problem)
+        rows.append({"id": f"easy-{len(rows):03d}", "problem": problem, "answer": str(answer)})
+        if len(rows) == n:
+            return rows
+
+
+def easy_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """Up to `n` distinct `builtin:easy` training problems (the ladder holds fewer: about 1,000), never a
+    held-out one; deterministic in `seed`."""
+    if exclude is None:
+        exclude = {r["problem"] for r in easy_eval_rows()}
+    rows, seen, misses = [], set(exclude), 0
+    for problem, steps, answer in _easy_stream(seed + 1_000):
+        if problem in seen:
+            misses += 1
+            if misses > 20_000:  # every problem of the ladder has been drawn
+                return rows
+            continue
+        misses = 0
+        seen.add(problem)
+        rows.append(_training_row(problem, steps, answer, len(rows)))
         if len(rows) == n:
             return rows
