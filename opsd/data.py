@@ -4,9 +4,22 @@ Training rows follow `siyanzhao/Openthoughts_math_30k_opsd`: `problem`, `solutio
 `COT_Reason`, `generated_token_count`. Evaluation rows follow `HuggingFaceH4/aime_2024`: `problem`,
 `answer` (an `id` is used when present). Both load from a hub name or a local JSON/JSONL/Parquet file.
 
-The built-in sets are arithmetic word problems with integer answers, generated deterministically from
-a seed, so that the whole pipeline runs on a machine with no hub access. The evaluation set is drawn
-from a disjoint seed stream and checked to share no problem text with the training set.
+The built-in sets need no hub access: integer-answer problems generated deterministically from a seed,
+each a training table and a held-out table, chosen by name through `BUILTIN_SETS` (name -> (training-rows
+function, evaluation-rows function); an empty name is `builtin`, an unknown `builtin:<x>` is an error that
+lists the names). A training row's `solution` is its worked steps ending in `The answer is $\boxed{N}$.`
+
+* `builtin`: arithmetic word problems of one to three steps (add/subtract, boxes, sharing, linear
+  equations, rectangles, sums of ranges); 2,000 training rows per seed and 30 held-out problems
+  (`builtin-000`, ...). The held-out set is drawn from a disjoint seed stream and shares no problem text
+  with the seed-0 training set; every seed's training set skips it.
+* `builtin:easy`: a ladder of one-step arithmetic for the embedded SmolLM2-135M-Instruct (one-digit sums,
+  a two-digit number plus a digit, differences with a positive result, one-digit products), worded like
+  competition problems (`Evaluate $3+4$.`, `Find $3+4$. Express your answer as a whole number.`): plain
+  wordings (`What is 3 + 4?`) almost never get a `\boxed{}` answer from that model, these get one in a few
+  percent of samples. 40 held-out problems (`easy-000`, ...) and 1,438 training rows: the rest of the
+  ladder, in an order set by the seed. Held out means unseen text: 36 of the 40 held-out expressions are
+  training rows under the other wording.
 """
 
 from __future__ import annotations
@@ -93,14 +106,11 @@ def _builtin_set(name: str):
     """(training-rows function, evaluation-rows function) of a built-in set, or None for other names."""
     if name == "":
         name = BUILTIN
-    if not name.startswith(BUILTIN):
-        return None
-    sets = {BUILTIN: (builtin_train_rows, builtin_eval_rows), EASY: (easy_train_rows, easy_eval_rows)}
-    if name not in sets:
-        if name.startswith(BUILTIN + ":"):
-            raise ValueError(f"unknown built-in dataset {name!r}; the built-in sets are {sorted(sets)}")
-        return None
-    return sets[name]
+    if name in BUILTIN_SETS:
+        return BUILTIN_SETS[name]
+    if name.startswith(BUILTIN + ":"):
+        raise ValueError(f"unknown built-in dataset {name!r}; the built-in sets are {list(BUILTIN_SETS)}")
+    return None
 
 
 def load_train_dataset(
@@ -343,3 +353,10 @@ def easy_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = Non
         rows.append(_training_row(problem, steps, answer, len(rows)))
         if len(rows) == n:
             return rows
+
+
+# Built-in sets by name: (training rows, called with `seed=`; evaluation rows, called with no argument).
+BUILTIN_SETS = {
+    BUILTIN: (builtin_train_rows, builtin_eval_rows),
+    EASY: (easy_train_rows, easy_eval_rows),
+}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -10,8 +11,11 @@ import pytest
 from datasets import Dataset
 
 from opsd.data import (
+    BUILTIN_SETS,
     builtin_eval_rows,
     builtin_train_rows,
+    easy_eval_rows,
+    easy_train_rows,
     filter_rows,
     is_numeric_answer,
     load_eval_dataset,
@@ -155,6 +159,157 @@ def test_load_builtin_names():
     assert load_train_dataset("", seed=5).to_list() == builtin_train_rows(seed=5)
     assert load_eval_dataset("builtin") == builtin_eval_rows()
     assert load_eval_dataset("") == builtin_eval_rows()
+
+
+def _digest(rows) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def test_builtin_set_is_unchanged():
+    # `builtin` predates `builtin:easy`; runs and results depend on these exact rows.
+    rows = builtin_eval_rows()
+    assert len(rows) == 30
+    assert rows[0] == {"id": "builtin-000", "problem": "If 6x + 7 = 43, what is x?", "answer": "6"}
+    assert _digest(rows) == "69216d05d13b32eba162ac26bdb4eb3b4ff5b714cfcae267384f4daf16133af3"
+    train = builtin_train_rows()
+    assert train[0]["problem"] == "If 2x + 9 = 37, what is x?"
+    assert _digest(train) == "d5dd5bf8702593ea3488100d58be98db6d6d3c91f51f523ab903068c91f6c569"
+    assert (
+        _digest(builtin_train_rows(seed=42))
+        == "434f2a7890f27b899720d124823165ea1e096094d870a6eda9e61cb5ee1b2f94"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `builtin:easy`: an independent solver reads the operation back out of the problem text.
+
+EASY_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "\\times": lambda a, b: a * b}
+EASY_RX = re.compile(
+    r"(?:Evaluate \$(?P<a>\d+) ?(?P<op>\+|-|\\times) ?(?P<b>\d+)\$\."
+    r"|Find \$(?P<a2>\d+) ?(?P<op2>\+|-|\\times) ?(?P<b2>\d+)\$\. Express your answer as a whole number\.)"
+)
+EASY_STEP = re.compile(r"(\d+) ([+*-]) (\d+) = (\d+)")
+
+
+def easy_level(problem: str) -> tuple[str, int]:
+    """(level, answer) of a `builtin:easy` problem, from its text alone."""
+    m = EASY_RX.fullmatch(problem)
+    assert m, f"not a builtin:easy problem: {problem!r}"
+    a, op, b = (int(m["a"] or m["a2"]), m["op"] or m["op2"], int(m["b"] or m["b2"]))
+    answer = EASY_OPS[op](a, b)
+    if op == "\\times":
+        assert 2 <= a <= 9 and 2 <= b <= 9, problem
+        return "product", answer
+    if op == "-":
+        assert 1 <= b < a <= 20, problem  # a positive result
+        return "difference", answer
+    assert 1 <= b <= 9, problem
+    assert 1 <= a <= 9 or 10 <= a <= 60, problem
+    return ("sum" if a <= 9 else "sum_tens"), answer
+
+
+def test_easy_solver_on_hand_written_problems():
+    assert easy_level("Evaluate $3+4$.") == ("sum", 7)
+    assert easy_level("Find $12-5$. Express your answer as a whole number.") == ("difference", 7)
+    assert easy_level("Evaluate $6 \\times 7$.") == ("product", 42)
+    assert easy_level("Evaluate $40+2$.") == ("sum_tens", 42)
+    with pytest.raises(AssertionError):
+        easy_level("What is 3 + 4?")
+
+
+def test_easy_train_rows_schema_levels_and_answers():
+    rows = easy_train_rows()
+    # The ladder holds 1,478 problems (two wordings each); the 40 held-out ones are left out.
+    assert len(rows) == 1438
+    assert len({r["problem"] for r in rows}) == len(rows)
+    levels = set()
+    for r in rows:
+        assert list(r) == TRAIN_COLS
+        assert all(isinstance(r[k], str) and r[k] for k in ("problem", "solution", "Answer", "COT_Reason"))
+        assert isinstance(r["generated_token_count"], int) and r["generated_token_count"] > 0
+        level, answer = easy_level(r["problem"])
+        levels.add(level)
+        assert r["Answer"] == str(answer) and is_numeric_answer(r["Answer"]) and answer >= 0
+        assert r["solution"].endswith(f"The answer is $\\boxed{{{answer}}}$.")
+        assert r["COT_Reason"].endswith(f"so the final answer is {answer}.")
+        # The worked step is right and ends at the answer.
+        steps = EASY_STEP.findall(r["solution"])
+        assert steps, r["solution"]
+        for a, op, b, result in steps:
+            assert EASY_OPS[{"*": "\\times"}.get(op, op)](int(a), int(b)) == int(result), r["solution"]
+        assert int(steps[-1][3]) == answer
+    assert levels == {"sum", "sum_tens", "difference", "product"}
+    assert {r["problem"].split()[0] for r in rows} == {"Evaluate", "Find"}
+
+
+def test_easy_train_rows_deterministic_and_seed_dependent():
+    a, b, c = easy_train_rows(seed=3), easy_train_rows(seed=3), easy_train_rows(seed=4)
+    assert a == b
+    pa, pc = [r["problem"] for r in a], [r["problem"] for r in c]
+    # The seed sets the order (what a run sees first); the whole ladder is used, so the set is the same.
+    assert pa != pc and set(pa) == set(pc)
+    assert [r["problem"] for r in easy_train_rows(n=100, seed=3)] == pa[:100]
+    assert load_train_dataset("builtin:easy", seed=4).to_list() == c
+
+
+def test_easy_eval_rows_schema_answers_and_ids():
+    rows = easy_eval_rows()
+    assert len(rows) == 40
+    assert [r["id"] for r in rows] == [f"easy-{i:03d}" for i in range(40)]
+    assert len({r["problem"] for r in rows}) == 40
+    levels = set()
+    for r in rows:
+        assert set(r) == {"id", "problem", "answer"}
+        level, answer = easy_level(r["problem"])
+        levels.add(level)
+        assert r["answer"] == str(answer)
+    assert levels == {"sum", "sum_tens", "difference", "product"}
+    assert easy_eval_rows() == rows
+    # Pinned: the learning benchmark's held-out results (docs/learning.md) are on exactly these problems.
+    assert rows[0] == {"id": "easy-000", "problem": "Evaluate $19+7$.", "answer": "26"}
+    assert _digest(rows) == "9e8f4d4ba0e4fa537c78c42767d672bf330b77889aa5653692dd4092a6f50620"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 42])
+def test_easy_eval_disjoint_from_train(seed):
+    eval_problems = {r["problem"] for r in easy_eval_rows()}
+    assert not eval_problems & {r["problem"] for r in easy_train_rows(seed=seed)}
+    assert not eval_problems & set(load_train_dataset("builtin:easy", seed=seed)["problem"])
+
+
+def test_builtin_sets_table_selects_by_name():
+    assert list(BUILTIN_SETS) == ["builtin", "builtin:easy"]
+    assert load_eval_dataset("builtin:easy") == easy_eval_rows()
+    assert load_train_dataset("builtin:easy", seed=5).to_list() == easy_train_rows(seed=5)
+    assert not {r["problem"] for r in easy_eval_rows()} & {r["problem"] for r in builtin_eval_rows()}
+    # Filters apply as to any other table: one-step rows are never `hard_numeric`.
+    assert len(load_train_dataset("builtin:easy", data_filter="numeric")) == 1438
+    with pytest.raises(ValueError, match="removed every row"):
+        load_train_dataset("builtin:easy", data_filter="hard_numeric")
+
+
+def test_builtin_sets_table_takes_a_new_set_in_one_entry(monkeypatch):
+    train = [_row("2", 900)]
+    held_out = [{"id": "tiny-000", "problem": "What is 2+2?", "answer": "4"}]
+    monkeypatch.setitem(BUILTIN_SETS, "builtin:tiny", (lambda seed=0: train, lambda: held_out))
+    assert load_train_dataset("builtin:tiny").to_list() == train
+    assert load_eval_dataset("builtin:tiny") == held_out
+
+
+@pytest.mark.parametrize("name", ["builtin:hard", "builtin:", "builtin:Easy", "builtin:easy "])
+def test_unknown_builtin_name_lists_the_valid_ones(name):
+    for load in (load_train_dataset, load_eval_dataset):
+        with pytest.raises(ValueError) as e:
+            load(name)
+        msg = str(e.value)
+        assert repr(name) in msg
+        assert "'builtin'" in msg and "'builtin:easy'" in msg
+
+
+def test_names_that_only_look_builtin_are_files(tmp_path):
+    # Only `builtin` and `builtin:<x>` are built-in names; a file called builtin.jsonl is a file.
+    path = _write(tmp_path / "builtin.jsonl", TRAIN_ROWS)
+    assert load_train_dataset(str(path))["Answer"] == ["12", "1.5", "-3", "8"]
 
 
 def test_builtin_hard_numeric_keeps_long_rows():
