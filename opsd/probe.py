@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from opsd.loss import pointwise_jsd_terms
-from opsd.scoring import left_pad
+from opsd.scoring import left_pad, right_pad
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -92,16 +92,6 @@ def probe_token_sums(
                 ]
             )
     return sums_3
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
 
 
 @contextmanager
@@ -207,7 +197,7 @@ class Probe(TrainerCallback):
                 part = [r for r in rows[start : start + batch] if r["completion_ids"]]
                 if not part:
                     continue
-                c_ids, c_mask = _right_pad([r["completion_ids"] for r in part], pad, device)
+                c_ids, c_mask = right_pad([r["completion_ids"] for r in part], pad, device)
                 s_ids, s_mask = left_pad([r["student_ids"] for r in part], pad, device)
                 t_ids, t_mask = left_pad([r["teacher_ids"] for r in part], pad, device)
                 h_s = t._completion_hidden(t.model_wrapped, s_ids, s_mask, c_ids, c_mask)

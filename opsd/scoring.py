@@ -24,15 +24,26 @@ def positions(prompt_mask_BP: torch.Tensor, completion_width: int, fix: bool) ->
     return torch.cat([pos_prompt * prompt_mask_BP, pos_completion], dim=1)
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(seqs: list[list[int]], pad_id: int, device, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
+            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s, dtype=torch.long)
+            mask[i, cols] = 1
     return ids.to(device), mask.to(device)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of prompts padded on the left to the longest one, shape (B, P)."""
+    return _pad(seqs, pad_id, device, left=True)
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of completions padded on the right to the longest one, shape (B, C)."""
+    return _pad(seqs, pad_id, device, left=False)
 
 
 def completion_hidden(
