@@ -56,10 +56,6 @@ class Arm:
     def name(self) -> str:
         return f"{self.clip_mode}-b{self.beta:g}-lr{self.learning_rate:g}-s{self.seed}"
 
-    @property
-    def label(self) -> str:
-        return f"{self.clip_mode}, β={self.beta:g}, lr={self.learning_rate:g}"
-
 
 @dataclass
 class Job:
@@ -223,11 +219,7 @@ class Runner:
     def _warm(self, job: Job) -> bool:
         """The gating arm has finished its first step (engine compiled, caches written)."""
         metrics = Path(job.argv[job.argv.index("--output_dir") + 1]) / "metrics.jsonl"
-        if not metrics.is_file():
-            return False
-        return any(
-            json.loads(line).get("step", 0) >= 1 for line in metrics.read_text().splitlines() if line.strip()
-        )
+        return any(r.get("step", 0) >= 1 for r in _metrics(metrics))
 
 
 # -- results ------------------------------------------------------------------------------------------------
@@ -254,7 +246,7 @@ def _diff(r: dict) -> dict:
     return {"mean": r["mean_diff"], "se": r["se"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
 
 
-def arm_row(work: Path, arm: Arm, steps: int) -> dict:
+def arm_row(work: Path, arm: Arm) -> dict:
     records = _metrics(work / "arms" / arm.name / "metrics.jsonl")
     curves = {key: [[r["step"], r[key]] for r in records if key in r] for key in PROBE_KEYS}
     train = [r for r in records if "loss" in r and "time/step_s" in r]
@@ -411,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(a).items() if k not in ("plot",)}
 
     def collect() -> dict:
-        rows = [arm_row(runner.work, arm, a.steps) for arm in arms]
+        rows = [arm_row(runner.work, arm) for arm in arms]
         result = {
             "machine": machine(), "config": config, "rows": rows, "arms": arm_means(rows),
             "wall_s": time.time() - t0, "failed": runner.failed,

@@ -216,10 +216,24 @@ def _t_sum_range(rng: random.Random) -> tuple[str, list[str], int]:
 _TEMPLATES = (_t_add_sub, _t_mul, _t_div, _t_linear, _t_rect, _t_sum_range)
 
 
-def _problem_stream(seed: int):
+def _problem_stream(seed: int, templates: tuple = _TEMPLATES):
+    """(problem, worked steps, answer) drawn forever from `templates`, deterministic in `seed`."""
     rng = random.Random(seed)
     while True:
-        yield rng.choice(_TEMPLATES)(rng)
+        yield rng.choice(templates)(rng)
+
+
+def _training_row(problem: str, steps: list[str], answer: int, index: int) -> dict[str, Any]:
+    """A row in the training schema; the steps are the solution and, reworded, the reasoning trace."""
+    return {
+        "problem": problem,
+        "solution": " ".join(steps) + f". The answer is $\\boxed{{{answer}}}$.",
+        "Answer": str(answer),
+        "COT_Reason": "Let me work through this carefully. "
+        + " Then ".join(f"I compute {s}." for s in steps)
+        + f" Checking the arithmetic again confirms it, so the final answer is {answer}.",
+        "generated_token_count": 900 * len(steps) + 37 * (index % 11),
+    }
 
 
 def builtin_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = None) -> list[dict[str, Any]]:
@@ -235,21 +249,7 @@ def builtin_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = 
         if problem in seen:
             continue
         seen.add(problem)
-        solution = " ".join(steps) + f". The answer is $\\boxed{{{answer}}}$."
-        cot = (
-            "Let me work through this carefully. "
-            + " Then ".join(f"I compute {s}." for s in steps)
-            + f" Checking the arithmetic again confirms it, so the final answer is {answer}."
-        )
-        rows.append(
-            {
-                "problem": problem,
-                "solution": solution,
-                "Answer": str(answer),
-                "COT_Reason": cot,
-                "generated_token_count": 900 * len(steps) + 37 * (len(rows) % 11),
-            }
-        )
+        rows.append(_training_row(problem, steps, answer, len(rows)))
         if len(rows) == n:
             return rows
 
@@ -306,28 +306,10 @@ _EASY_TEMPLATES = (_e_sum, _e_sum, _e_sum_tens, _e_diff, _e_prod)
 EASY_EVAL_SIZE = 40
 
 
-def _easy_stream(seed: int):
-    rng = random.Random(seed)
-    while True:
-        yield rng.choice(_EASY_TEMPLATES)(rng)
-
-
-def _training_row(problem: str, steps: list[str], answer: int, index: int) -> dict[str, Any]:
-    return {
-        "problem": problem,
-        "solution": " ".join(steps) + f". The answer is $\\boxed{{{answer}}}$.",
-        "Answer": str(answer),
-        "COT_Reason": "Let me work through this carefully. "
-        + " Then ".join(f"I compute {s}." for s in steps)
-        + f" Checking the arithmetic again confirms it, so the final answer is {answer}.",
-        "generated_token_count": 900 * len(steps) + 37 * (index % 11),
-    }
-
-
 def easy_eval_rows(n: int = EASY_EVAL_SIZE, seed: int = 7) -> list[dict[str, str]]:
     """`n` held-out `builtin:easy` problems in the AIME schema (ids `easy-000`, ...)."""
     rows, seen = [], set()
-    for problem, _, answer in _easy_stream(seed):
+    for problem, _, answer in _problem_stream(seed, _EASY_TEMPLATES):
         if problem in seen:
             continue
         seen.add(problem)
@@ -342,7 +324,7 @@ def easy_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = Non
     if exclude is None:
         exclude = {r["problem"] for r in easy_eval_rows()}
     rows, seen, misses = [], set(exclude), 0
-    for problem, steps, answer in _easy_stream(seed + 1_000):
+    for problem, steps, answer in _problem_stream(seed + 1_000, _EASY_TEMPLATES):
         if problem in seen:
             misses += 1
             if misses > 20_000:  # every problem of the ladder has been drawn
