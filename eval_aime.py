@@ -1,4 +1,4 @@
-"""Score a model or an OPSD checkpoint on AIME 2024 (SPEC §4): n samples per problem, graded, with errors.
+"""Score a model or an OPSD checkpoint on AIME 2024 (docs/method.md §4): n samples per problem, graded, with errors.
 
 The published protocol (30 problems x 12 samples, temperature 1.0, top_p 0.95, top_k off, min_p 0,
 thinking on, 38,912 new tokens, model length 40,960) is the default:

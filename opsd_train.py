@@ -7,7 +7,7 @@
 Every `OPSDConfig` field is a flag (`--beta 0.5`), a YAML key (`--config cfg.yaml`), a `recipe.env` key
 (`--recipe recipe.env`) and an `OPSD_<FIELD>` environment switch; later sources win in that order.
 Compared with TRL's `trl sdft`: OPSD prompts and loss (see opsd_trainer.py), the data filters and
-references of SPEC §2, exact resume from the last complete checkpoint, `metrics.jsonl`, and the
+references of docs/method.md §2, exact resume from the last complete checkpoint, `metrics.jsonl`, and the
 resolved config saved as `opsd_config.json` in the output directory.
 """
 

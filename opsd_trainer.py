@@ -1,4 +1,4 @@
-"""OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (SPEC §1).
+"""OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (docs/method.md §1).
 
     from opsd_trainer import OPSDTrainer
     from opsd.callbacks import StepTimer
@@ -71,7 +71,7 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
     """TRL's LoRA EMA teacher, but starting from the student's initial adapter instead of zeros.
 
     So the EMA teacher is the initial policy at step 0 and afterwards the exponential moving average of the
-    trainable weights, teacher_t = decay * teacher_{t-1} + (1 - decay) * student_t (SPEC §1).
+    trainable weights, teacher_t = decay * teacher_{t-1} + (1 - decay) * student_t (docs/method.md §1).
     """
 
     def _initialize_teacher_adapter(self):

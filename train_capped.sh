@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The capped budget (SPEC §3): exactly 100 optimizer steps of 32 problems, seed 42, via accelerate.
+# The capped budget (docs/method.md §3): exactly 100 optimizer steps of 32 problems, seed 42, via accelerate.
 #
 #   bash train_capped.sh [--name NAME] [--seed 42] [--num-gpus 4] [--profile full|demo|smoke]
 #                        [--model M] [--dataset D] [--recipe recipe.env] [--runs-dir DIR]

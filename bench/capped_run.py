@@ -1,4 +1,4 @@
-"""Benchmark: the capped run end to end on N GPUs, `train_capped.sh` then `eval_aime.py` (issue #7).
+"""Benchmark: the capped run end to end on N GPUs, `train_capped.sh` then `eval_aime.py`.
 
     python bench/capped_run.py --num-gpus 2 --work /tmp/capped --out bench/results/capped_2gpu_h200.json
 

@@ -4,7 +4,7 @@
     python bench/loss_path.py --tiny --device cpu  # a smoke run of the script itself
 
 One micro-batch = student forward+backward on [prompt 256 ; completion C], teacher forward (adapters off) on
-[teacher prompt 1024 ; completion C], and the clipped-JSD loss (SPEC §1, published settings), with LoRA r64
+[teacher prompt 1024 ; completion C], and the clipped-JSD loss (docs/method.md §1, published settings), with LoRA r64
 on all projections and gradient checkpointing, as in training.
 - reference: both roles' logits materialised over the whole vocabulary (`model(...).logits`, as the
   reference code does) and the loss computed from them (`opsd.loss.opsd_loss_from_logits`, the unchunked

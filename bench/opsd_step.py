@@ -1,4 +1,4 @@
-"""Benchmark: one full OPSD optimizer step on one GPU with vLLM colocated (SPEC §5 step table).
+"""Benchmark: one full OPSD optimizer step on one GPU with vLLM colocated (docs/method.md §5 step table).
 
     python bench/opsd_step.py --lengths 1024,2048 --out bench/results/opsd_step_h200.json
 

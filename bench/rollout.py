@@ -1,10 +1,10 @@
-"""Benchmark: rollout throughput of each engine at fixed-length completions (SPEC §5 rollout table).
+"""Benchmark: rollout throughput of each engine at fixed-length completions (docs/method.md §5 rollout table).
 
     python bench/rollout.py --out bench/results/rollout_h200.json
 
 Random-weight Qwen3-1.7B (bf16), 256-token prompts, exactly `--new-tokens` new tokens per sequence
 (min_tokens = max_tokens). Engines: vLLM (CUDA graphs, gpu_memory_utilization 0.6) at batch 8/32/128;
-transformers `generate` with the dynamic cache (the reference, 493 tok/s in SPEC §5) and with the static
+transformers `generate` with the dynamic cache (the reference, 493 tok/s in docs/method.md §5) and with the static
 cache, which lets transformers compile the decoding step (opsd's fallback setting) at batch 32.
 """
 
@@ -54,7 +54,7 @@ def record(rows: list[dict], a, start_s: float | None) -> dict:
             "fixed_length": "min_tokens = max_tokens",
             "warm_up": "one run at the timed shape",
         },
-        "reference_tokens_per_s": {"transformers dynamic cache, 32 x 512 (SPEC §5)": 493},
+        "reference_tokens_per_s": {"transformers dynamic cache, 32 x 512 (reference measurement)": 493},
         "rows": rows,
     }
 

@@ -1,4 +1,4 @@
-"""The capped budget (SPEC §3): the launch plan that `train_capped.sh` runs.
+"""The capped budget (docs/method.md §3): the launch plan that `train_capped.sh` runs.
 
 100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
 The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the

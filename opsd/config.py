@@ -1,4 +1,4 @@
-"""`OPSDConfig`: every switch of the method, with the published recipe as defaults (SPEC §1–2).
+"""`OPSDConfig`: every switch of the method, with the published recipe as defaults (docs/method.md §1–2).
 
 It extends TRL's `SDFTConfig` (itself a `TrainingArguments`), so every TRL/transformers training argument
 is available too. Precedence, lowest first: field defaults < YAML (`--config`) < CLI flags < `recipe.env`
@@ -31,7 +31,7 @@ def _help(text: str) -> dict:
 
 @dataclass
 class OPSDConfig(SDFTConfig):
-    # Published recipe values for inherited TRL/transformers arguments (SPEC §2) -------------------------------
+    # Published recipe values for inherited TRL/transformers arguments (docs/method.md §2) -------------------------------
     output_dir: str = field(
         default="runs/opsd", metadata=_help("Where checkpoints, config and metrics.jsonl go.")
     )
@@ -99,7 +99,7 @@ class OPSDConfig(SDFTConfig):
         ),
     )
     dataset_split: str = field(default="train", metadata=_help("Split of a hub dataset."))
-    data_filter: str = field(default="none", metadata=_help("none | numeric | hard_numeric (SPEC §2)."))
+    data_filter: str = field(default="none", metadata=_help("none | numeric | hard_numeric (docs/method.md §2)."))
     teacher_ref: str = field(
         default="solution", metadata=_help("Privileged context: solution | cot (COT_Reason).")
     )
@@ -128,7 +128,7 @@ class OPSDConfig(SDFTConfig):
         default=0.0, metadata=_help("Temperature of both distributions in the loss; 0 = rollout temperature.")
     )
     jsd_token_clip: float = field(default=0.05, metadata=_help("Clip threshold of the divergence terms."))
-    clip_mode: str = field(default="element", metadata=_help("element | token | rescale | none (SPEC §1.4)."))
+    clip_mode: str = field(default="element", metadata=_help("element | token | rescale | none (docs/method.md §1.4)."))
     top_k_loss: int = field(
         default=0, metadata=_help("Restrict both distributions to the teacher's top-k; 0 = full vocabulary.")
     )

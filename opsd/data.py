@@ -1,4 +1,4 @@
-"""Training and evaluation data: loading, column checks, the SPEC §2 filters, and built-in sets.
+"""Training and evaluation data: loading, column checks, the docs/method.md §2 filters, and built-in sets.
 
 Training rows follow `siyanzhao/Openthoughts_math_30k_opsd`: `problem`, `solution`, `Answer`,
 `COT_Reason`, `generated_token_count`. Evaluation rows follow `HuggingFaceH4/aime_2024`: `problem`,
@@ -84,7 +84,7 @@ def is_numeric_answer(answer: Any) -> bool:
 
 
 def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
-    """Apply a SPEC §2 data filter and log the row counts before and after."""
+    """Apply a docs/method.md §2 data filter and log the row counts before and after."""
     if data_filter not in DATA_FILTERS:
         raise ValueError(f"data_filter={data_filter!r}; choose one of {DATA_FILTERS}")
     before = len(ds)

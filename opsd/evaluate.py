@@ -1,4 +1,4 @@
-r"""AIME-style evaluation (SPEC §4): sample n completions per problem, grade the last \boxed{}, summarize.
+r"""AIME-style evaluation (docs/method.md §4): sample n completions per problem, grade the last \boxed{}, summarize.
 
 Output directory (`--out DIR`):
 
@@ -113,7 +113,7 @@ def _arg(default: Any, help: str) -> Any:
 
 @dataclass
 class EvalConfig:
-    """Flags of eval_aime.py (`--top-p` and `--top_p` both work). Defaults are the SPEC §4 protocol."""
+    """Flags of eval_aime.py (`--top-p` and `--top_p` both work). Defaults are the docs/method.md §4 protocol."""
 
     # What to evaluate
     model: str = _arg("", "Hub name or model directory; empty = the embedded SmolLM2-135M.")

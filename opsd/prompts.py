@@ -1,4 +1,4 @@
-"""Student and teacher prompts (SPEC §1, chat format).
+"""Student and teacher prompts (docs/method.md §1, chat format).
 
 Both prompts are one user turn rendered with the tokenizer's chat template; the student's thinking switch
 and the teacher's are separate (`enable_thinking` in Qwen3's template). The teacher turn holds the

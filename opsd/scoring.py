@@ -1,7 +1,7 @@
 """Scoring completions under one role: position ids, padding, and the final hidden states of completion tokens.
 
 Torch-only, shared by the trainer and the benchmarks. Rows are laid out `[left-padded prompt ; right-padded
-completion]`; positions are computed from the masks so padding never shifts a real token (SPEC §1.2).
+completion]`; positions are computed from the masks so padding never shifts a real token (docs/method.md §1.2).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 
 def _corpus() -> list[str]:
@@ -53,7 +53,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, pad_vocab_to: in
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=CONTROL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -1,4 +1,4 @@
-"""Tests for opsd.data: built-in problems, SPEC §2 filters, and loading local JSON/JSONL/Parquet tables."""
+"""Tests for opsd.data: built-in problems, docs/method.md §2 filters, and loading local JSON/JSONL/Parquet tables."""
 
 from __future__ import annotations
 

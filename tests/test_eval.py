@@ -558,7 +558,7 @@ def test_compare_refuses_missing_summary_and_disjoint_problems(tmp_path):
 
 
 def test_aggregate_and_step_plot(tmp_path):
-    # The improved recipe's three published runs (SPEC §4): 56.94, 53.06, 56.11.
+    # The improved recipe's three published runs (docs/method.md §4): 56.94, 53.06, 56.11.
     runs = [
         write_result(tmp_path / f"r{i}", {"q1": 0.5}, avg=v, step=s, pass_at_k=p)
         for i, (v, s, p) in enumerate([(56.94, 0, 70.0), (53.06, 50, 80.0), (56.11, 100, 90.0)])

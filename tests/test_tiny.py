@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opsd.tiny import build_qwen3, build_tiny_model, build_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,9 @@ def test_vocab_size_and_merges(tok):
 
 
 def test_special_tokens_are_single_ids(tok):
-    ids = [tok.convert_tokens_to_ids(s) for s in SPECIALS]
-    assert len(set(ids)) == len(SPECIALS)
-    for s, i in zip(SPECIALS, ids, strict=True):
+    ids = [tok.convert_tokens_to_ids(s) for s in CONTROL_TOKENS]
+    assert len(set(ids)) == len(CONTROL_TOKENS)
+    for s, i in zip(CONTROL_TOKENS, ids, strict=True):
         assert tok(s, add_special_tokens=False)["input_ids"] == [i]
         assert tok.decode([i]) == s
     # Inside text as well.
