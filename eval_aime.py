@@ -6,7 +6,7 @@ thinking on, 38,912 new tokens, model length 40,960) is the default:
     python eval_aime.py --model Qwen/Qwen3-1.7B --out runs/eval/base
     python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/checkpoint-100 --out runs/eval/opsd-100
     python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/checkpoint-100 --out runs/eval/opsd-100 \
-        --num-gpus 4                     # 4 data-parallel workers, one GPU each
+        --num-gpus 4                     # 4 data-parallel workers, one GPU each, one shared queue
     python eval_aime.py --dataset builtin --limit 4 --n 2 --max-tokens 256 --out runs/eval/smoke   # CPU smoke
 
 Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the three capped seeds):
@@ -28,11 +28,14 @@ difficulty from the noise but not the run-to-run spread.
 
 A LoRA checkpoint is served by vLLM's LoRA support on a GPU and merged with peft first on vLLM's CPU
 backend (LoRA serving there is ~10x slower and can crash); `--merge-adapter` / `--no-merge-adapter`
-force either path; the transformers engine loads it with peft. Results go to `--out`: samples.jsonl
-(resumable: rerun the same command after a crash), eval_config.json, summary.json, per_problem.csv; see
-`opsd/evaluate.py` for formats, seeding and the resume rule. If the vLLM engine dies mid-run, the script
-prints one line and exits with status 2; the finished samples are kept and a rerun resumes. Differences
-from the reference evaluation: per-sample seeds, crash-safe resume, standard errors on every rate.
+force either path; the transformers engine loads it with peft. vLLM streams: every missing sample is
+submitted at once (at most `--max-in-flight` in the engine) and saved the moment it finishes; with
+`--num-gpus N` the workers pull samples from a shared queue as they free up. Results go to `--out`:
+samples.jsonl (resumable: rerun the same command after a crash; only samples in flight are lost),
+eval_config.json, summary.json, per_problem.csv; see `opsd/evaluation/` for formats, seeding and the
+resume rule. If the vLLM engine dies mid-run, the script prints one line and exits with status 2; the
+finished samples are kept and a rerun resumes. Differences from the reference evaluation: per-sample
+seeds, streaming generation, crash-safe resume, standard errors on every rate.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from opsd.evaluate import RunFailed, UserError, run
+from opsd.evaluation.run import RunFailed, UserError, run
 
 
 def main(argv: list[str] | None = None) -> int:

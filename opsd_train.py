@@ -6,9 +6,10 @@
 
 Every `OPSDConfig` field is a flag (`--beta 0.5`), a YAML key (`--config cfg.yaml`), a `recipe.env` key
 (`--recipe recipe.env`) and an `OPSD_<FIELD>` environment switch; later sources win in that order.
-Compared with TRL's `trl sdft`: OPSD prompts and loss (see opsd_trainer.py), the data filters and
-references of docs/method.md §2, exact resume from the last complete checkpoint, `metrics.jsonl`, and the
-resolved config saved as `opsd_config.json` in the output directory.
+Compared with training TRL's `SDFTTrainer` directly: OPSD prompts and loss (see opsd_trainer.py), the
+data filters and references of docs/method.md §2, exact resume from the last complete checkpoint,
+`metrics.jsonl`, `completions.jsonl`, and the resolved config with package versions and the git revision
+saved as `opsd_config.json` in the output directory.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import os
 import sys
 from pathlib import Path
 
-# Colocated vLLM must run in this process (the trainer pushes weights into it) and, on a CPU, needs a
-# bounded KV cache; users can still override both.
+# Colocated vLLM must run in this process (the trainer pushes weights into it), binds to loopback and, on a
+# CPU, needs a bounded KV cache (opsd.rollout.SINGLE_NODE_ENGINE_ENV); users can still override each.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from opsd.rollout import single_node_engine_env  # noqa: E402
+
+single_node_engine_env()
 
 from opsd.config import OPSDConfig  # noqa: E402
 from opsd.recipe import resolve_overrides, to_argv  # noqa: E402
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
     from opsd.probe import Probe, split_probe
+    from opsd.provenance import provenance
     from opsd_trainer import OPSDTrainer
 
     model_path = resolve_model_path(config.model_name_or_path)
@@ -127,7 +131,12 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(config.output_dir)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        resolved = {**config.to_dict(), "resolved_model_path": model_path, "recipe": extra.recipe}
+        resolved = {
+            **config.to_dict(),
+            "resolved_model_path": model_path,
+            "recipe": extra.recipe,
+            "provenance": provenance(),
+        }
         (out / "opsd_config.json").write_text(json.dumps(resolved, indent=2, default=str))
         logger.info(
             "resolved config (also in %s):\n%s",
@@ -135,9 +144,10 @@ def main(argv: list[str] | None = None) -> Path:
             json.dumps(resolved, indent=1, default=str),
         )
 
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
+        revision=config.model_revision,
         dtype=resolve_dtype(config.dtype),
         attn_implementation=resolve_attn_implementation(config.attn_implementation),
         trust_remote_code=config.trust_remote_code,
@@ -148,7 +158,9 @@ def main(argv: list[str] | None = None) -> Path:
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=[m.strip() for m in config.lora_target_modules.split(",") if m.strip()],
+            target_modules=(
+                "all-linear" if config.lora_target_modules == ["all-linear"] else config.lora_target_modules
+            ),
             task_type="CAUSAL_LM",
         )
     elif config.teacher_mode == "fixed":
@@ -172,7 +184,8 @@ def main(argv: list[str] | None = None) -> Path:
     if resume is not None:
         logger.info("resuming from %s", resume)
         if state.is_main_process:
-            trim_metrics(out / "metrics.jsonl", int(resume.name.split("-")[1]))
+            for log in ("metrics.jsonl", "completions.jsonl"):
+                trim_metrics(out / log, int(resume.name.split("-")[1]))
         if wavg is not None:
             wavg.restore(resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)

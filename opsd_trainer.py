@@ -1,8 +1,7 @@
 """OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (docs/method.md §1).
 
     from opsd_trainer import OPSDTrainer
-    from opsd.callbacks import StepTimer
-from opsd.config import OPSDConfig
+    from opsd.config import OPSDConfig
     trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
 
 What differs from `SDFTTrainer` (everything else — vLLM colocate/server/sleep/TP rollouts, LoRA merge for
@@ -24,6 +23,7 @@ the weight sync, teacher kinds, buffered generation over the accumulation window
 from __future__ import annotations
 
 import logging
+import textwrap
 import time
 from collections import defaultdict
 
@@ -31,11 +31,12 @@ import torch
 from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
+from opsd import completions
 from opsd.callbacks import StepTimer
 from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
 from opsd.prompts import PromptBuilder
-from opsd.scoring import completion_hidden, left_pad, lm_head_weight
+from opsd.scoring import completion_hidden, left_pad, lm_head_weight, loss_token_mask
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class OPSDTeacherBuilder:
             for p, c in zip(prompts, privileged_contexts, strict=True)
         ]
         self.num_truncated = sum(t.truncated for t in built)
+        self.texts = (list(prompts), list(privileged_contexts))  # for the completions log
         ids, mask = left_pad(
             [t.ids for t in built], self.trainer.processing_class.pad_token_id, completion_ids.device
         )
@@ -150,6 +152,18 @@ class OPSDTrainer(SDFTTrainer):
     config_cls = OPSDConfig
     _name = "OPSD"
     _tag_names = ["trl", "opsd"]
+    # The model card cites the method trained here (TRL's SDFTTrainer would cite SDFT).
+    _paper = {
+        "title": "Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models",
+        "id": "2601.18734",
+        "citation": textwrap.dedent("""\
+            @article{zhao2026selfdistilled,
+                title        = {{Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models}},
+                author       = {Siyan Zhao and Zhihui Xie and Mengchen Liu and Jing Huang and Guan Pang and Feiyu Chen and Aditya Grover},
+                year         = 2026,
+                eprint       = {arXiv:2601.18734}
+            }"""),
+    }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -293,7 +307,7 @@ class OPSDTrainer(SDFTTrainer):
         batch = super()._prepare_training_batch(inputs)
         # The whole accumulation window is generated here at once, so its valid-token count across all
         # processes is known before the first backward: that count is the loss denominator.
-        local = batch["completion_mask"].sum()
+        local = self._loss_mask(batch["completion_ids"], batch["completion_mask"]).sum()
         batch["num_loss_tokens"] = self.accelerator.reduce(local.clone(), reduction="sum")
         self._metrics["train"]["prompts/teacher_truncated"].append(
             float(self.teacher_context_builder.num_truncated)
@@ -309,7 +323,13 @@ class OPSDTrainer(SDFTTrainer):
             completion_ids,
             completion_mask,
             fix_positions=self.args.fix_position_ids,
+            pad_token_id=self.processing_class.pad_token_id,
         )
+
+    def _loss_mask(self, completion_ids, completion_mask):
+        a: OPSDConfig = self.args
+        pad = None if a.fix_position_ids else self.processing_class.pad_token_id
+        return loss_token_mask(completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad)
 
     @staticmethod
     def _lm_head_weight(model) -> torch.Tensor:
@@ -333,14 +353,16 @@ class OPSDTrainer(SDFTTrainer):
                 completion_ids,
                 completion_mask,
             )
+        # Hidden states come flattened over completion_mask; the loss counts the subset keep_N.
+        keep_N = self._loss_mask(completion_ids, completion_mask)[completion_mask.bool()].bool()
         student_w = self._lm_head_weight(self.accelerator.unwrap_model(model))
         teacher_w = self._lm_head_weight(self.accelerator.unwrap_model(self.teacher_model))
         loss_sum, stats = chunked_opsd_loss(
-            student_hidden_NH,
-            teacher_hidden_NH.detach(),
+            student_hidden_NH[keep_N],
+            teacher_hidden_NH[keep_N].detach(),
             student_w,
             teacher_w.detach(),
-            target_ids_N=completion_ids[completion_mask.bool()],
+            target_ids_N=completion_ids[completion_mask.bool()][keep_N],
             chunk_size=a.loss_chunk_size,
             beta=a.beta,
             temperature=a.effective_loss_temperature,
@@ -353,8 +375,43 @@ class OPSDTrainer(SDFTTrainer):
         denom = inputs["num_loss_tokens"].clamp(min=1).to(loss_sum.dtype)
         loss = loss_sum / denom * self.accelerator.num_processes
         self._record_loss_stats(loss_sum.detach(), stats)
+        if self._completions_due():
+            self._log_completions(inputs, student_hidden_NH, teacher_hidden_NH, student_w, teacher_w)
         self.phase_s["score_loss"] += time.perf_counter() - t0
         return loss
+
+    def _completions_due(self) -> bool:
+        """The first micro-batch of every `completions_steps`-th optimizer step, on the main process."""
+        every = self.args.completions_steps
+        return (
+            every > 0
+            and self.model.training
+            and self.accelerator.is_main_process
+            and self.state.global_step % every == 0
+            and self._step % self.args.steps_per_generation == 0
+        )
+
+    def _log_completions(self, inputs, student_hidden_NH, teacher_hidden_NH, student_w, teacher_w) -> None:
+        a: OPSDConfig = self.args
+        problems, references = self.teacher_context_builder.texts
+        rows = completions.completion_rows(
+            step=self.state.global_step,
+            problems=problems,
+            references=references,
+            completion_ids_BC=inputs["completion_ids"],
+            completion_mask_BC=inputs["completion_mask"],
+            student_hidden_NH=student_hidden_NH.detach(),
+            teacher_hidden_NH=teacher_hidden_NH.detach(),
+            student_weight_VH=student_w.detach(),
+            teacher_weight_VH=teacher_w.detach(),
+            tokenizer=self.processing_class,
+            rows=a.completions_rows,
+            beta=a.beta,
+            temperature=a.effective_loss_temperature,
+            top_k=a.top_k_loss,
+        )
+        completions.append(a.output_dir, rows)
+        completions.to_trackers(a.report_to, rows)
 
     def _record_loss_stats(self, loss_sum: torch.Tensor, stats: dict) -> None:
         n = max(float(stats["num_tokens"]), 1.0)

@@ -89,7 +89,7 @@ def reference_step(model, p, pm, t, tm, cids, cm):
         out = model(
             input_ids=ids,
             attention_mask=torch.cat([prompt_mask, cm], 1),
-            position_ids=positions(prompt_mask, cids.size(1), True),
+            position_ids=positions(prompt_mask, cids.size(1)),
             use_cache=False,
         )
         w = prompt_ids.size(1)

@@ -9,24 +9,49 @@ switch `OPSD_NAME` (upper case); see `opsd.recipe`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from trl.experimental.sdft import SDFTConfig
 
+from opsd.choices import CHOICES, check_choice
+
 logger = logging.getLogger(__name__)
 
-CLIP_MODES = ("element", "token", "rescale", "none")
-LOSS_TYPES = ("jsd", "sampled_token")
-TEACHER_MODES = ("fixed", "ema", "dynamic")
-TEACHER_REFS = ("solution", "cot")
-DATA_FILTERS = ("none", "numeric", "hard_numeric")
-ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 # OPSD's names for TRL's teacher kinds.
 TEACHER_KIND = {"fixed": "base", "ema": "ema", "dynamic": "live"}
+# SDFTConfig fields that OPSDTrainer never reads, with what to use instead. A value other than SDFTConfig's
+# default is refused: silently training with another objective or prompt than the one asked for is worse.
+IGNORED_SDFT_OPTIONS = {
+    "generate_from_teacher": "OPSD always samples from the student prompt; leave it unset",
+    "distillation_alpha": "set the OPSD divergence with beta instead",
+    "distillation_mode": "set the OPSD objective with loss_type (jsd | sampled_token) instead",
+    "distillation_topk": "restrict the OPSD loss with top_k_loss instead",
+    "distillation_is_clip": "clip the OPSD loss with jsd_token_clip and clip_mode instead",
+    "distillation_add_tail": "the OPSD loss has no tail bucket; leave it unset",
+    "teacher_prompt_template": "give a teacher template file with teacher_prompt_file ({problem}, {reference})",
+    "use_teacher_server": "OPSD scores the teacher locally on the full vocabulary; leave it unset",
+    "chat_template_kwargs": "use student_thinking / teacher_thinking, or the prompt template files",
+}
 
 
 def _help(text: str) -> dict:
     return {"help": text}
+
+
+def _choice(name: str, text: str) -> dict:
+    """Metadata of a choice field: its help and its allowed values (opsd.choices), which the CLI enforces too."""
+    return {"help": text, "choices": CHOICES[name]}
+
+
+def _module_list(value) -> list[str]:
+    """LoRA target modules from a list (YAML, CLI) or a comma-separated string, entries split on commas too."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    modules = [m.strip() for item in items for m in str(item).split(",") if m.strip()]
+    if not modules:
+        raise ValueError(
+            f"lora_target_modules={value!r} names no module; give e.g. q_proj,v_proj or all-linear"
+        )
+    return modules
 
 
 @dataclass
@@ -74,8 +99,14 @@ class OPSDConfig(SDFTConfig):
     model_name_or_path: str = field(
         default="", metadata=_help("Hub name or local directory; empty = the embedded SmolLM2-135M-Instruct.")
     )
+    model_revision: str = field(
+        default="main", metadata=_help("Hub revision (branch, tag or commit) of the model and its tokenizer.")
+    )
+    torch_dtype: str | None = field(
+        default=None, metadata=_help("Older name of `dtype` (TRL/open-r1 configs); sets dtype when given.")
+    )
     dtype: str = field(
-        default="auto", metadata=_help("auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
+        default="auto", metadata=_choice("dtype", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     )
     attn_implementation: str = field(
         default="auto",
@@ -87,9 +118,12 @@ class OPSDConfig(SDFTConfig):
     lora_r: int = field(default=64, metadata=_help("LoRA rank."))
     lora_alpha: int = field(default=128, metadata=_help("LoRA alpha."))
     lora_dropout: float = field(default=0.0, metadata=_help("LoRA dropout."))
-    lora_target_modules: str = field(
-        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        metadata=_help("Comma-separated module names that get LoRA adapters."),
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata=_help(
+            "Module names that get LoRA adapters: a YAML list, `--lora_target_modules q_proj k_proj`, or "
+            "comma-separated (`q_proj,k_proj`, the recipe.env / OPSD_* form); `all-linear` as in peft."
+        ),
     )
     # Data and prompts -------------------------------------------------------------------------------------
     dataset_name: str = field(
@@ -99,9 +133,9 @@ class OPSDConfig(SDFTConfig):
         ),
     )
     dataset_split: str = field(default="train", metadata=_help("Split of a hub dataset."))
-    data_filter: str = field(default="none", metadata=_help("none | numeric | hard_numeric (docs/method.md §2)."))
+    data_filter: str = field(default="none", metadata=_choice("data_filter", "none | numeric | hard_numeric (docs/method.md §2)."))
     teacher_ref: str = field(
-        default="solution", metadata=_help("Privileged context: solution | cot (COT_Reason).")
+        default="solution", metadata=_choice("teacher_ref", "Privileged context: solution | cot (COT_Reason).")
     )
     teacher_ref_max_chars: int = field(
         default=8000, metadata=_help("Cut the reference to this many characters; 0 = no cut.")
@@ -128,24 +162,31 @@ class OPSDConfig(SDFTConfig):
         default=0.0, metadata=_help("Temperature of both distributions in the loss; 0 = rollout temperature.")
     )
     jsd_token_clip: float = field(default=0.05, metadata=_help("Clip threshold of the divergence terms."))
-    clip_mode: str = field(default="element", metadata=_help("element | token | rescale | none (docs/method.md §1.4)."))
+    clip_mode: str = field(default="element", metadata=_choice("clip_mode", "element | token | rescale | none (docs/method.md §1.4)."))
     top_k_loss: int = field(
         default=0, metadata=_help("Restrict both distributions to the teacher's top-k; 0 = full vocabulary.")
     )
     loss_type: str = field(
         default="jsd",
-        metadata=_help("jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."),
+        metadata=_choice("loss_type", "jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."),
     )
     loss_chunk_size: int = field(default=1024, metadata=_help("Tokens per chunk of the memory-flat loss."))
     fix_position_ids: bool = field(
         default=True,
         metadata=_help(
-            "Positions = index in the unpadded sequence; false reproduces the reference code's shift."
+            "Positions = index in the unpadded sequence; false scores the reference code's rows exactly "
+            "(right-padded prompts, pad-id mask, completion token j at position P + j)."
+        ),
+    )
+    num_loss_tokens_to_skip: int = field(
+        default=0,
+        metadata=_help(
+            "Leave the first N completion tokens out of the loss, its token count and the opsd/* metrics."
         ),
     )
     # Teacher ------------------------------------------------------------------------------------------------
     teacher_mode: str = field(
-        default="fixed", metadata=_help("fixed (initial policy) | ema | dynamic (current weights).")
+        default="fixed", metadata=_choice("teacher_mode", "fixed (initial policy) | ema | dynamic (current weights).")
     )
     ema_decay: float = field(
         default=0.999, metadata=_help("EMA decay of the teacher weights (teacher_mode=ema).")
@@ -153,7 +194,7 @@ class OPSDConfig(SDFTConfig):
     # Rollouts -----------------------------------------------------------------------------------------------
     rollout_engine: str = field(
         default="auto",
-        metadata=_help("auto (vLLM if installed, else transformers with a warning) | vllm | transformers."),
+        metadata=_choice("rollout_engine", "auto (vLLM if installed, else transformers with a warning) | vllm | transformers."),
     )
     # Budget helpers -------------------------------------------------------------------------------------------
     wavg_last: int = field(
@@ -174,6 +215,16 @@ class OPSDConfig(SDFTConfig):
         ),
     )
 
+    # Completions log ---------------------------------------------------------------------------------------
+    completions_steps: int = field(
+        default=10,
+        metadata=_help(
+            "Every N steps write a few (problem, reference, completion, per-token divergence) rows to "
+            "completions.jsonl and to W&B; 0 = off."
+        ),
+    )
+    completions_rows: int = field(default=4, metadata=_help("Rows per completions log entry."))
+
     def __post_init__(self):
         import torch
 
@@ -187,12 +238,15 @@ class OPSDConfig(SDFTConfig):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is out of range: {rule}")
 
-        choose("clip_mode", CLIP_MODES)
-        choose("loss_type", LOSS_TYPES)
-        choose("teacher_mode", TEACHER_MODES)
-        choose("teacher_ref", TEACHER_REFS)
-        choose("data_filter", DATA_FILTERS)
-        choose("rollout_engine", ROLLOUT_ENGINES)
+        if self.torch_dtype is not None:  # TRL/open-r1 configs still say torch_dtype
+            if self.dtype not in ("auto", self.torch_dtype):
+                raise ValueError(
+                    f"torch_dtype={self.torch_dtype!r} and dtype={self.dtype!r} disagree; set only dtype"
+                )
+            self.dtype, self.torch_dtype = self.torch_dtype, None
+        self.lora_target_modules = _module_list(self.lora_target_modules)
+        for name in CHOICES:
+            check_choice(name, getattr(self, name))
         bound("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]")
         bound(
             "jsd_token_clip", self.jsd_token_clip > 0, "must be > 0 (use clip_mode=none to disable clipping)"
@@ -206,10 +260,19 @@ class OPSDConfig(SDFTConfig):
         bound("wavg_last", self.wavg_last >= 0, "must be >= 0 (0 = off)")
         bound("probe_steps", self.probe_steps >= 0, "must be >= 0 (0 = off)")
         bound("probe_size", self.probe_size >= 0, "must be >= 0 (0 = off)")
+        bound("completions_steps", self.completions_steps >= 0, "must be >= 0 (0 = off)")
+        bound("completions_rows", self.completions_rows > 0, "must be > 0")
         bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
         bound("lora_r", self.lora_r > 0, "must be > 0")
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
         bound("max_completion_length", (self.max_completion_length or 0) > 0, "must be > 0")
+        bound("num_loss_tokens_to_skip", self.num_loss_tokens_to_skip >= 0, "must be >= 0 (0 = none)")
+        sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}
+        for name, instead in IGNORED_SDFT_OPTIONS.items():
+            if getattr(self, name) != sdft_defaults[name]:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is an SDFTTrainer option that OPSDTrainer ignores; {instead}"
+                )
         # Map OPSD's switches onto the TRL fields that implement them.
         self.teacher_model_kind = TEACHER_KIND[self.teacher_mode]
         self.teacher_update_rate = 1.0 - self.ema_decay

@@ -30,6 +30,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opsd.choices import DATA_FILTERS
+
 if TYPE_CHECKING:  # `datasets` is imported where tables are built, so the generators need only the stdlib
     from datasets import Dataset
 
@@ -37,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 TRAIN_COLUMNS = ("problem", "solution", "Answer", "COT_Reason", "generated_token_count")
 EVAL_COLUMNS = ("problem", "answer")
-DATA_FILTERS = ("none", "numeric", "hard_numeric")
 HARD_MIN_TOKENS = 2000
 BUILTIN = "builtin"
 EASY = "builtin:easy"

@@ -38,6 +38,7 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 _BOX_START = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _TOKEN_STOP = set(" \t\r\n$")
+_ESCAPE_OR_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
 def answer_region(text: str) -> str | None:
@@ -49,45 +50,59 @@ def answer_region(text: str) -> str | None:
     return text
 
 
-def _match_braces(text: str, open_pos: int) -> int | None:
-    """Index just past the brace that closes the one at `open_pos`, or None if the text ends first."""
-    depth = 0
-    i = open_pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            # An escaped character (\{, \}, \\) never opens or closes a group.
-            i += 2
-            continue
+def _closing_braces(text: str) -> dict[int, int]:
+    r"""For each `{` of `text` that is closed, the index just past its closing `}`: one pass with a stack.
+
+    A backslash escapes the next character (``\{``, ``\}``, ``\\``), which then never opens or closes a
+    group. The pass starts at the beginning of the text and agrees with a scan started at any box's `{`:
+    that brace follows a letter or white space, never an escaping backslash. Matching once keeps
+    extraction linear: a run of unclosed boxes (``\boxed{1\boxed{1...``) is not rescanned per box.
+    """
+    closes: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _ESCAPE_OR_BRACE.finditer(text):
+        ch = text[m.start()]
         if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+            stack.append(m.start())
+        elif ch == "}" and stack:
+            closes[stack.pop()] = m.end()
+    return closes
 
 
-def _read_box(text: str, name_end: int) -> tuple[str | None, int]:
-    """Read one box whose command ends at `name_end`: (content or None if truncated, scan resume index)."""
+def _strip_span(text: str, start: int, end: int) -> tuple[int, int]:
+    """`(start, end)` narrowed as `text[start:end].strip()` would narrow it, without copying."""
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end
+
+
+def _read_box(
+    text: str, name_end: int, end: int, closes: dict[int, int]
+) -> tuple[tuple[int, int] | None, int]:
+    """Read one box whose command ends at `name_end`, within `text[:end]`.
+
+    Returns (span of its content, or None if truncated; scan resume index). `closes` is
+    `_closing_braces(text)`; a brace closed only after `end` counts as unclosed.
+    """
     i = name_end
-    while i < len(text) and text[i].isspace():
+    while i < end and text[i].isspace():
         i += 1
-    if i >= len(text):
-        return None, len(text)
+    if i >= end:
+        return None, end
     if text[i] == "{":
-        end = _match_braces(text, i)
-        if end is None:
+        close = closes.get(i)
+        if close is None or close > end:
             # Truncated: keep scanning after the opening brace so later complete boxes are still seen.
             return None, i + 1
-        return text[i + 1 : end - 1], end
+        return (i + 1, close - 1), close
     if i == name_end and text[i] not in "0123456789-":
         # `\boxed(` or `\boxed\frac`: not the brace-less single-token form we accept.
         return None, i
     # One token: up to white space or `$`, or a `}` that closes a group opened before the box.
     j, depth = i, 0
-    while j < len(text) and text[j] not in _TOKEN_STOP:
+    while j < end and text[j] not in _TOKEN_STOP:
         if text[j] == "{":
             depth += 1
         elif text[j] == "}":
@@ -95,34 +110,46 @@ def _read_box(text: str, name_end: int) -> tuple[str | None, int]:
                 break
             depth -= 1
         j += 1
-    return text[i:j].rstrip(".,;"), j
+    stop = j
+    while stop > i and text[stop - 1] in ".,;":
+        stop -= 1
+    return (i, stop), j
 
 
 def find_boxes(text: str) -> list[str | None]:
     r"""All top-level boxes in `text` in order; each is its stripped content, or None if truncated.
 
-    A ``\boxed`` inside an earlier complete box is part of that box's content.
+    A ``\boxed`` inside an earlier complete box is part of that box's content. Linear in `len(text)`.
     """
+    closes = _closing_braces(text)
     boxes: list[str | None] = []
     pos = 0
     while True:
         m = _BOX_START.search(text, pos)
         if m is None:
             return boxes
-        content, pos = _read_box(text, m.end())
-        boxes.append(None if content is None else content.strip())
+        span, pos = _read_box(text, m.end(), len(text), closes)
+        boxes.append(None if span is None else text[slice(*_strip_span(text, *span))])
 
 
 def _unwrap_box(content: str) -> str:
-    r"""Strip redundant wrappers such as ``\boxed{\boxed{5}}`` down to ``5``."""
+    r"""Strip redundant wrappers such as ``\boxed{\boxed{5}}`` down to ``5``.
+
+    Works on index spans of `content`, so deep nesting costs one pass, not one copy per level.
+    """
+    start, end = 0, len(content)
+    closes = None
     while True:
-        m = _BOX_START.match(content)
+        m = _BOX_START.match(content, start, end)
         if m is None:
-            return content
-        inner, end = _read_box(content, m.end())
-        if inner is None or content[end:].strip():
-            return content
-        content = inner.strip()
+            break
+        if closes is None:
+            closes = _closing_braces(content)
+        span, resume = _read_box(content, m.end(), end, closes)
+        if span is None or _strip_span(content, resume, end)[0] < end:
+            break
+        start, end = _strip_span(content, *span)
+    return content[start:end]
 
 
 def extract_boxed(text: str) -> str | None:

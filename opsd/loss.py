@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-CLIP_MODES = ("element", "token", "rescale", "none")
-LOSS_TYPES = ("jsd", "sampled_token")
+from opsd.choices import CLIP_MODES, LOSS_TYPES
+
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
 
 

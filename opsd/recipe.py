@@ -36,15 +36,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import SchedulerType
 
-from opsd.config import (
-    CLIP_MODES,
-    DATA_FILTERS,
-    LOSS_TYPES,
-    ROLLOUT_ENGINES,
-    TEACHER_MODES,
-    TEACHER_REFS,
-    OPSDConfig,
-)
+from opsd.config import OPSDConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +59,7 @@ RECIPE_KEYS = frozenset({
     "temperature", "top_p", "top_k", "max_completion_length",
     # loss
     "beta", "loss_temperature", "jsd_token_clip", "clip_mode", "top_k_loss", "loss_type", "fix_position_ids",
+    "num_loss_tokens_to_skip",
     # LoRA
     "lora_r", "lora_alpha", "lora_dropout",
     # teacher and data
@@ -95,15 +88,10 @@ BUDGET_KEYS = frozenset({
 # Names people carry over from older transformers releases; the hint beats a bare "unknown key".
 _RENAMED = {"warmup_ratio": "transformers 5 removed warmup_ratio; a WARMUP_STEPS value below 1 is a ratio"}
 
-# Choice fields typed plain `str` in their dataclasses, so their allowed values come from here.
+# Inherited choice fields typed plain `str` upstream; OPSD's own choice fields carry their allowed values in
+# their metadata (opsd.choices).
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "clip_mode": CLIP_MODES,
-    "loss_type": LOSS_TYPES,
-    "teacher_mode": TEACHER_MODES,
-    "teacher_ref": TEACHER_REFS,
-    "data_filter": DATA_FILTERS,
-    "rollout_engine": ROLLOUT_ENGINES,
-    # A plain str upstream; the enum holds the names the trainer accepts.
+    # The enum holds the names the trainer accepts.
     "lr_scheduler_type": tuple(s.value for s in SchedulerType),
 }
 
@@ -155,6 +143,8 @@ def _specs() -> dict[str, _Spec]:
         choices = f.metadata.get("choices")
         if f.name in _CHOICES:
             specs[f.name] = _Spec("str", _CHOICES[f.name])
+        elif f.name == "lora_target_modules":  # a list, written comma-separated on one line
+            specs[f.name] = _Spec("str")
         elif any(typing.get_origin(a) is list or a is list for a in args):  # argparse nargs='+'
             specs[f.name] = _Spec("unsupported")
         elif bool in args:  # HfArgumentParser parses `str | bool` as a bool too

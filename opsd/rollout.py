@@ -40,6 +40,18 @@ class SamplingConfig:
     min_tokens: int = 0  # benchmarks force fixed-length completions with min_tokens == max_tokens
 
 
+# vLLM's distributed init binds to VLLM_HOST_IP, by default the host's outward address; where that address is
+# unreachable (an isolated or firewalled node) the engine waits forever after "Using V2 Model Runner". Every
+# engine of this repo is single-node, so loopback is always right; a user's own setting wins.
+SINGLE_NODE_ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def single_node_engine_env(environ=os.environ) -> None:
+    """Fill in the engine settings above that the environment does not set already."""
+    for name, value in SINGLE_NODE_ENGINE_ENV.items():
+        environ.setdefault(name, value)
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
@@ -63,7 +75,7 @@ class VLLMEngine:
         max_lora_rank: int = 64,
         dtype: str | None = None,
     ):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        single_node_engine_env()
         from vllm import LLM
 
         if dtype is None:

@@ -2,6 +2,7 @@
 
 Torch-only, shared by the trainer and the benchmarks. Rows are laid out `[left-padded prompt ; right-padded
 completion]`; positions are computed from the masks so padding never shifts a real token (docs/method.md §1.2).
+`fix_positions=False` instead rebuilds the rows the reference code fed its model (`reference_rows`).
 """
 
 from __future__ import annotations
@@ -9,19 +10,58 @@ from __future__ import annotations
 import torch
 
 
-def positions(prompt_mask_BP: torch.Tensor, completion_width: int, fix: bool) -> torch.Tensor:
+def positions(prompt_mask_BP: torch.Tensor, completion_width: int) -> torch.Tensor:
     """Position ids of `[left-padded prompt ; completion]` rows, shape (B, P + C).
 
-    `fix=True`: each real token's index in its own unpadded sequence (prompt tokens 0..Lp-1, completion
-    tokens Lp, Lp+1, ...), which is what the rollout engine used. `fix=False`: the reference code's layout
-    (prompts right-padded to width P, completions appended), i.e. completion token j sits at P + j.
-    Padding tokens get position 0; they are masked out of attention anyway.
+    Each real token's index in its own unpadded sequence (prompt tokens 0..Lp-1, completion tokens Lp, Lp+1,
+    ...), which is what the rollout engine used. Padding tokens get position 0; they are masked out of attention.
     """
-    prompt_len_B = prompt_mask_BP.sum(dim=1, keepdim=True)
+    prompt_len_B1 = prompt_mask_BP.sum(dim=1, keepdim=True)
     pos_prompt = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
-    start_B1 = prompt_len_B if fix else torch.full_like(prompt_len_B, prompt_mask_BP.size(1))
-    pos_completion = start_B1 + torch.arange(completion_width, device=prompt_mask_BP.device)
+    pos_completion = prompt_len_B1 + torch.arange(completion_width, device=prompt_mask_BP.device)
     return torch.cat([pos_prompt * prompt_mask_BP, pos_completion], dim=1)
+
+
+def reference_rows(
+    prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the reference code's rows, shape (B, P + C), from left-padded prompts.
+
+    The reference pads prompts on the right with the tokenizer's pad token, appends the completions (padded
+    with it too), masks every position whose id is the pad id, and lets the model number positions 0..P+C-1.
+    So completion token j sits at position P + j, and a shorter prompt's token 0 is predicted from the pad
+    token in column P - 1. A real token equal to the pad id is masked as well (SmolLM2 pads with its
+    `<|im_end|>`, so there every turn end is hidden from attention).
+    """
+    width = prompt_ids_BP.size(1)
+    n_pad_B1 = width - prompt_mask_BP.sum(dim=1, keepdim=True)
+    # Rotating each left-padded row by its pad count moves its real tokens to the front.
+    cols_BP = (torch.arange(width, device=prompt_ids_BP.device) + n_pad_B1) % width
+    real_BP = prompt_mask_BP.gather(1, cols_BP).bool()
+    prompt_BP = torch.where(real_BP, prompt_ids_BP.gather(1, cols_BP), pad_token_id)
+    completion_BC = torch.where(completion_mask_BC.bool(), completion_ids_BC, pad_token_id)
+    input_ids = torch.cat([prompt_BP, completion_BC], dim=1)
+    return input_ids, (input_ids != pad_token_id).long()
+
+
+def loss_token_mask(
+    completion_ids_BC: torch.Tensor,
+    completion_mask_BC: torch.Tensor,
+    *,
+    skip: int = 0,
+    pad_token_id: int | None = None,
+) -> torch.Tensor:
+    """(B, C) mask of the completion tokens that enter the loss, its denominator and its metrics.
+
+    The first `skip` tokens of every completion are left out (SDFT's `num_loss_tokens_to_skip`). With a
+    `pad_token_id` (the reference layout), tokens equal to it are left out too, as the reference's labels do.
+    """
+    keep_BC = completion_mask_BC.bool()
+    if skip:
+        keep_BC = keep_BC & (torch.arange(completion_mask_BC.size(1), device=keep_BC.device) >= skip)
+    if pad_token_id is not None:
+        keep_BC = keep_BC & (completion_ids_BC != pad_token_id)
+    return keep_BC.long()
 
 
 def _pad(seqs: list[list[int]], pad_id: int, device, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,16 +87,36 @@ def right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 
 
 def completion_hidden(
-    model, prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC, *, fix_positions: bool = True
+    model,
+    prompt_ids_BP,
+    prompt_mask_BP,
+    completion_ids_BC,
+    completion_mask_BC,
+    *,
+    fix_positions: bool = True,
+    pad_token_id: int | None = None,
 ) -> torch.Tensor:
     """Final hidden states (after the last norm) that predict each valid completion token, flattened to (N, H).
 
-    The forward goes through the model object it is given (so DDP/DeepSpeed wrappers see it) and asks for
-    logits at the last position only; the completion's logits are computed later, in chunks, by the loss.
+    `fix_positions=False` scores the reference code's rows instead (`reference_rows`, which needs the
+    `pad_token_id`); the tokens kept are still those of `completion_mask_BC`. The forward goes through the
+    model object it is given (so DDP/DeepSpeed wrappers see it) and asks for logits at the last position
+    only; the completion's logits are computed later, in chunks, by the loss.
     """
-    input_ids = torch.cat([prompt_ids_BP, completion_ids_BC], dim=1)
-    attention_mask = torch.cat([prompt_mask_BP, completion_mask_BC], dim=1)
-    position_ids = positions(prompt_mask_BP, completion_ids_BC.size(1), fix_positions)
+    if fix_positions:
+        input_ids = torch.cat([prompt_ids_BP, completion_ids_BC], dim=1)
+        attention_mask = torch.cat([prompt_mask_BP, completion_mask_BC], dim=1)
+        position_ids = positions(prompt_mask_BP, completion_ids_BC.size(1))
+    else:
+        if pad_token_id is None:
+            raise ValueError(
+                "fix_positions=False needs the tokenizer's pad_token_id to rebuild the reference rows"
+            )
+        input_ids, attention_mask = reference_rows(
+            prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC, pad_token_id
+        )
+        # As in the reference, the model numbers the positions itself (0..P+C-1 for causal LMs).
+        position_ids = None
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

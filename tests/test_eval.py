@@ -285,14 +285,14 @@ FLAG_SPELLINGS = {
 
 @pytest.mark.parametrize("flags", list(FLAG_SPELLINGS), ids=lambda f: " ".join(f) or "none")
 def test_merge_adapter_flag_spellings(flags):
-    from opsd.evaluate import parse_config
+    from opsd.evaluation.config import parse_config
 
     config = parse_config(["--adapter", "ckpt", *flags, "--n", "3", "--out", "x"])
     assert config.merge_adapter == FLAG_SPELLINGS[flags] and config.n == 3  # a bare flag takes no value
 
 
 def test_merge_adapter_bad_values_are_user_errors():
-    from opsd.evaluate import UserError, parse_config
+    from opsd.evaluation.config import UserError, parse_config
 
     with pytest.raises(UserError, match="choose auto, true"):
         parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])
@@ -314,7 +314,7 @@ def test_merge_adapter_bad_values_are_user_errors():
     ],
 )
 def test_adapter_mode_resolution(merge, engine, cuda, expected):
-    from opsd.evaluate import resolve_adapter_mode
+    from opsd.evaluation.job import resolve_adapter_mode
 
     assert resolve_adapter_mode(merge, engine, True, cuda) == expected
     assert resolve_adapter_mode(merge, engine, False, cuda) is None

@@ -226,3 +226,113 @@ def test_is_correct_in_worker_thread() -> None:
     thread.start()
     thread.join()
     assert results == {"half": True, "wrong": False}
+
+
+# --- extraction is linear: adversarial completions against the quadratic reference it replaced ---------------
+
+
+def _old_match_braces(text: str, open_pos: int) -> int | None:
+    depth, i = 0, open_pos
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _old_read_box(text: str, name_end: int) -> tuple[str | None, int]:
+    i = name_end
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i >= len(text):
+        return None, len(text)
+    if text[i] == "{":
+        end = _old_match_braces(text, i)
+        return (None, i + 1) if end is None else (text[i + 1 : end - 1], end)
+    if i == name_end and text[i] not in "0123456789-":
+        return None, i
+    j, depth = i, 0
+    while j < len(text) and text[j] not in " \t\r\n$":
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            if depth == 0:
+                break
+            depth -= 1
+        j += 1
+    return text[i:j].rstrip(".,;"), j
+
+
+def _old_find_boxes(text: str) -> list[str | None]:
+    """The rescanning extraction that grading.py used before: the naive reference."""
+    boxes, pos = [], 0
+    while (m := grading._BOX_START.search(text, pos)) is not None:
+        content, pos = _old_read_box(text, m.end())
+        boxes.append(None if content is None else content.strip())
+    return boxes
+
+
+def _old_extract_boxed(text: str) -> str | None:
+    region = answer_region(text)
+    for content in reversed(_old_find_boxes(region) if region is not None else []):
+        if content:
+            while (m := grading._BOX_START.match(content)) is not None:
+                inner, end = _old_read_box(content, m.end())
+                if inner is None or content[end:].strip():
+                    break
+                content = inner.strip()
+            return content
+    return None
+
+
+_PIECES = [
+    "\\boxed", "\\fbox", "\\boxedx", "{", "}", "{", "}", "\\{", "\\}", "\\\\", "\\", " ", "\n", "\u00a0", "1",
+    "-", "7.", ",", ";", "$", "a", "</think>", "<think>", "\\frac",
+]  # fmt: skip
+
+
+def test_extraction_matches_the_naive_reference_on_random_texts() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(10_000):
+        text = "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 60)))
+        assert find_boxes(text) == _old_find_boxes(text), text
+        assert extract_boxed(text) == _old_extract_boxed(text), text
+
+
+ADVERSARIAL = {
+    "unclosed boxes": "</think>" + "\\boxed{1" * 25_000,
+    "open braces": "</think>\\boxed" + "{" * 200_000,
+    "nested unclosed boxes": "</think>" + "\\boxed{" * 28_000,
+    "nested closed boxes": "</think>" + "\\boxed{" * 25_000 + "5" + "}" * 25_000,
+    "many closed boxes": "</think>" + "\\boxed{12} " * 18_000,
+    "spaced boxes": "</think>" + "\\boxed  " * 25_000 + "\\boxed{3",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(ADVERSARIAL))
+def test_extraction_is_linear_on_adversarial_completions(shape: str) -> None:
+    import time
+
+    text = ADVERSARIAL[shape]
+    assert len(text) >= 190_000
+    elapsed = []
+    for _ in range(3):  # the best of three, so a busy machine does not fail a complexity check
+        start = time.perf_counter()
+        got = extract_boxed(text)
+        elapsed.append(time.perf_counter() - start)
+    # The quadratic scan took ~7 s at 32k characters; linear extraction takes ~0.1 s at 200k.
+    assert min(elapsed) < 0.5, f"{shape}: {min(elapsed):.2f} s"
+    # A spaced `\boxed` reads the next `\boxed` as its brace-less one-token answer, as before.
+    expected = {"nested closed boxes": "5", "many closed boxes": "12", "spaced boxes": "\\boxed"}.get(shape)
+    assert got == expected
+    small = text[:4000]  # the reference is quadratic: compare on a prefix
+    assert extract_boxed(small) == _old_extract_boxed(small)

@@ -6,20 +6,19 @@ import torch
 from opsd.scoring import positions
 
 
-def _naive_positions(prompt_mask, completion_width, fix):
+def _naive_positions(prompt_mask, completion_width):
     rows = []
     for m in prompt_mask.tolist():
         n_pad, n_real = m.count(0), m.count(1)
         prompt = [0] * n_pad + list(range(n_real))
-        start = n_real if fix else len(m)
-        rows.append(prompt + list(range(start, start + completion_width)))
+        rows.append(prompt + list(range(n_real, n_real + completion_width)))
     return torch.tensor(rows)
 
 
-@pytest.mark.parametrize("fix", [True, False])
-def test_positions_against_naive(fix):
+def test_positions_against_naive():
+    # fix_position_ids=False scores other rows (tests/test_positions_and_first_token.py).
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
-    assert torch.equal(positions(mask, 4, fix), _naive_positions(mask, 4, fix))
+    assert torch.equal(positions(mask, 4), _naive_positions(mask, 4))
 
 
 @pytest.fixture(scope="module")

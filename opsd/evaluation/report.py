@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluate import SUMMARY_FILE, EvalConfig, UserError
+from opsd.evaluation.config import EvalConfig, UserError
+from opsd.evaluation.samples import SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 

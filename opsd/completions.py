@@ -1,0 +1,120 @@
+"""The completions log: what the student wrote and where its teacher disagreed, a few rows every N steps.
+
+Every `completions_steps` optimizer steps the trainer takes the first `completions_rows` rows of the step's
+first micro-batch on the main process and writes, per row, the problem, the privileged reference, the
+student's completion, and a summary of the per-token divergence D_β (unclipped, at the loss's β,
+temperature and top-k; `docs/method.md §1.3`):
+
+    {"step": 10, "problem": "...", "reference": "...", "completion": "...", "num_tokens": 143,
+     "divergence_mean": 0.21, "divergence_max": 3.4, "divergence_first": 0.9,
+     "top_tokens": [[17, " 12", 3.4], ...]}      # (position, token text, D_β) of the largest D_β
+
+to `<output_dir>/completions.jsonl` (append-only; cut back to the checkpoint on resume, like metrics.jsonl) and, when the run
+reports to Weights & Biases, as a `completions` table. The scores reuse the hidden states the loss already
+computed; only `completions_rows` rows' logits are formed, without gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opsd.loss import token_divergence
+
+logger = logging.getLogger(__name__)
+
+FILENAME = "completions.jsonl"
+COLUMNS = (
+    "step",
+    "problem",
+    "reference",
+    "completion",
+    "num_tokens",
+    "divergence_mean",
+    "divergence_max",
+    "divergence_first",
+    "top_tokens",
+)
+
+
+@torch.no_grad()
+def completion_rows(
+    *,
+    step: int,
+    problems: Sequence[str],
+    references: Sequence[str],
+    completion_ids_BC: torch.Tensor,
+    completion_mask_BC: torch.Tensor,
+    student_hidden_NH: torch.Tensor,
+    teacher_hidden_NH: torch.Tensor,
+    student_weight_VH: torch.Tensor,
+    teacher_weight_VH: torch.Tensor,
+    tokenizer,
+    rows: int,
+    beta: float,
+    temperature: float,
+    top_k: int = 0,
+    top_tokens: int = 5,
+) -> list[dict[str, Any]]:
+    """Rows for the first `rows` completions of a micro-batch; hidden states are (N, H) over its valid tokens."""
+    lengths = completion_mask_BC.sum(dim=1).tolist()
+    out = []
+    start = 0
+    for b in range(min(rows, len(lengths))):
+        n = int(lengths[b])
+        ids = completion_ids_BC[b][completion_mask_BC[b].bool()]
+        if n == 0:
+            start += n
+            continue
+        h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
+        _, stats = token_divergence(
+            h_s.to(student_weight_VH.dtype) @ student_weight_VH.T,
+            h_t.to(teacher_weight_VH.dtype) @ teacher_weight_VH.T,
+            beta=beta,
+            temperature=temperature,
+            clip_mode="none",
+            top_k=top_k,
+        )
+        d = stats["divergence"]
+        worst = d.topk(min(top_tokens, n)).indices.tolist()
+        out.append(
+            {
+                "step": step,
+                "problem": problems[b],
+                "reference": references[b],
+                "completion": tokenizer.decode(ids.tolist()),
+                "num_tokens": n,
+                "divergence_mean": float(d.mean()),
+                "divergence_max": float(d.max()),
+                "divergence_first": float(d[0]),
+                "top_tokens": [[i, tokenizer.decode([int(ids[i])]), float(d[i])] for i in worst],
+            }
+        )
+        start += n
+    return out
+
+
+def append(output_dir: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    path = Path(output_dir) / FILENAME
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def to_trackers(report_to: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
+    """A `completions` table in W&B when the run reports there (the one tracker we use that takes tables)."""
+    if "wandb" not in report_to or not rows:
+        return
+    import wandb
+
+    if wandb.run is None:
+        return
+    table = wandb.Table(columns=list(COLUMNS))
+    for row in rows:
+        table.add_data(*[json.dumps(row[c]) if c == "top_tokens" else row[c] for c in COLUMNS])
+    wandb.log({"completions": table}, commit=False)

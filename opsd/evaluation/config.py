@@ -1,0 +1,176 @@
+"""eval_aime.py's flags (`EvalConfig`), their parsing, and the errors the entry point reports."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINES = ("auto", "vllm", "transformers")
+_MERGE_WORDS = {
+    "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
+    "false": "false", "no": "false", "n": "false", "f": "false", "0": "false", "off": "false",
+}  # fmt: skip
+
+
+class UserError(Exception):
+    """A mistake in the command or its inputs; the entry point prints it without a traceback (exit 2)."""
+
+
+class RunFailed(Exception):
+    """The run could not finish (a worker died); what was sampled is kept and a rerun resumes (exit 1)."""
+
+    exit_code = 1
+
+
+class EngineDied(RunFailed):
+    """vLLM raised during generation; the finished samples are kept and a rerun resumes (one line, exit 2)."""
+
+    exit_code = 2
+
+
+def _arg(default: Any, help: str) -> Any:
+    """A config field with its --help text; a list default becomes a fresh list per instance."""
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EvalConfig:
+    """Flags of eval_aime.py (`--top-p` and `--top_p` both work). Defaults are the docs/method.md §4 protocol."""
+
+    # What to evaluate
+    model: str = _arg("", "Hub name or model directory; empty = the embedded SmolLM2-135M.")
+    adapter: str = _arg("", "LoRA checkpoint dir from training (has adapter_config.json).")
+    merge_adapter: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: merge the adapter with peft first on vLLM's CPU backend, serve it as a LoRA with "
+            "vLLM on a GPU | true (--merge-adapter): always merge | false (--no-merge-adapter): never.",
+            "nargs": "?",
+            "const": "true",
+            "metavar": "{auto,true,false}",
+        },
+    )
+    dataset: str = _arg("HuggingFaceH4/aime_2024", "Hub dataset, .json/.jsonl/.parquet file, or builtin.")
+    split: str = _arg("train", "Split of a hub dataset.")
+    limit: int = _arg(0, "Evaluate only the first L problems (smoke runs); 0 = all.")
+    # Sampling
+    n: int = _arg(12, "Samples per problem.")
+    k: int | None = _arg(None, "k of pass@k; default n.")
+    temperature: float = _arg(1.0, "Sampling temperature (0 = greedy).")
+    top_p: float = _arg(0.95, "Top-p.")
+    top_k: int = _arg(0, "Top-k; 0 = off.")
+    min_p: float = _arg(0.0, "Min-p; 0 = off.")
+    max_tokens: int = _arg(38912, "New-token cap per sample (cut to fit max_model_len).")
+    max_model_len: int = _arg(
+        40960, "Prompt + completion tokens; lowered to the model's max_position_embeddings."
+    )
+    thinking: bool = _arg(True, "Render prompts with the template's enable_thinking (--no-thinking: off).")
+    prompt_file: str = _arg("", "Student template file (with {problem}), the same as training's.")
+    seed: int = _arg(0, "Base seed; each sample's seed derives from (seed, problem, sample index).")
+    # Engine and output
+    engine: str = _arg("auto", "auto (vLLM if installed, else transformers) | vllm | transformers.")
+    gpu_memory_utilization: float = _arg(0.9, "vLLM's share of GPU memory.")
+    tensor_parallel_size: int = _arg(1, "GPUs per vLLM engine.")
+    num_gpus: int = _arg(1, "Data parallel: N worker processes that pull samples from a shared queue.")
+    stream: bool = _arg(
+        True,
+        "vLLM: keep up to --max-in-flight samples in the engine and save each as it finishes "
+        "(--no-stream: chunks of --chunk-size problems, each waiting for its longest sample).",
+    )
+    max_in_flight: int = _arg(
+        0,
+        "vLLM: most samples in one engine at once; 0 = auto (the engine's max_num_seqs on a GPU; on "
+        "the CPU backend as many as prefill in one step, which a seeded request needs there).",
+    )
+    chunk_size: int = _arg(8, "Problems per generate call with --no-stream and with the transformers engine.")
+    out: str = _arg("", "Result directory (required unless --compare/--aggregate).")
+    plot: bool = _arg(False, "Also write per_problem.png.")
+    # Other modes
+    compare: list[str] = _arg([], "A B: paired per-problem difference b - a of two result dirs.")
+    aggregate: list[str] = _arg([], "R1 R2 ...: mean ± SE across runs of avg@n, pass@k, maj@n, format.")
+    plot_steps: list[str] = _arg([], "DIR ...: avg@n vs training step (checkpoint-N; none = 0) into --out.")
+    shard: str = _arg("", "Internal: r/N, set by --num-gpus for its workers.")
+
+    def __post_init__(self):
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.n < 1:
+            raise bad("n", "need at least one sample per problem (the protocol uses --n 12)")
+        if self.k is not None and not 1 <= self.k <= self.n:
+            raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        for name in ("max_tokens", "max_model_len", "tensor_parallel_size", "num_gpus", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.max_in_flight < 0:
+            raise bad("max_in_flight", "must be >= 0 (0 = auto)")
+        if self.limit < 0:
+            raise bad("limit", "must be >= 0 (0 = all problems)")
+        if self.engine not in ENGINES:
+            raise bad("engine", f"choose one of {ENGINES}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
+        value = {True: "true", False: "false", None: "auto"}.get(self.merge_adapter, self.merge_adapter)
+        if not isinstance(value, str) or value.lower() not in _MERGE_WORDS:
+            raise bad("merge_adapter", "choose auto, true (--merge-adapter) or false (--no-merge-adapter)")
+        self.merge_adapter = _MERGE_WORDS[value.lower()]
+        if self.merge_adapter == "true" and not self.adapter:
+            raise ValueError("--merge-adapter needs --adapter CHECKPOINT")
+        if self.compare and len(self.compare) != 2:
+            raise ValueError(f"compare={self.compare} is invalid: pass exactly two result directories A B")
+        modes = [m for m in ("compare", "aggregate", "plot_steps") if getattr(self, m)]
+        if len(modes) > 1:
+            raise ValueError(f"--{modes[0]} and --{modes[1]} are separate modes; use one at a time")
+        if self.mode in ("eval", "plot_steps") and not self.out:
+            raise ValueError(f"out='' is invalid: --out DIR is required for {self.mode}")
+        if self.shard:
+            m = re.fullmatch(r"(\d+)/(\d+)", self.shard)
+            if not m or not int(m.group(1)) < int(m.group(2)):
+                raise bad("shard", "expected r/N with 0 <= r < N")
+
+    @property
+    def mode(self) -> str:
+        for m in ("compare", "aggregate", "plot_steps"):
+            if getattr(self, m):
+                return m
+        return "eval"
+
+    @property
+    def shard_rank(self) -> tuple[int, int] | None:
+        if not self.shard:
+            return None
+        r, world = self.shard.split("/")
+        return int(r), int(world)
+
+
+def parse_config(argv: Sequence[str]) -> EvalConfig:
+    """Flags (underscores or dashes) into an `EvalConfig`; invalid values raise `UserError`."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        EvalConfig, description="Score a model or LoRA checkpoint on AIME-style problems."
+    )
+    # merge_adapter is a three-way str (HfArgumentParser adds --no_X only for bools defaulting to True).
+    parser.add_argument(
+        "--no_merge_adapter", "--no-merge-adapter", dest="merge_adapter", action="store_const",
+        const="false", default=argparse.SUPPRESS, help="Same as --merge-adapter false.",
+    )  # fmt: skip
+    try:
+        (config,) = parser.parse_args_into_dataclasses(args=list(argv))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return config

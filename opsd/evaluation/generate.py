@@ -1,0 +1,363 @@
+"""Sampling the missing samples of a run and saving each one as it finishes.
+
+vLLM, streaming (the default). Every missing sample is its own engine request, seeded with
+`sample_seed(seed, problem, index)`. `stream` feeds them to vLLM's engine loop (`LLMEngine.add_request`
+and `step`, the loop `LLM.generate` runs internally) and keeps at most `window` requests in the engine:
+whenever samples finish, they are graded and appended to the samples file, and as many new requests
+take their place. The engine's batch stays full until the work runs out, instead of draining at the end
+of every chunk while the longest sample of the chunk decodes alone. A run killed mid-stream loses only
+the samples in flight.
+
+The window bounds what a very large run holds in memory and what sits in vLLM's queue; it defaults to
+the engine's `max_num_seqs` on a GPU (more would only wait inside vLLM). On vLLM's CPU backend it is the
+number of prompts that prefill together in one scheduler step: a seeded request whose prefill is split
+over steps makes the CPU engine rewind its generator, which it cannot do ("CPU Generator does not use
+offset").
+
+`--no-stream` keeps the previous schedule (chunks of `chunk_size` problems, each drained before the
+next starts) through the same loop; it is there to measure what streaming gains (bench/eval_throughput.py).
+The transformers engine always works in chunks: one `generate` call per request (a run of a problem's
+consecutive missing samples, seeded with its first sample's seed), records saved after each chunk.
+
+Work comes from a source with `take(k)` (at most k requests) and `finished(count)`: a list here
+(`ListSource`), a claim queue shared by the data-parallel workers (`opsd.evaluation.workers`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from opsd.evaluation.config import EngineDied, EvalConfig, UserError
+from opsd.evaluation.engines import build_engine
+from opsd.evaluation.job import Job, cuda_available
+from opsd.evaluation.samples import ENGINE_ERROR_LOG, append_samples, read_samples, sample_seed
+
+logger = logging.getLogger(__name__)
+
+NO_TIMINGS = {"engine_start_s": 0.0, "generation_s": 0.0, "new_samples": 0, "new_tokens": 0}
+_REQUEST_IDS = itertools.count()
+
+
+@dataclass
+class Request:
+    """`count` consecutive samples of a problem from index `start`; vLLM's j-th sample gets `seed + j`."""
+
+    problem: dict[str, Any]
+    start: int  # first sample index
+    count: int
+    seed: int
+    prompt_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+
+
+class Source(Protocol):
+    """Where requests come from: `take(k)` hands out at most k, `finished(count)` is told how many of
+    them finished."""
+
+    def take(self, k: int) -> list[Request]: ...
+
+    def finished(self, count: int) -> None: ...
+
+
+class ListSource:
+    """A fixed list of requests, handed out in order."""
+
+    def __init__(self, requests: Iterable[Request]):
+        self._todo = deque(requests)
+
+    def take(self, k: int) -> list[Request]:
+        return [self._todo.popleft() for _ in range(min(k, len(self._todo)))]
+
+    def finished(self, count: int) -> None:
+        pass
+
+
+def plan_requests(
+    problems: Sequence[dict[str, Any]],
+    have: set[tuple[str, int]],
+    n: int,
+    seed: int,
+    *,
+    per_sample: bool = False,
+    sample_major: bool = False,
+) -> list[Request]:
+    """The requests for the samples missing from `have`.
+
+    `per_sample`: one request per sample (vLLM streaming), else one per run of consecutive missing
+    indices of a problem. `sample_major`: sample 0 of every problem first, then sample 1, ...: any
+    stretch of the list mixes problems, so the workers that pull stretches of it get a mix of easy
+    and hard problems. Seeds are per sample either way, so the order changes no sample."""
+    requests = []
+    for p in problems:
+        missing = [i for i in range(n) if (p["id"], i) not in have]
+        runs: list[list[int]] = []
+        for i in missing:
+            if runs and runs[-1][-1] == i - 1 and not per_sample:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        requests += [Request(p, run[0], len(run), sample_seed(seed, p["index"], run[0])) for run in runs]
+    if sample_major:
+        requests.sort(key=lambda r: r.start)  # stable: problems keep their order within an index
+    return requests
+
+
+def prepare_prompts(job: Job, requests: Sequence[Request]) -> None:
+    """Render each problem's prompt once and cut each request's token cap to fit max_model_len."""
+    config, max_len = job.config, job.resolved["max_model_len_used"]
+    prompts: dict[str, list[int]] = {}
+    cut = 0
+    for r in requests:
+        pid = r.problem["id"]
+        if pid not in prompts:
+            prompts[pid] = job.builder.student_ids(r.problem["problem"])
+        r.prompt_ids = prompts[pid]
+        r.max_tokens = min(config.max_tokens, max_len - len(r.prompt_ids))
+        cut += r.max_tokens < config.max_tokens
+        if r.max_tokens < 1:
+            raise UserError(
+                f"problem {pid!r}: its prompt has {len(r.prompt_ids)} tokens, no room left under "
+                f"max_model_len {max_len}; raise --max-model-len"
+            )
+    if cut:
+        logger.warning("max_tokens cut to fit max_model_len %d for %d request(s)", max_len, cut)
+
+
+# --- vLLM: the streaming loop -------------------------------------------------------------------------------
+
+
+def vllm_params(config: EvalConfig, r: Request, **overrides: Any):
+    """vLLM sampling parameters of one request: the run's sampling settings, its seed, n and token cap."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=r.count, max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p,
+        top_k=config.top_k if config.top_k > 0 else -1, min_p=config.min_p, seed=r.seed,
+        output_kind=RequestOutputKind.FINAL_ONLY, **overrides,
+    )  # fmt: skip
+
+
+def auto_window(llm, longest_prompt: int, cuda: bool) -> int:
+    """The default bound on requests in flight (module docstring): max_num_seqs, or on the CPU backend the
+    requests whose prompts prefill together in one step."""
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    if cuda:
+        return int(sched.max_num_seqs)
+    return max(1, min(int(sched.max_num_seqs), int(sched.max_num_batched_tokens) // max(1, longest_prompt)))
+
+
+def stream(
+    llm,
+    source: Source,
+    *,
+    window: int,
+    params: Callable[[Request], Any],
+    on_finished: Callable[[list[tuple[Request, list[Any]]]], None],
+    lora_request: Any = None,
+) -> None:
+    """Run `source`'s requests through `llm` (a `vllm.LLM`) with at most `window` of them in the engine
+    at once (one sample each when streaming, so `window` samples).
+
+    After every engine step, the requests that finished are passed to `on_finished` as (request, its
+    vLLM `CompletionOutput`s in sample order) and their places refilled. Returns when `source` has
+    nothing left and the engine is empty. On any exception the requests still in flight are aborted, so
+    the engine can serve other calls if it is still alive."""
+    engine = llm.llm_engine
+    in_flight: dict[str, Request] = {}
+    try:
+        while True:
+            room = window - len(in_flight)
+            if room > 0:
+                for r in source.take(room):
+                    rid = f"opsd-eval-{next(_REQUEST_IDS)}"
+                    engine.add_request(
+                        rid, {"prompt_token_ids": r.prompt_ids}, params(r), lora_request=lora_request
+                    )
+                    in_flight[rid] = r
+            if not in_flight:
+                return
+            done = []
+            for out in engine.step():
+                if out.finished and out.request_id in in_flight:
+                    done.append((in_flight.pop(out.request_id), sorted(out.outputs, key=lambda o: o.index)))
+            if done:
+                on_finished(done)
+                source.finished(len(done))
+    except BaseException:
+        if in_flight:
+            try:
+                engine.abort_request(list(in_flight))
+            except Exception:  # a dead engine cannot abort; nothing is left to clean up then
+                pass
+        raise
+
+
+def stream_chunked(
+    llm, source: Source, *, chunk: int, window: int, params, on_finished, lora_request: Any = None
+) -> None:
+    """The previous schedule through the same loop: take `chunk` requests, drain them, repeat."""
+    while batch := source.take(chunk):
+        stream(llm, ListSource(batch), window=window, params=params, on_finished=on_finished,
+               lora_request=lora_request)  # fmt: skip
+        source.finished(len(batch))
+
+
+# --- records ----------------------------------------------------------------------------------------------
+
+
+def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence[int], truncated: bool):
+    """One line of samples.jsonl, graded."""
+    from opsd.grading import grade
+
+    graded = grade(text, r.problem["answer"])
+    prompt = {"prompt": job.tokenizer.decode(r.prompt_ids)} if idx == 0 else {}
+    return {
+        "id": r.problem["id"],
+        "idx": idx,
+        "problem_index": r.problem["index"],
+        "request_seed": r.seed,
+        **prompt,
+        "text": text,
+        "extracted": graded["extracted"],
+        "correct": graded["correct"],
+        "has_box": graded["has_box"],
+        "n_tokens": len(token_ids),
+        "truncated": truncated,
+        "gold": r.problem["answer"],
+    }
+
+
+def window_size(job: Job, llm, requests: Sequence[Request]) -> int:
+    if job.config.max_in_flight:
+        return job.config.max_in_flight
+    longest = max((len(r.prompt_ids) for r in requests), default=1)
+    window = auto_window(llm, longest, cuda_available())
+    logger.info("at most %d samples in flight (--max-in-flight)", window)
+    return window
+
+
+def generate_missing(
+    job: Job,
+    requests: list[Request],
+    source: Source,
+    samples_path: Path,
+    scratch: Path,
+    position: int = 0,
+) -> dict[str, float]:
+    """Sample what `source` hands out (drawn from `requests`), appending graded records to `samples_path`
+    as samples finish (vLLM) or chunk by chunk (transformers); returns the timings."""
+    from tqdm import tqdm
+
+    config = job.config
+    prepare_prompts(job, requests)
+    t0 = time.perf_counter()
+    engine, lora_path = build_engine(job, scratch)
+    start_s = time.perf_counter() - t0
+    totals = {"new_samples": 0, "new_tokens": 0}
+    total = sum(r.count for r in requests) if isinstance(source, ListSource) else None  # a worker: unknown
+    bar = tqdm(total=total, desc="samples", unit="sample", position=position, dynamic_ncols=True)
+
+    def save(records: list[dict[str, Any]]) -> None:
+        append_samples(samples_path, records)
+        totals["new_samples"] += len(records)
+        totals["new_tokens"] += sum(rec["n_tokens"] for rec in records)
+        bar.update(len(records))
+
+    t1 = time.perf_counter()
+    if job.resolved["engine_used"] == "vllm":
+        lora = None
+        if lora_path:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest("adapter", 1, lora_path)
+
+        def on_finished(done):
+            save([
+                sample_record(job, r, r.start + j, o.text, o.token_ids, o.finish_reason == "length")
+                for r, outputs in done
+                for j, o in enumerate(outputs)
+            ])  # fmt: skip
+
+        window = window_size(job, engine.llm, requests)
+        kwargs = dict(window=window, params=lambda r: vllm_params(config, r), on_finished=on_finished,
+                      lora_request=lora)  # fmt: skip
+        try:
+            if config.stream:
+                stream(engine.llm, source, **kwargs)
+            else:
+                stream_chunked(engine.llm, source, chunk=config.chunk_size * config.n, **kwargs)
+        except Exception as e:  # the engine is dead whatever vLLM raised; the finished samples are saved
+            bar.close()
+            raise EngineDied(_engine_died_message(job, e, samples_path)) from e
+    else:
+        while batch := source.take(config.chunk_size):
+            records = []
+            for r in batch:
+                (samples,) = engine.generate([r.prompt_ids], _hf_sampling(config, r), n=r.count)
+                records += [
+                    sample_record(job, r, r.start + j, s.text, s.token_ids, s.finish_reason == "length")
+                    for j, s in enumerate(samples)
+                ]
+            save(records)
+            source.finished(len(batch))
+    bar.close()
+    return {"engine_start_s": start_s, "generation_s": time.perf_counter() - t1, **totals}
+
+
+def _hf_sampling(config: EvalConfig, r: Request):
+    from opsd.rollout import SamplingConfig
+
+    return SamplingConfig(
+        max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        min_p=config.min_p, seed=r.seed,
+    )  # fmt: skip
+
+
+# --- the engine dying ---------------------------------------------------------------------------------------
+
+
+def _describe(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _engine_died_message(job: Job, e: Exception, samples_path: Path) -> str:
+    """One line: what vLLM raised (and its root cause), what is kept, how to go on; traceback to a log."""
+    cause, seen = e, {id(e)}
+    while True:
+        nxt = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        cause = nxt
+        seen.add(id(nxt))
+    what = _describe(e) + (f", caused by {_describe(cause)}" if cause is not e else "")
+    log = job.out / ENGINE_ERROR_LOG
+    try:
+        with log.open("a", encoding="utf-8") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {samples_path}\n")
+            f.write("".join(traceback.format_exception(e)))
+        where = f"; traceback in {log}"
+    except OSError:
+        where = ""
+    kept = len(read_samples(samples_path, repair=False))
+    mode = job.resolved["adapter_mode"]
+    if mode == "vllm-lora" and not cuda_available():
+        advice = "on a CPU, serve adapters merged (the default): drop --no-merge-adapter and use a new --out"
+    elif mode == "vllm-lora":
+        advice = "if it dies again, --merge-adapter with a new --out serves the adapter merged"
+    else:
+        advice = "if it dies again, --engine transformers with a new --out avoids vLLM"
+    return (
+        f"the vLLM engine died during generation ({what}); the {kept} samples written so far are kept in "
+        f"{samples_path} and a rerun of the same command resumes from them; {advice}{where}"
+    )

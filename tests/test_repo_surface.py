@@ -1,0 +1,276 @@
+"""The repo as a user meets it: it stands on its own, takes TRL/open-r1-shaped configs, keeps one source for
+the published recipe and for each choice, logs completions, plots training curves, installs on a GPU box."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- standing on its own -----------------------------------------------------------------------------------
+
+
+def test_no_tracked_file_points_outside_the_repo():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    # Assembled from pieces so that this file does not match itself.
+    words = [r"\.\./" + "shared", "SP" + "EC", "not " + "lent", "with" + "held", "carry" + " call",
+             "device" + " time", "issue" + " #"]  # fmt: skip
+    res = subprocess.run(
+        ["git", "grep", "-nE", "|".join(words)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 1 and not res.stdout, res.stdout
+
+
+def test_method_doc_has_every_section_the_code_cites():
+    method = (ROOT / "docs" / "method.md").read_text()
+    headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)[ .]", method, flags=re.M))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    cited = set()
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in {".py", ".md", ".env", ".yaml", ".sh"} and path.is_file():
+            cited |= set(re.findall(r"docs/method\.md §(\d+(?:\.\d+)?)", path.read_text(errors="ignore")))
+    assert cited, "nothing cites docs/method.md"
+    assert cited <= headings, f"cited sections without a heading: {sorted(cited - headings)}"
+    assert "2601.18734" in method and "github.com/siyan-zhao/OPSD" in method
+
+
+def test_single_node_engines_bind_to_loopback_unless_the_user_says_otherwise():
+    code = "import os, opsd_train; print(os.environ['VLLM_HOST_IP'])"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_HOST_IP"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "127.0.0.1", out.stderr[-2000:]
+    env["VLLM_HOST_IP"] = "10.1.2.3"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "10.1.2.3", out.stderr[-2000:]
+
+
+def test_gpu_setup_refuses_a_cpu_torch_with_one_clear_line():
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_gpu.sh"), "--dry-run"],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+    )
+    if torch.version.cuda:
+        assert res.returncode == 0 and "pip install -e .[gpu,dev]" in res.stdout
+    else:
+        assert res.returncode == 2
+        assert "CPU build" in res.stderr and "scripts/setup.sh" in res.stderr
+        assert "Traceback" not in res.stderr
+
+
+# -- configuration in TRL's shape --------------------------------------------------------------------------
+
+
+def _parse(argv, environ=None):
+    from opsd_train import parse_config
+
+    return parse_config(argv, environ=environ or {})[0]
+
+
+def test_open_r1_style_yaml_is_accepted(tmp_path):
+    cfg_file = tmp_path / "openr1.yaml"
+    cfg_file.write_text(
+        "model_name_or_path: Qwen/Qwen3-1.7B\nmodel_revision: v1.0\ntorch_dtype: bfloat16\n"
+        "lora_target_modules:\n  - q_proj\n  - k_proj\noutput_dir: " + str(tmp_path / "out") + "\n"
+    )
+    cfg = _parse(["--config", str(cfg_file)])
+    assert cfg.model_revision == "v1.0"
+    assert cfg.dtype == "bfloat16"
+    assert cfg.lora_target_modules == ["q_proj", "k_proj"]
+
+
+@pytest.mark.parametrize(
+    "argv, environ, expected",
+    [
+        (["--lora_target_modules", "q_proj", "v_proj"], {}, ["q_proj", "v_proj"]),  # upstream CLI form
+        (["--lora_target_modules", "q_proj,o_proj"], {}, ["q_proj", "o_proj"]),
+        ([], {"OPSD_LORA_TARGET_MODULES": "gate_proj, up_proj"}, ["gate_proj", "up_proj"]),
+        ([], {}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ],
+)
+def test_lora_target_modules_forms(tmp_path, argv, environ, expected):
+    cfg = _parse(["--output_dir", str(tmp_path), *argv], environ)
+    assert cfg.lora_target_modules == expected
+
+
+def test_bad_model_settings_are_refused_before_loading(tmp_path):
+    from opsd.config import OPSDConfig
+
+    with pytest.raises(ValueError, match="names no module"):
+        OPSDConfig(output_dir=str(tmp_path), lora_target_modules=[" , "])
+    with pytest.raises(ValueError, match="torch_dtype='float16' and dtype='bfloat16' disagree"):
+        OPSDConfig(output_dir=str(tmp_path), torch_dtype="float16", dtype="bfloat16")
+
+
+def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
+    from opsd.choices import CHOICES
+    from opsd.config import OPSDConfig
+    from opsd.recipe import RecipeError, env_overrides
+
+    for name, allowed in CHOICES.items():
+        for value in allowed:  # every allowed value passes config and recipe validation
+            env_overrides({f"OPSD_{name.upper()}": value})
+        with pytest.raises(ValueError, match=re.escape(str(list(allowed)))):
+            OPSDConfig(output_dir=str(tmp_path), **{name: "bogus"})
+        with pytest.raises(RecipeError, match="bogus"):
+            env_overrides({f"OPSD_{name.upper()}": "bogus"})
+    # No module restates a tuple of choices: the literal appears only in opsd/choices.py.
+    for path in (ROOT / "opsd").glob("*.py"):
+        if path.name == "choices.py":
+            continue
+        text = path.read_text()
+        for allowed in CHOICES.values():
+            literal = "(" + ", ".join(f'"{v}"' for v in allowed) + ")"
+            assert literal not in text, f"{path.name} restates {literal}; import it from opsd.choices"
+
+
+# -- one source for the published recipe -------------------------------------------------------------------
+
+# Keys of a shipped config that say where a run reads and writes, not how it trains.
+RUN_KEYS = {"model_name_or_path", "dataset_name", "output_dir"}
+
+
+def test_published_yaml_restates_the_defaults_exactly(tmp_path):
+    from opsd.config import OPSDConfig
+
+    defaults = OPSDConfig(output_dir=str(tmp_path))
+    values = yaml.safe_load((ROOT / "configs" / "qwen3_1.7b_published.yaml").read_text())
+    assert set(values) - RUN_KEYS, "the published YAML sets nothing"
+    for key, value in values.items():
+        if key in RUN_KEYS:
+            continue
+        default = getattr(defaults, key)
+        if key == "bf16":  # the config turns bf16 off on a machine without a GPU
+            default = True
+        assert default == value, f"{key}: YAML {value!r} != default {default!r}"
+
+
+def test_accelerate_configs_differ_only_in_the_number_of_processes():
+    main = yaml.safe_load((ROOT / "accelerate.yaml").read_text())
+    assert main["num_processes"] == 4 and main["deepspeed_config"]["zero_stage"] == 2
+    for name, processes in [("zero2_1gpu.yaml", 1), ("zero2_2gpu.yaml", 2), ("zero2_8gpu.yaml", 8)]:
+        other = yaml.safe_load((ROOT / "configs" / "accelerate" / name).read_text())
+        assert other["num_processes"] == processes, name
+        assert {**other, "num_processes": 4} == main, (
+            f"{name} differs from accelerate.yaml beyond num_processes"
+        )
+
+
+# -- provenance and the model card -------------------------------------------------------------------------
+
+
+def test_provenance_names_versions_and_revision():
+    from opsd.provenance import provenance
+
+    found = provenance()
+    assert found["versions"]["torch"] == torch.__version__
+    assert found["versions"]["trl"] and found["versions"]["transformers"]
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert found["git"]["commit"] == head.strip()
+        assert isinstance(found["git"]["dirty"], bool)
+
+
+def test_model_card_cites_opsd_not_sdft(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "2601.18734" in card and "Self-Distilled Reasoner" in card
+    assert "2601.19897" not in card
+
+
+# -- the completions log -----------------------------------------------------------------------------------
+
+
+def test_completions_log_rows_agree_with_the_logged_divergence(tiny_model_dir, tmp_path):
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, max_steps=3, completions_steps=2, completions_rows=2, beta=0.5
+    )
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [0, 2]  # every 2nd step, counted from 0
+    tok = trainer.processing_class
+    logged = {h["step"]: h["opsd/divergence"] for h in trainer.state.log_history if "opsd/divergence" in h}
+    for step in (0, 2):
+        step_rows = [r for r in rows if r["step"] == step]
+        assert len(step_rows) == 2  # the whole micro-batch: its token-weighted mean is the logged metric
+        total = sum(r["divergence_mean"] * r["num_tokens"] for r in step_rows)
+        n = sum(r["num_tokens"] for r in step_rows)
+        assert total / n == pytest.approx(logged[step + 1], rel=1e-4, abs=1e-6)
+        for r in step_rows:
+            assert r["problem"] and r["reference"] and r["completion"]
+            assert len(tok(r["completion"], add_special_tokens=False).input_ids) >= 1
+            worst = r["top_tokens"][0]
+            assert worst[2] == pytest.approx(r["divergence_max"])
+            assert r["divergence_max"] >= r["divergence_mean"] >= 0
+
+
+def test_completions_log_off(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, completions_steps=0)
+    trainer.train()
+    assert not (tmp_path / "completions.jsonl").exists()
+
+
+# -- training curves ---------------------------------------------------------------------------------------
+
+
+def _metrics_file(run, records):
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')
+
+
+def test_plot_draws_the_panels_a_run_has(tmp_path):
+    from opsd.plot import main, read_metrics
+
+    run = tmp_path / "run"
+    records = [
+        {"step": s, "loss": 1.0 / s, "opsd/divergence": 0.5 / s, "time/step_s": 2.0, "grad_norm": 0.1}
+        for s in range(1, 6)
+    ]
+    records += [{"step": 0, "probe/divergence": 0.4}, {"step": 5, "probe/divergence": 0.2}]
+    _metrics_file(run, records)
+    metrics = read_metrics(run)
+    assert metrics["loss"] == [(s, 1.0 / s) for s in range(1, 6)]
+    assert metrics["probe/divergence"] == [(0, 0.4), (5, 0.2)]  # the cut last line is skipped
+    assert main([str(run)]) == 0
+    png = run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from opsd.plot import training_curves
+
+    titles = training_curves({"run": metrics}, tmp_path / "x.png")
+    assert titles == ["loss", "divergence D_β (per token)", "seconds per step", "gradient norm"]
+
+
+def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
+    from opsd.plot import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+# -- the upstream evaluation prompt ------------------------------------------------------------------------
+
+
+def test_upstream_eval_prompt_file_renders_the_problem_first(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from opsd.prompts import PromptBuilder
+
+    path = ROOT / "configs" / "prompts" / "upstream_eval.txt"
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(tiny_model_dir), student_template_file=str(path))
+    text = builder.tokenizer.decode(builder.student_ids("What is 2+3?"))
+    assert text.index("What is 2+3?") < text.index("Please reason step by step")
+    assert "\\boxed{}" in text
