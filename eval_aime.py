@@ -42,15 +42,20 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
+from opsd import errors
 from opsd.evaluation.run import RunFailed, UserError, run
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug, argv = errors.split_debug(sys.argv[1:] if argv is None else argv)  # --debug / OPSD_DEBUG=1
     try:
-        lines = run(sys.argv[1:] if argv is None else argv, script=__file__)
-    except UserError as e:
+        lines = run(argv, script=__file__)
+    except (UserError, errors.UserError) as e:
+        if debug:
+            traceback.print_exception(e)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunFailed as e:  # EngineDied (the vLLM engine raised) exits with 2, other failures with 1

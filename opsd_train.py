@@ -10,6 +10,10 @@ Compared with training TRL's `SDFTTrainer` directly: OPSD prompts and loss (see 
 data filters and references of docs/method.md §2, exact resume from the last complete checkpoint,
 `metrics.jsonl`, `completions.jsonl`, and the resolved config with package versions and the git revision
 saved as `opsd_config.json` in the output directory.
+
+Bad input (config values, recipe lines, prompt files, model paths, data files) is refused before any model
+loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` adds the traceback.
+`--dry-run` runs exactly those checks, prints the resolved configuration as JSON, and loads no model.
 """
 
 from __future__ import annotations
@@ -30,21 +34,40 @@ from opsd.rollout import single_node_engine_env  # noqa: E402
 single_node_engine_env()
 
 from opsd.config import OPSDConfig  # noqa: E402
+from opsd.errors import InvalidValue, MissingPath, UserError, run_main  # noqa: E402
 from opsd.recipe import resolve_overrides, to_argv  # noqa: E402
 
 logger = logging.getLogger("opsd")
 
 
 def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argparse.Namespace]:
-    """CLI/YAML via TRL's parser, then recipe.env and OPSD_* overrides appended as flags (they win)."""
+    """CLI/YAML via TRL's parser, then recipe.env and OPSD_* overrides appended as flags (they win).
+
+    Every problem is a `UserError`: bad flags, values, YAML files, recipe lines and `OPSD_*` variables.
+    """
     from trl import TrlParser
+
+    class Parser(TrlParser):
+        def error(self, message: str):  # argparse would print the usage of ~200 flags, then exit
+            raise InvalidValue(f"{message}; see python opsd_train.py --help")
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--recipe", default=None, help="recipe.env file with KEY=VALUE overrides")
     pre.add_argument("--capped", action="store_true", help="refuse overrides that change the budget")
+    pre.add_argument(
+        "--dry-run", action="store_true", help="check every input, print the config, train nothing"
+    )
     extra, rest = pre.parse_known_args(argv)
     overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
-    (config,) = TrlParser((OPSDConfig,)).parse_args_and_config(rest + to_argv(overrides))
+    try:
+        (config,) = Parser((OPSDConfig,)).parse_args_and_config(rest + to_argv(overrides))
+    except UserError:
+        raise
+    except FileNotFoundError as err:  # --config naming a missing YAML file
+        raise MissingPath(f"{err}; check the path") from err
+    except ValueError as err:  # OPSDConfig/TrainingArguments validation and unknown flags
+        unknown = "not used by the HfArgumentParser" in str(err)
+        raise InvalidValue(f"{err}; see python opsd_train.py --help" if unknown else str(err)) from err
     return config, extra
 
 
@@ -68,8 +91,9 @@ def build_dataset(config: OPSDConfig):
     from opsd.prompts import reference_text
 
     ds = load_train_dataset(
-        config.dataset_name, split=config.dataset_split, data_filter=config.data_filter, seed=config.seed
-    )
+        config.dataset_name, split=config.dataset_split, data_filter=config.data_filter, seed=config.seed,
+        teacher_ref=config.teacher_ref,
+    )  # fmt: skip
 
     def to_trainer_row(row):
         return {
@@ -78,6 +102,25 @@ def build_dataset(config: OPSDConfig):
         }
 
     return ds.map(to_trainer_row, remove_columns=ds.column_names)
+
+
+def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
+    """Everything a run reads besides the model weights, checked before any model loads: prompt files, a
+    local model directory, the data. Returns the training rows, or None for a hub dataset in a dry run
+    (which reaches no hub). Raises `UserError`."""
+    from opsd.data import is_local
+    from opsd.models import resolve_model_path
+    from opsd.prompts import PromptBuilder
+
+    PromptBuilder(
+        student_template_file=config.student_prompt_file, teacher_template_file=config.teacher_prompt_file
+    )
+    if config.model_name_or_path not in ("", "embedded"):  # the embedded model is converted, not checked
+        resolve_model_path(config.model_name_or_path)
+    if dry_run and not is_local(config.dataset_name):
+        logger.info("dry run: hub dataset %s is not loaded", config.dataset_name)
+        return None
+    return build_dataset(config)
 
 
 def choose_rollout_engine(config: OPSDConfig) -> None:
@@ -98,7 +141,7 @@ def choose_rollout_engine(config: OPSDConfig) -> None:
     config.use_vllm = True
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
     config, extra = parse_config(sys.argv[1:] if argv is None else argv)
     from accelerate import PartialState
 
@@ -107,6 +150,11 @@ def main(argv: list[str] | None = None) -> Path:
         level=logging.INFO if state.is_main_process else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
+    if extra.dry_run:
+        rows = None if dataset is None else len(dataset)
+        print(json.dumps({"config": config.to_dict(), "data_rows": rows}, default=str))
+        return None
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -124,7 +172,6 @@ def main(argv: list[str] | None = None) -> Path:
 
     model_path = resolve_model_path(config.model_name_or_path)
     choose_rollout_engine(config)
-    dataset = build_dataset(config)  # before the model: bad data fails fast
     probe_rows = []
     if config.probe_steps:
         dataset, probe_rows = split_probe(dataset, config.probe_size, seed=config.seed)
@@ -207,4 +254,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, "opsd_train.py"))

@@ -16,23 +16,30 @@ the weight sync, teacher kinds, buffered generation over the accumulation window
 - rollouts: each row of a step's global batch is sampled with its own seed (`PerRowSeeds`), so resumed runs
   and runs on any number of processes draw the same rollouts;
 - weight sync on CPU vLLM goes through `reload_weights` (per-parameter `load_weights` fails there);
+- teacher: every teacher forward runs in eval mode (no dropout); the LoRA EMA teacher starts from the initial
+  adapter, is averaged in float32 and saved with every checkpoint; `lora_dropout` reaches the student;
+- non-finite steps: skipped without any update, and the run stops after `max_nonfinite_steps` in a row;
 - metrics: divergence, clipped share, top-1 agreement, rollout tokens/s and step time by phase; the probe
   (`opsd.probe`, added by opsd_train.py) scores held-out problems with the current student and teacher.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import textwrap
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from peft import PeftModel
 from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd import completions
-from opsd.callbacks import StepTimer
+from opsd.callbacks import NonFiniteGuard, StepTimer
 from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
 from opsd.prompts import PromptBuilder
@@ -69,21 +76,112 @@ def merged_named_weights(model):
 
 
 class InitialisedAdapterEMA(PEFTAdapterEMACallback):
-    """TRL's LoRA EMA teacher, but starting from the student's initial adapter instead of zeros.
+    """TRL's LoRA EMA teacher, but starting from the student's initial adapter instead of zeros, kept in
+    float32, saved with every checkpoint and restored on resume.
 
     So the EMA teacher is the initial policy at step 0 and afterwards the exponential moving average of the
     trainable weights, teacher_t = decay * teacher_{t-1} + (1 - decay) * student_t (docs/method.md §1).
+    The average lives in a float32 copy (`shadow_weights`) that is cast into the teacher adapter after each
+    update: in bf16, 0.999 * x rounds back to x, so a bf16 average would barely move. A resumed run reloads
+    that copy from `STATE_FILE` in the checkpoint instead of restarting the teacher from the student. A step
+    for which `step_skipped()` is true (non-finite, no update) leaves the teacher as it is.
     """
 
-    def _initialize_teacher_adapter(self):
-        from peft import set_peft_model_state_dict
+    STATE_FILE = "ema_teacher.pt"
 
+    def __init__(self, *args, step_skipped=lambda: False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_skipped = step_skipped
+        self._resumed: dict[str, torch.Tensor] | None = None
+
+    def _unwrapped(self):
+        return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+
+    def _initialize_teacher_adapter(self):
         if self._initialized:
             return
         super()._initialize_teacher_adapter()
-        self.shadow_weights = {k: v.detach().clone() for k, v in self._get_student_state_dict().items()}
-        model = self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
-        set_peft_model_state_dict(model, self.shadow_weights, adapter_name=self.teacher_adapter_name)
+        start = self._resumed if self._resumed is not None else self._get_student_state_dict()
+        device = next(iter(self._get_student_state_dict().values())).device
+        self.shadow_weights = {k: v.detach().to(device, torch.float32, copy=True) for k, v in start.items()}
+        self._copy_to_teacher()
+
+    def _copy_to_teacher(self) -> None:
+        from peft import set_peft_model_state_dict
+
+        # load_state_dict copies into the existing parameters, casting to their dtype.
+        set_peft_model_state_dict(
+            self._unwrapped(), self.shadow_weights, adapter_name=self.teacher_adapter_name
+        )
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.sync_steps != 0 or self.step_skipped():
+            return
+        if not self._initialized:
+            self._initialize_teacher_adapter()
+        for key, student in self._get_student_state_dict().items():
+            self.shadow_weights[key].mul_(1 - self.update_rate).add_(student.float(), alpha=self.update_rate)
+        self._copy_to_teacher()
+
+    def on_save(self, args, state, control, **kwargs):
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and ckpt.is_dir() and self._initialized:
+            shadow = {k: v.cpu() for k, v in self.shadow_weights.items()}
+            torch.save({"shadow": shadow, "update_rate": self.update_rate}, ckpt / self.STATE_FILE)
+
+    def restore(self, checkpoint_dir: str | Path) -> None:
+        """Continue the average saved in `checkpoint_dir` (call before or after the teacher adapter exists)."""
+        path = Path(checkpoint_dir) / self.STATE_FILE
+        if not path.is_file():
+            logger.warning(
+                "%s has no %s (written before the EMA teacher was checkpointed): the EMA teacher restarts "
+                "from the resumed student",
+                checkpoint_dir,
+                self.STATE_FILE,
+            )
+            return
+        shadow = torch.load(path, map_location="cpu")["shadow"]
+        expected = self._get_student_state_dict().keys()
+        if shadow.keys() != expected:
+            raise ValueError(
+                f"{path} holds an EMA teacher for other LoRA weights ({len(shadow)} tensors, {len(expected)} "
+                "expected): resume with the LoRA settings (lora_r, lora_target_modules) the run started with"
+            )
+        self._resumed = shadow
+        if self._initialized:
+            device = next(iter(self.shadow_weights.values())).device
+            self.shadow_weights = {k: v.to(device, torch.float32) for k, v in shadow.items()}
+            self._copy_to_teacher()
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module):
+    """`module` in eval mode (dropout off) inside the block, its previous mode restored afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def restore_lora_dropout(model) -> None:
+    """Gives every LoRA dropout of a peft model its adapter's configured `lora_dropout` back.
+
+    TRL's `disable_dropout` (on by default) zeroes every `nn.Dropout` of the student, LoRA's included, which
+    would make `lora_dropout` a dead switch; the base model's own dropout stays off.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return
+    for name, module in model.named_modules():
+        parent, _, adapter = name.rpartition(".")
+        if not isinstance(module, torch.nn.Dropout) or not parent.endswith("lora_dropout"):
+            continue
+        if adapter in model.peft_config:
+            module.p = model.peft_config[adapter].lora_dropout
 
 
 def rollout_seed(seed: int, step: int, position: int) -> int:
@@ -181,6 +279,11 @@ class OPSDTrainer(SDFTTrainer):
         self.phase_s: dict[str, float] = defaultdict(float)
         self.add_callback(StepTimer(self._metrics["train"], self.phase_s))
         self._seed_step: int | None = None  # overrides the step that rollout seeds derive from
+        self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
+        self.add_callback(self.nonfinite)
+        # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
+        # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
+        restore_lora_dropout(self.accelerator.unwrap_model(self.model))
 
     @property
     def _rollout_step(self) -> int:
@@ -214,8 +317,43 @@ class OPSDTrainer(SDFTTrainer):
                     update_rate=cb.update_rate,
                     sync_steps=cb.sync_steps,
                     accelerator=cb.accelerator,
+                    step_skipped=lambda: self.nonfinite.last_skipped,
                 )
             )
+
+    def _save(self, output_dir=None, state_dict=None):
+        # A checkpoint holds the student adapter only, at its root; the EMA teacher is saved in float32 by
+        # InitialisedAdapterEMA. With a second adapter peft writes every adapter to a subfolder, and
+        # transformers' resume then loads the subfolders only: the student would restart from its init.
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model, PeftModel) or len(model.peft_config) == 1:
+            return super()._save(output_dir, state_dict)
+        model.save_pretrained = functools.partial(
+            type(model).save_pretrained, model, selected_adapters=[model.active_adapter]
+        )
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            del model.save_pretrained
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called on every resume, on every backend (DeepSpeed included), before training begins.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            for cb in self.callback_handler.callbacks:
+                if isinstance(cb, InitialisedAdapterEMA):
+                    cb.restore(checkpoint)
+
+    @contextmanager
+    def _get_teacher_context_for_self_distillation(self):
+        # The teacher must be a deterministic function of its weights: in training mode LoRA dropout would
+        # make the EMA adapter and the dynamic teacher (the student itself) score the same tokens differently
+        # on every call. So every teacher forward (loss, probe) runs in eval mode.
+        with (
+            eval_mode(self.accelerator.unwrap_model(self.teacher_model)),
+            super()._get_teacher_context_for_self_distillation(),
+        ):
+            yield
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Everything a micro-batch costs except the rollouts and weight sync that may run inside it
@@ -223,6 +361,7 @@ class OPSDTrainer(SDFTTrainer):
         t0 = time.perf_counter()
         before = self.phase_s["rollout"] + self.phase_s["weight_sync"]
         out = super().training_step(model, inputs, num_items_in_batch)
+        self.nonfinite.note_loss(out)
         inside = self.phase_s["rollout"] + self.phase_s["weight_sync"] - before
         self.phase_s["train_micro"] += time.perf_counter() - t0 - inside
         return out
@@ -241,6 +380,11 @@ class OPSDTrainer(SDFTTrainer):
         self.phase_s["rollout"] += elapsed
         self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(elapsed, 1e-9))
         return out
+
+    def _generate_transformers(self, prompt_ids):
+        # Rollouts come from the policy without dropout, as the vLLM engine's do.
+        with eval_mode(self.accelerator.unwrap_model(self.model)):
+            return super()._generate_transformers(prompt_ids)
 
     def _generate_vllm(self, prompt_ids):
         if self.state.global_step != self._last_loaded_step:
@@ -329,7 +473,9 @@ class OPSDTrainer(SDFTTrainer):
     def _loss_mask(self, completion_ids, completion_mask):
         a: OPSDConfig = self.args
         pad = None if a.fix_position_ids else self.processing_class.pad_token_id
-        return loss_token_mask(completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad)
+        return loss_token_mask(
+            completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad
+        )
 
     @staticmethod
     def _lm_head_weight(model) -> torch.Tensor:

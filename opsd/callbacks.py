@@ -1,4 +1,4 @@
-"""Trainer callbacks: the append-only metrics log, optimizer timing, and tail weight averaging."""
+"""Trainer callbacks: the append-only metrics log, optimizer timing, tail weight averaging, non-finite steps."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
@@ -141,3 +143,65 @@ class TailWeightAverage(TrainerCallback):
                 params[name].copy_(value)
         logger.info("saved the average of the last %d steps' weights to %s", self.count, out)
         return out
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Skips every optimizer step whose loss or gradient is not finite, and stops after `max_consecutive`.
+
+    A skipped step changes nothing: its gradients are dropped before `optimizer.step()` (torch optimizers
+    leave a parameter without a gradient untouched: no moment update, no step count, no weight decay) and
+    the optimizer reports the step as skipped, so the LR schedule does not advance either (as DeepSpeed and
+    AMP loss scaling do). It still counts as an optimizer step: `global_step` and the data move on. Each step
+    logs `train/nonfinite_skipped` (1 if skipped, else 0). Under DeepSpeed the engine has already stepped
+    during backward and skips non-finite gradients itself (`check_grad_overflow`); there this guard only
+    counts the skipped steps and stops the run.
+    """
+
+    def __init__(self, metrics: dict, accelerator, max_consecutive: int):
+        self.metrics = metrics
+        self.accelerator = accelerator
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.last_skipped = False
+        self._loss_bad = None  # tensor flag over the current step's micro-batches; no sync per micro-batch
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        bad = torch.zeros((), device=self.accelerator.device)
+        if self._loss_bad is not None:
+            bad = bad + self._loss_bad.float()
+        self._loss_bad = None
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            bad = bad + float(bool(optimizer.step_was_skipped))
+        else:
+            # Gradients are already reduced across processes here, but a non-finite loss may be local.
+            for p in model.parameters():
+                if p.grad is not None:
+                    bad = bad + (~torch.isfinite(p.grad).all()).float()
+        skipped = bool(self.accelerator.reduce(bad, reduction="sum") > 0)
+        if skipped and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            model.zero_grad(set_to_none=True)
+        if isinstance(optimizer, AcceleratedOptimizer):
+            # Read back by the trainer (`optimizer_step_was_skipped`) to hold the LR scheduler.
+            optimizer._is_overflow = skipped
+        self.last_skipped = skipped
+        self.metrics["train/nonfinite_skipped"].append(float(skipped))
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        step = state.global_step + 1
+        logger.warning("step %d: loss or gradient not finite; step skipped without an update", step)
+        if self.consecutive >= self.max_consecutive:
+            last = latest_complete_checkpoint(args.output_dir)
+            raise RuntimeError(
+                f"step {step}: the loss or gradient was not finite on {self.consecutive} consecutive optimizer "
+                f"steps ({step - self.consecutive + 1}-{step}), which were skipped without an update; stopping "
+                f"(max_nonfinite_steps={self.max_consecutive}). Last complete checkpoint: "
+                f"{last or 'none yet'}; rerunning the same command resumes from it. Fix the cause first: a lower "
+                "learning_rate, float32 instead of float16/bf16 overflow, or the data of these steps; or raise "
+                "max_nonfinite_steps to tolerate longer runs of bad steps."
+            )

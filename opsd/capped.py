@@ -11,9 +11,16 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
   rollouts, sized for a 2-core CPU (scripts/demo.sh adds configs/recipes/demo.env);
 - `smoke`: the same shape with 8-token rollouts, for CI on a tiny model.
 
-    python -m opsd.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D]
+    python -m opsd.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
+        [--dry-run] [--debug] [-- --report_to wandb --run_name x]
 
-prints the launch command as a JSON plan (`train_capped.sh` executes it).
+prints the launch command as a JSON plan (`train_capped.sh` executes it). Before launching, and in a dry run,
+it runs `opsd_train.py --dry-run` on the planned arguments: the configuration is validated by the code a real
+run uses, with no model loaded. Flags after `--` pass through to training; only `OPERATIONAL_KEYS`
+(trackers, logging, memory) are accepted there, budget keys are refused and method keys belong in
+`recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
+elsewhere; an explicit `--num-gpus N` always plans N GPU processes (a real run without them is refused).
+User errors print one line and exit with status 2 (`--debug` or `OPSD_DEBUG=1` adds the traceback).
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from opsd.errors import DEBUG_ENV, USER_ERROR_EXIT, UserError, report, split_debug
+
 STEPS = 100
 PROBLEMS_PER_STEP = 32
 PER_DEVICE_BATCH = 4
 SAVE_EVERY = 10
+DEFAULT_GPUS = 4
+_TRAIN_ERROR = "opsd_train.py: error: "
 
 
 @dataclass(frozen=True)
@@ -130,18 +141,51 @@ def make_plan(
     )  # fmt: skip
 
 
+def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
+    """`opsd_train.py --dry-run` on the planned arguments: the checks a real run makes before loading a
+    model (config values, recipe and `OPSD_*`, prompt files, local model and data). Returns its JSON."""
+    script = str(root / "opsd_train.py")
+    args = plan.command[plan.command.index(script) + 1 :]
+    env = {**os.environ, **({DEBUG_ENV: "1"} if debug else {})}
+    res = subprocess.run(
+        [sys.executable, script, *args, "--dry-run"], env=env, capture_output=True, text=True, check=False
+    )
+    if res.returncode == USER_ERROR_EXIT:
+        lines = res.stderr.splitlines()
+        if debug:
+            sys.stderr.write(res.stderr)
+        first = max(i for i, line in enumerate(lines) if line.startswith(_TRAIN_ERROR))
+        raise UserError("\n".join(lines[first:]).removeprefix(_TRAIN_ERROR))
+    if res.returncode != 0:
+        sys.stderr.write(res.stderr)
+        raise RuntimeError(f"opsd_train.py --dry-run failed with exit status {res.returncode} (output above)")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after `--` goes to opsd_train.py (operational keys only)
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    debug, argv = split_debug(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="opsd")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--num-gpus", type=int, default=4)
+    p.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help=f"GPU processes: 1, 2, 4 or 8 (default: {DEFAULT_GPUS} where a GPU is present, else one CPU "
+        "process). An explicit N always plans N GPU processes; without the GPUs a dry run still prints "
+        "that plan and a real run refuses.",
+    )
     p.add_argument("--profile", default="full", choices=sorted(PROFILES))
     p.add_argument("--model", default=None, help="model instead of the profile's (a hub name or a directory)")
     p.add_argument("--dataset", default=None, help="training data instead of the profile's")
     p.add_argument("--recipe", default=None, help="recipe file (default: recipe.env in the repo root)")
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
     p.add_argument("--runs-dir", default=None, help="where runs/<name> go (default: runs/ in the repo root)")
-    p.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto")
     p.add_argument(
         "--accelerate-config",
         default=None,
@@ -149,32 +193,52 @@ def main(argv: list[str] | None = None) -> int:
         "configs/accelerate/zero2_<N>gpu.yaml otherwise); --num-gpus still sets the process count",
     )
     p.add_argument(
-        "--dry-run", action="store_true", help="print the plan and the budget arithmetic; train nothing"
+        "--dry-run",
+        action="store_true",
+        help="check the configuration as a real run does, print the plan and the budget arithmetic; train nothing",
     )
     a = p.parse_args(argv)
-    if a.gpu == "auto":
-        import torch
+    import torch
 
-        gpu = torch.cuda.is_available()
-    else:
-        gpu = a.gpu == "yes"
+    visible = torch.cuda.device_count()
+    gpu = a.num_gpus is not None or visible > 0
+    num_gpus = a.num_gpus if a.num_gpus is not None else (DEFAULT_GPUS if visible else 1)
     root = Path(a.root)
     recipe = Path(a.recipe).resolve() if a.recipe else root / "recipe.env"
+    notes = []
     try:
+        if gpu and visible < num_gpus:
+            problem = f"{num_gpus} GPU process(es) planned, and this machine has {visible} GPU(s)"
+            if a.dry_run:
+                notes.append(f"{problem}: this is the plan for a machine with {num_gpus}")
+            elif visible == 0:
+                raise UserError(
+                    f"{problem}; run on a machine with {num_gpus} GPUs, or leave out --num-gpus to train in one "
+                    "CPU process (--profile demo or smoke fit a CPU)"
+                )
+            else:
+                raise UserError(
+                    f"{problem}; pass --num-gpus {visible} (the same budget) or run where there are more"
+                )
         plan = make_plan(
-            name=a.name, seed=a.seed, num_gpus=a.num_gpus, profile=a.profile, model=a.model,
+            name=a.name, seed=a.seed, num_gpus=num_gpus, profile=a.profile, model=a.model,
             dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
-        from opsd.recipe import resolve_overrides
+        from opsd.recipe import BUDGET_KEYS, CAPPED_KEYS, flag_overrides, resolve_overrides, to_argv
 
+        plan.command += to_argv(flag_overrides(passthrough))
         overrides = resolve_overrides(recipe, os.environ, capped=True)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"train_capped: {err}", file=sys.stderr)
-        return 2
+        checked = check_config(plan, root, debug=debug)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        return report(err, "train_capped", debug=debug)
     out = asdict(plan)
     out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
+    # The values training will use for every key the harness fixes or lets you tune.
+    out["resolved"] = {k: v for k, v in sorted(checked["config"].items()) if k in CAPPED_KEYS | BUDGET_KEYS}
+    out["data_rows"] = checked["data_rows"]
+    out["notes"] = notes
     out["budget"] = (
         f"{plan.max_steps} steps x {plan.problems_per_step} problems = {plan.per_device_train_batch_size} "
         f"per device x {plan.gradient_accumulation_steps} accumulation x {plan.num_processes} process(es)"

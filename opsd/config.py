@@ -106,7 +106,8 @@ class OPSDConfig(SDFTConfig):
         default=None, metadata=_help("Older name of `dtype` (TRL/open-r1 configs); sets dtype when given.")
     )
     dtype: str = field(
-        default="auto", metadata=_choice("dtype", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
+        default="auto",
+        metadata=_choice("dtype", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32."),
     )
     attn_implementation: str = field(
         default="auto",
@@ -133,9 +134,12 @@ class OPSDConfig(SDFTConfig):
         ),
     )
     dataset_split: str = field(default="train", metadata=_help("Split of a hub dataset."))
-    data_filter: str = field(default="none", metadata=_choice("data_filter", "none | numeric | hard_numeric (docs/method.md §2)."))
+    data_filter: str = field(
+        default="none", metadata=_choice("data_filter", "none | numeric | hard_numeric (docs/method.md §2).")
+    )
     teacher_ref: str = field(
-        default="solution", metadata=_choice("teacher_ref", "Privileged context: solution | cot (COT_Reason).")
+        default="solution",
+        metadata=_choice("teacher_ref", "Privileged context: solution | cot (COT_Reason)."),
     )
     teacher_ref_max_chars: int = field(
         default=8000, metadata=_help("Cut the reference to this many characters; 0 = no cut.")
@@ -162,13 +166,18 @@ class OPSDConfig(SDFTConfig):
         default=0.0, metadata=_help("Temperature of both distributions in the loss; 0 = rollout temperature.")
     )
     jsd_token_clip: float = field(default=0.05, metadata=_help("Clip threshold of the divergence terms."))
-    clip_mode: str = field(default="element", metadata=_choice("clip_mode", "element | token | rescale | none (docs/method.md §1.4)."))
+    clip_mode: str = field(
+        default="element",
+        metadata=_choice("clip_mode", "element | token | rescale | none (docs/method.md §1.4)."),
+    )
     top_k_loss: int = field(
         default=0, metadata=_help("Restrict both distributions to the teacher's top-k; 0 = full vocabulary.")
     )
     loss_type: str = field(
         default="jsd",
-        metadata=_choice("loss_type", "jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."),
+        metadata=_choice(
+            "loss_type", "jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."
+        ),
     )
     loss_chunk_size: int = field(default=1024, metadata=_help("Tokens per chunk of the memory-flat loss."))
     fix_position_ids: bool = field(
@@ -186,15 +195,27 @@ class OPSDConfig(SDFTConfig):
     )
     # Teacher ------------------------------------------------------------------------------------------------
     teacher_mode: str = field(
-        default="fixed", metadata=_choice("teacher_mode", "fixed (initial policy) | ema | dynamic (current weights).")
+        default="fixed",
+        metadata=_choice("teacher_mode", "fixed (initial policy) | ema | dynamic (current weights)."),
     )
     ema_decay: float = field(
         default=0.999, metadata=_help("EMA decay of the teacher weights (teacher_mode=ema).")
     )
+    # Safety -------------------------------------------------------------------------------------------------
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata=_help(
+            "A step whose loss or gradient is not finite is skipped (no update); stop the run after this many "
+            "consecutive skipped steps (1 = stop at the first)."
+        ),
+    )
     # Rollouts -----------------------------------------------------------------------------------------------
     rollout_engine: str = field(
         default="auto",
-        metadata=_choice("rollout_engine", "auto (vLLM if installed, else transformers with a warning) | vllm | transformers."),
+        metadata=_choice(
+            "rollout_engine",
+            "auto (vLLM if installed, else transformers with a warning) | vllm | transformers.",
+        ),
     )
     # Budget helpers -------------------------------------------------------------------------------------------
     wavg_last: int = field(
@@ -253,8 +274,13 @@ class OPSDConfig(SDFTConfig):
         )
         bound("loss_temperature", self.loss_temperature >= 0, "must be >= 0 (0 = rollout temperature)")
         bound("temperature", self.temperature > 0, "must be > 0")
+        # 0 would spend the whole budget without moving a weight; the base model is that control.
+        bound("learning_rate", self.learning_rate > 0, "must be > 0")
+        # TrainingArguments reads max_steps <= 0 as "train by epochs", which OPSD does not do.
+        bound("max_steps", self.max_steps > 0, "must be > 0 (OPSD trains for a number of optimizer steps)")
         bound("top_k_loss", self.top_k_loss >= 0, "must be >= 0 (0 = off)")
         bound("ema_decay", 0.0 < self.ema_decay < 1.0, "must be in (0, 1)")
+        bound("max_nonfinite_steps", self.max_nonfinite_steps >= 1, "must be >= 1 (1 = stop at the first)")
         bound("teacher_ref_max_chars", self.teacher_ref_max_chars >= 0, "must be >= 0 (0 = no cut)")
         bound("max_teacher_prompt_length", self.max_teacher_prompt_length >= 0, "must be >= 0 (0 = no cap)")
         bound("wavg_last", self.wavg_last >= 0, "must be >= 0 (0 = off)")

@@ -2,7 +2,13 @@
 
 Training rows follow `siyanzhao/Openthoughts_math_30k_opsd`: `problem`, `solution`, `Answer`,
 `COT_Reason`, `generated_token_count`. Evaluation rows follow `HuggingFaceH4/aime_2024`: `problem`,
-`answer` (an `id` is used when present). Both load from a hub name or a local JSON/JSONL/Parquet file.
+`answer` (an `id` is used when present). Both load from a hub name, a local .json/.jsonl/.csv/.parquet
+file, or a local directory of such files in one format (as `datasets.load_dataset(dir)` reads it: files
+named after splits, such as `train.jsonl` and `test.jsonl`, are those splits; other names are `train`).
+Local data is checked before any model loads, each problem naming the file (and line or row) and the fix:
+empty files, malformed JSON lines, and rows whose `problem`, reference (`solution` or `COT_Reason`, the
+one the teacher reads) or `answer` is missing, not text, or empty. An empty reference is refused rather
+than turned into an empty teacher context.
 
 The built-in sets need no hub access: integer-answer problems generated deterministically from a seed,
 each a training table and a held-out table, chosen by name through `BUILTIN_SETS` (name -> (training-rows
@@ -24,13 +30,15 @@ lists the names). A training row's `solution` is its worked steps ending in `The
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opsd.choices import DATA_FILTERS
+from opsd.choices import DATA_FILTERS, check_choice
+from opsd.errors import InvalidValue, MissingPath
 
 if TYPE_CHECKING:  # `datasets` is imported where tables are built, so the generators need only the stdlib
     from datasets import Dataset
@@ -44,25 +52,123 @@ BUILTIN = "builtin"
 EASY = "builtin:easy"
 
 _NUMERIC_ANSWER = re.compile(r"-?\d{1,6}")
-_LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_FORMATS = ".json, .jsonl, .csv or .parquet"
+# The privileged reference column of each `teacher_ref` (opsd.prompts.reference_text reads the same).
+REFERENCE_COLUMNS = {"solution": "solution", "cot": "COT_Reason"}
+MAX_ROWS_NAMED = 5
+
+
+class DataError(InvalidValue):
+    """A data file or table that cannot be trained or evaluated on; the message names where and the fix."""
+
+
+def _check_json_file(path: Path) -> None:
+    """Refuse an empty, blank or malformed JSON/JSONL file with its name and line (datasets would raise a bare
+    StopIteration or a parser error far from the cause)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"dataset file {str(path)!r} is not UTF-8 text ({err}); save it as UTF-8") from err
+    if not text.strip():
+        what = "is empty" if not text else "holds only blank lines"
+        raise DataError(f"dataset file {str(path)!r} {what}; give it one JSON object per row")
+    if text.lstrip()[0] == "[":  # one JSON document: a list of rows
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"dataset file {str(path)!r}: invalid JSON at line {err.lineno}, column {err.colno} "
+                f"({err.msg}); fix that line"
+            ) from err
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"dataset file {str(path)!r}: line {lineno} is not valid JSON ({err.msg}, column {err.colno}); "
+                "write one JSON object per line"
+            ) from err
+        if not isinstance(row, dict) and path.suffix.lower() == ".jsonl":
+            raise DataError(
+                f"dataset file {str(path)!r}: line {lineno} is a JSON {type(row).__name__}, not an object; "
+                'write one object per line, such as {"problem": ..., "answer": ...}'
+            )
+
+
+def _check_local_file(path: Path) -> None:
+    if path.stat().st_size == 0:
+        raise DataError(f"dataset file {str(path)!r} is empty; give it a header and rows")
+    if _LOCAL_SUFFIXES[path.suffix.lower()] == "json":
+        _check_json_file(path)
+
+
+def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
+    """A local file or directory as a table, with the name used in messages about it."""
+    import datasets
+
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _LOCAL_SUFFIXES)
+        if not files:
+            raise MissingPath(
+                f"dataset directory {str(path)!r} holds no {_FORMATS} files; put the data files in it "
+                "or pass a file"
+            )
+        formats = sorted({_LOCAL_SUFFIXES[f.suffix.lower()] for f in files})
+        if len(formats) > 1:
+            # datasets would silently read only the most common format.
+            raise DataError(
+                f"dataset directory {str(path)!r} mixes {' and '.join(formats)} files; keep one format"
+            )
+        for f in files:
+            _check_local_file(f)
+        source = f"directory {str(path)!r} (split {split!r})"
+        try:
+            return datasets.load_dataset(str(path), split=split), source
+        except ValueError as err:
+            if "split" not in str(err).lower():
+                raise
+            raise DataError(
+                f"{source}: {err} Name a split that exists (--dataset_split), or name files after splits"
+            ) from err
+    if path.suffix.lower() not in _LOCAL_SUFFIXES:
+        raise DataError(f"dataset file {str(path)!r} must end in {_FORMATS}")
+    _check_local_file(path)
+    fmt = _LOCAL_SUFFIXES[path.suffix.lower()]
+    return datasets.load_dataset(fmt, data_files=str(path), split="train"), f"file {str(path)!r}"
+
+
+def check_text_column(ds: Dataset, column: str, source: str, *, numbers: bool = False) -> None:
+    """Refuse rows whose `column` is missing, not text (numbers too if `numbers`) or blank, naming them."""
+    bad = []
+    for i, value in enumerate(ds[column]):
+        number = numbers and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number and not (isinstance(value, str) and value.strip()):
+            bad.append((i, value))
+    if bad:
+        kind = "text or a number" if numbers else "text"
+        named = ", ".join(f"row {i + 1} has {v!r}"[:80] for i, v in bad[:MAX_ROWS_NAMED])
+        more = f" and {len(bad) - MAX_ROWS_NAMED} more" if len(bad) > MAX_ROWS_NAMED else ""
+        raise DataError(
+            f"{source}: column {column!r} must be non-empty {kind} in every row (rows count from 1): "
+            f"{named}{more}; fill in or drop those rows"
+        )
 
 
 def load_table(name_or_path: str, *, split: str = "train", required: tuple[str, ...]) -> Dataset:
-    """Load a hub dataset or a local JSON/JSONL/Parquet file and check that `required` columns exist."""
+    """Load a hub dataset, a local .json/.jsonl/.csv/.parquet file or a directory of them, and check that
+    `required` columns exist and that there are rows."""
     path = Path(name_or_path).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in _LOCAL_SUFFIXES or path.exists():
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"dataset file {str(path)!r} does not exist; pass an existing .json/.jsonl/.parquet file "
-                "or a hub dataset name"
+    if path.suffix.lower() in _LOCAL_SUFFIXES or path.exists():
+        if not path.exists():
+            raise MissingPath(
+                f"dataset file {str(path)!r} does not exist; pass an existing {_FORMATS} file, a directory "
+                "of them, or a hub dataset name"
             )
-        if suffix not in _LOCAL_SUFFIXES:
-            raise ValueError(f"dataset file {str(path)!r} must end in .json, .jsonl or .parquet")
-        import datasets
-
-        ds = datasets.load_dataset(_LOCAL_SUFFIXES[suffix], data_files=str(path), split="train")
-        source = f"file {str(path)!r}"
+        ds, source = _load_local(path, split)
     else:
         import datasets
 
@@ -70,13 +176,19 @@ def load_table(name_or_path: str, *, split: str = "train", required: tuple[str, 
         source = f"dataset {name_or_path!r} (split {split!r})"
     missing = [c for c in required if c not in ds.column_names]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"{source} lacks column(s) {missing}; it has {ds.column_names}. "
             f"Rename the columns or provide a table with {list(required)}."
         )
     if len(ds) == 0:
-        raise ValueError(f"{source} has no rows")
+        raise DataError(f"{source} has no rows; add rows or pass other data")
     return ds
+
+
+def is_local(name_or_path: str) -> bool:
+    """Whether `name_or_path` names built-in data or a local file or directory (not a hub dataset)."""
+    path = Path(name_or_path).expanduser()
+    return _builtin_set(name_or_path) is not None or path.suffix.lower() in _LOCAL_SUFFIXES or path.exists()
 
 
 def is_numeric_answer(answer: Any) -> bool:
@@ -115,10 +227,11 @@ def _builtin_set(name: str):
 
 
 def load_train_dataset(
-    name_or_path: str, *, split: str = "train", data_filter: str = "none", seed: int = 0
-) -> Dataset:
+    name_or_path: str, *, split: str = "train", data_filter: str = "none", seed: int = 0,
+    teacher_ref: str = "solution",
+) -> Dataset:  # fmt: skip
     """The training set: a built-in set by name (`builtin`, `builtin:easy`; empty = `builtin`), else a hub
-    name or a file."""
+    name, a file or a directory. `problem` and the reference column of `teacher_ref` must be non-empty text."""
     builtin = _builtin_set(name_or_path)
     if builtin is not None:
         from datasets import Dataset
@@ -126,6 +239,9 @@ def load_train_dataset(
         ds = Dataset.from_list(builtin[0](seed=seed))
     else:
         ds = load_table(name_or_path, split=split, required=TRAIN_COLUMNS)
+        check_choice("teacher_ref", teacher_ref)
+        for column in ("problem", REFERENCE_COLUMNS[teacher_ref]):
+            check_text_column(ds, column, f"dataset {name_or_path!r}")
     return filter_rows(ds, data_filter)
 
 
@@ -135,6 +251,8 @@ def load_eval_dataset(name_or_path: str, *, split: str = "train") -> list[dict[s
     if builtin is not None:
         return builtin[1]()
     ds = load_table(name_or_path, split=split, required=EVAL_COLUMNS)
+    check_text_column(ds, "problem", f"dataset {name_or_path!r}")
+    check_text_column(ds, "answer", f"dataset {name_or_path!r}", numbers=True)
     ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
     return [
         {"id": str(i), "problem": str(p), "answer": str(a)}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from opsd.choices import check_choice
+from opsd.errors import MissingPath
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def resolve_model_path(name_or_path: str) -> str:
     p = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith((".", "/", "~")) or p.exists()
     if looks_local and not (p / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingPath(
             f"model path {str(p)!r} is not a model directory (no config.json); pass a checkpoint directory "
             "or a hub name such as Qwen/Qwen3-1.7B"
         )
@@ -123,3 +124,39 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str = "
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """`org/name` with no local file behind it (a path that exists, or starts with . / ~, is local)."""
+    if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+        return False
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and all(" " not in p for p in parts)
+
+
+def resolve_adapter_dir(name: str, revision: str | None = None) -> Path:
+    """A local LoRA checkpoint directory: `name` itself, or the Hub adapter `org/name` fetched (and cached)
+    with `huggingface_hub.snapshot_download`. Only the adapter's own files are downloaded."""
+    if not looks_like_hub_id(name):
+        return Path(name).expanduser()
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        path = snapshot_download(
+            repo_id=name,
+            revision=revision,
+            allow_patterns=["adapter_config.json", "adapter_model.*", "*.json", "*.txt", "*.model"],
+        )
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"adapter {name!r} is neither a local directory nor in the Hub cache, and the Hub cannot be "
+            f"reached ({type(e).__name__}); download it where the Hub is reachable (huggingface-cli "
+            "download) or pass a local checkpoint directory"
+        ) from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as e:
+        raise FileNotFoundError(
+            f"adapter {name!r} is not a local directory and the Hub has no such repository or revision "
+            f"({type(e).__name__}); check the name, or log in (hf auth login) for a private one"
+        ) from None
+    return Path(path)

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from opsd.errors import InvalidValue, MissingPath
+
 logger = logging.getLogger(__name__)
 
 STUDENT_TEMPLATE = (
@@ -37,11 +39,11 @@ def _read_template(path: str, placeholders: tuple[str, ...], default: str) -> st
         return default
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"prompt template file {str(p)!r} does not exist")
+        raise MissingPath(f"prompt template file {str(p)!r} does not exist; pass an existing text file")
     text = p.read_text(encoding="utf-8")
     missing = [ph for ph in placeholders if ph not in text]
     if missing:
-        raise ValueError(
+        raise InvalidValue(
             f"prompt template {str(p)!r} lacks placeholder(s) {missing}; it must contain {list(placeholders)}"
         )
     return text

@@ -9,7 +9,8 @@ so a bad recipe fails with one message naming every bad line instead of a traceb
 
 - One `KEY=VALUE` per line, UTF-8; blank lines are skipped; whitespace around key and value is stripped.
 - KEY is the upper-case field name, with or without the `OPSD_` prefix (`BETA` and `OPSD_BETA` are the same
-  key; giving both is a duplicate). Only `RECIPE_KEYS` may be set; `BUDGET_KEYS` are refused.
+  key; giving both is a duplicate). Only `RECIPE_KEYS` (the method) and `OPERATIONAL_KEYS` (logging and
+  memory, neither budget nor method) may be set; `BUDGET_KEYS` are refused.
 - `#` starts a comment at the start of a line or after whitespace: `BETA=0.5  # note` is `0.5`, while in
   `FILE=a#b` the `#` is part of the value.
 - A value may be wrapped in one pair of matching `'` or `"` quotes, which are removed; inside quotes `#`
@@ -37,12 +38,13 @@ from pathlib import Path
 from transformers.trainer_utils import SchedulerType
 
 from opsd.config import OPSDConfig
+from opsd.errors import DEBUG_ENV, InvalidValue
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OPSD_"
-# OPSD_* variables that configure the tooling (the model cache) rather than the run.
-RESERVED_ENV = frozenset({"OPSD_CACHE_DIR"})
+# OPSD_* variables that configure the tooling (the model cache, tracebacks of user errors) rather than the run.
+RESERVED_ENV = frozenset({"OPSD_CACHE_DIR", DEBUG_ENV})
 MAX_COMPLETION_CAP = 4096
 MAX_LINE_CHARS = 4096
 # A recipe is a few dozen lines; anything far bigger is a wrong path, not a recipe.
@@ -68,7 +70,20 @@ RECIPE_KEYS = frozenset({
     "teacher_prompt_file",
     # budget helpers that spend no extra compute; the probe's cadence (a few forwards every N steps)
     "wavg_last", "probe_steps",
+    # safety: how many non-finite (skipped) steps in a row end the run; a skipped step costs nothing extra
+    "max_nonfinite_steps",
 })  # fmt: skip
+
+# Settings that change neither the budget nor the method (trackers, logging, memory): the capped harness
+# takes them from recipe.env, OPSD_* variables and its pass-through flags (`train_capped.sh -- --report_to
+# wandb`). Gradient checkpointing and the loss chunk size trade memory for time on identical arithmetic.
+OPERATIONAL_KEYS = frozenset({
+    "report_to", "run_name", "logging_steps", "logging_first_step", "log_level", "disable_tqdm",
+    "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "gradient_checkpointing", "loss_chunk_size",
+    "completions_steps", "completions_rows",
+})  # fmt: skip
+# Everything recipe.env (and OPSD_* under the harness) may set.
+CAPPED_KEYS = RECIPE_KEYS | OPERATIONAL_KEYS
 
 # Fields that change how much compute or data a run gets, or what it is measured on: the capped harness
 # fixes them (100 steps x 32 problems on one model and dataset), so recipe.env must not move them.
@@ -102,7 +117,7 @@ _COMMENT = re.compile(r"\s#")
 _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
-class RecipeError(ValueError):
+class RecipeError(InvalidValue):
     """A recipe file or `OPSD_*` variable that cannot be applied; the message lists every problem."""
 
 
@@ -297,14 +312,14 @@ def _parse_line(line: str, *, seen: dict[str, int], lineno: int) -> tuple[str, s
         raise _Bad("'export' is shell syntax", "drop 'export': this file is parsed, not sourced")
     field = (key[len(ENV_PREFIX) :] if key.startswith(ENV_PREFIX) else key).lower()
     if not _KEY.fullmatch(key):
-        near = _closest(field, RECIPE_KEYS)
+        near = _closest(field, CAPPED_KEYS)
         hint = f"did you mean {near.upper()}? " if near else ""
         raise _Bad(
             f"{_shown(key)} is not a valid key", f"{hint}keys are upper-case ASCII letters, digits and _"
         )
     if field not in _specs():
-        raise _unknown(field, key, RECIPE_KEYS, "")
-    _check_field(field, key, allowed=RECIPE_KEYS, where="recipe.env")
+        raise _unknown(field, key, CAPPED_KEYS, "")
+    _check_field(field, key, allowed=CAPPED_KEYS, where="recipe.env")
     if field in seen:
         raise _Bad(f"{field.upper()} is set twice, on lines {seen[field]} and {lineno}", "keep one of them")
     seen[field] = lineno
@@ -314,6 +329,8 @@ def _parse_line(line: str, *, seen: dict[str, int], lineno: int) -> tuple[str, s
 def _raise_all(problems: list[str], what: str) -> None:
     if not problems:
         return
+    if len(problems) == 1:  # one line, as the entry points print user errors
+        raise RecipeError(f"{what}: 1 problem(s): {problems[0]}")
     shown = problems[:MAX_REPORTED]
     more = len(problems) - len(shown)
     tail = [f"  ... and {more} more"] if more else []
@@ -365,7 +382,7 @@ def env_overrides(
 ) -> list[Override]:
     """Validated overrides from `OPSD_<FIELD>` variables, sorted by name; raises RecipeError on any bad one.
 
-    `allowed` restricts the settable fields (the capped harness passes RECIPE_KEYS); without it every
+    `allowed` restricts the settable fields (the capped harness passes CAPPED_KEYS); without it every
     config field may be set. Names in RESERVED_ENV are skipped.
     """
     overrides: list[Override] = []
@@ -396,6 +413,49 @@ def to_argv(overrides: typing.Iterable[Override]) -> list[str]:
     return [f"--{o.field}={o.value}" for o in overrides]
 
 
+def flag_overrides(args: typing.Sequence[str]) -> list[Override]:
+    """Validated pass-through flags of the capped harness (`--key value`, `--key=value`, `--bool-key`).
+
+    Only OPERATIONAL_KEYS pass: budget keys are refused as in recipe.env, and method keys belong in
+    recipe.env or `OPSD_*` (the recipe is the record of the method). Raises RecipeError naming every bad flag.
+    """
+    overrides: list[Override] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--":
+            problems.append(f"{_shown(arg)}: not a --flag; fix: write --key value or --key=value")
+            continue
+        name, has_value, value = arg[2:].partition("=")
+        field = name.replace("-", "_")
+        flag = f"--{name}"
+        if not has_value and i < len(args) and not args[i].startswith("--"):
+            value, has_value, i = args[i], True, i + 1
+        try:
+            if field not in _specs():
+                near = _closest(field, OPERATIONAL_KEYS)
+                hint = f"did you mean --{near}? " if near else ""
+                keys = ", ".join(sorted(OPERATIONAL_KEYS))
+                raise _Bad(f"{flag} is not a config field", f"{hint}pass-through flags take {keys}")
+            if field in RECIPE_KEYS:
+                raise _Bad(
+                    f"{flag} changes the method",
+                    f"set {field.upper()} in recipe.env or OPSD_{field.upper()}, where the recipe records it",
+                )
+            _check_field(field, flag, allowed=OPERATIONAL_KEYS, where="a pass-through flag")
+            if not has_value:
+                if _specs()[field].kind != "bool":
+                    raise _Bad(f"{flag} needs a value", f"write {flag} VALUE or {flag}=VALUE")
+                value = "true"  # a bare boolean flag, as argparse reads it
+            overrides.append(Override(field, _normalise(field, value, capped=True), f"flag {flag}"))
+        except _Bad as bad:
+            problems.append(f"flag {flag}: {bad.why}; fix: {bad.fix}")
+    _raise_all(problems, "pass-through flags")
+    return overrides
+
+
 def resolve_overrides(
     recipe_path: str | Path | None, environ: Mapping[str, str], *, capped: bool
 ) -> list[Override]:
@@ -412,7 +472,7 @@ def resolve_overrides(
         except RecipeError as err:
             problems.append(str(err))
     try:
-        env = env_overrides(environ, allowed=RECIPE_KEYS if capped else None)
+        env = env_overrides(environ, allowed=CAPPED_KEYS if capped else None)
     except RecipeError as err:
         problems.append(str(err))
     if problems:

@@ -55,7 +55,10 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = (
         LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=cfg.lora_dropout, target_modules=["q_proj", "v_proj"],
+            r=4,
+            lora_alpha=8,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=["q_proj", "v_proj"],
             task_type="CAUSAL_LM",
         )  # fmt: skip
         if use_peft

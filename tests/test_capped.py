@@ -38,9 +38,7 @@ def finish(proc, timeout=900):
 @pytest.mark.parametrize(("gpus", "batch", "accum"), [(1, 4, 8), (2, 4, 4), (4, 4, 2), (8, 4, 1)])
 def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
     rc, out, err = finish(
-        harness(
-            "--dry-run", "--num-gpus", str(gpus), "--gpu", "yes", "--name", "x", "--runs-dir", str(tmp_path)
-        )
+        harness("--dry-run", "--num-gpus", str(gpus), "--name", "x", "--runs-dir", str(tmp_path))
     )
     assert rc == 0, err
     plan = json.loads(out)
@@ -52,7 +50,7 @@ def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
 
 
 def test_dry_run_refusals(tmp_path):
-    rc, _, err = finish(harness("--dry-run", "--num-gpus", "3", "--gpu", "yes"))
+    rc, _, err = finish(harness("--dry-run", "--num-gpus", "3"))
     assert rc == 2 and "cannot be split over 3 processes" in err
     bad = tmp_path / "bad.env"
     bad.write_text("BETA=0.5\nPER_DEVICE_TRAIN_BATCH_SIZE=8\n")

@@ -489,7 +489,7 @@ def test_missing_file(tmp_path, suffix):
     assert str(path) in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["train.csv", "train.txt", "train"])
+@pytest.mark.parametrize("name", ["train.tsv", "train.txt", "train"])
 def test_wrong_suffix(tmp_path, name):
     path = tmp_path / name
     path.write_text("problem,answer\n1+1,2\n", encoding="utf-8")
@@ -497,7 +497,7 @@ def test_wrong_suffix(tmp_path, name):
         load_table(str(path), required=("problem",))
     msg = str(e.value)
     assert str(path) in msg
-    assert ".json" in msg and ".jsonl" in msg and ".parquet" in msg
+    assert ".json" in msg and ".jsonl" in msg and ".csv" in msg and ".parquet" in msg
 
 
 def test_suffix_is_case_insensitive(tmp_path):
@@ -506,10 +506,11 @@ def test_suffix_is_case_insensitive(tmp_path):
     assert len(load_table(str(upper), required=("problem",))) == 4
 
 
-def test_directory_is_not_a_file(tmp_path):
+def test_directory_without_data_files(tmp_path):
     d = tmp_path / "data.json"
     d.mkdir()
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    (d / "notes.txt").write_text("not data")
+    with pytest.raises(FileNotFoundError, match=r"holds no \.json, \.jsonl, \.csv or \.parquet files"):
         load_table(str(d), required=("problem",))
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from opsd.evaluation.samples import sample_seed
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eval_aime.py"
 # One thread per process: on a small CPU machine, OpenMP threads of parallel processes spin against
@@ -330,28 +332,36 @@ def load_script():
     return module
 
 
-def test_engine_death_exits_2_keeps_chunks_and_rerun_resumes(
+def test_engine_death_mid_stream_exits_2_keeps_finished_samples_and_rerun_resumes(
     vllm_tiny, tiny_model_dir, problems_file, tmp_path, monkeypatch, capsys
 ):
-    """In-process run on the shared real vLLM engine, whose generate raises on the second chunk."""
+    """In-process run on the shared real vLLM engine, whose engine loop raises after 2 samples finished."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    import opsd.evaluate as evaluate
+    import opsd.evaluation.generate as generate
 
     script = load_script()
-    monkeypatch.setattr(evaluate, "build_engine", lambda job, scratch: (vllm_tiny, None))
-    real, calls, fail_on = vllm_tiny.generate, [], {2}
+    monkeypatch.setattr(generate, "build_engine", lambda job, scratch: (vllm_tiny, None))
+    engine = vllm_tiny.llm.llm_engine
+    real_step, real_add = engine.step, engine.add_request
+    added, finished, fail_after = [], [], [2]
 
-    def generate(prompt_ids, sampling, n=1, lora_path=None):
-        calls.append(list(n))
-        if len(calls) in fail_on:  # what vLLM raised on the CPU backend, as the frontend sees it
+    def step():
+        if fail_after and len(finished) >= fail_after[0]:  # what vLLM raised on the CPU backend
             raise EngineDeadError() from RuntimeError("CPU Generator does not use offset")
-        return real(prompt_ids, sampling, n=n, lora_path=lora_path)
+        outputs = real_step()
+        finished.extend(o for o in outputs if o.finished)
+        return outputs
 
-    monkeypatch.setattr(vllm_tiny, "generate", generate)
+    def add_request(request_id, prompt, params, **kwargs):
+        added.append(params.seed)
+        return real_add(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "add_request", add_request)
     out = tmp_path / "dies"
     args = ["--model", tiny_model_dir, "--dataset", problems_file, "--n", 2, "--max-tokens", 8]
-    args = [*map(str, args), "--max-model-len", "512", "--chunk-size", "1"]
+    args = [*map(str, args), "--max-model-len", "512", "--max-in-flight", "2"]
 
     assert script.main([*args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -363,45 +373,41 @@ def test_engine_death_exits_2_keeps_chunks_and_rerun_resumes(
     assert "a rerun of the same command resumes" in line
     assert "Traceback" in (out / "engine_error.log").read_text()
     kept = (out / "samples.jsonl").read_bytes()
-    assert [(r["id"], r["idx"]) for r in read_jsonl(out / "samples.jsonl")] == [("p0", 0), ("p0", 1)]
+    # Two in flight, sample 0 of every problem first: the first two to finish are sample 0 of p0 and p1.
+    assert sorted((r["id"], r["idx"]) for r in read_jsonl(out / "samples.jsonl")) == [("p0", 0), ("p1", 0)]
     assert not (out / "summary.json").exists()
+    assert engine.get_num_unfinished_requests() == 0  # the requests in flight were aborted
 
-    calls.clear()
-    fail_on.clear()
+    added.clear()
+    fail_after.clear()
     assert script.main([*args, "--out", str(out)]) == 0
-    assert calls == [[2], [2]]  # only p1 and p2, one chunk each: the kept samples are not redone
+    # Only the 4 missing samples were requested, each with its own seed.
+    seeds = {(p, i): sample_seed(0, k, i) for k, p in enumerate(("p0", "p1", "p2")) for i in (0, 1)}
+    assert sorted(added) == sorted(seeds[key] for key in [("p2", 0), ("p0", 1), ("p1", 1), ("p2", 1)])
     assert (out / "samples.jsonl").read_bytes().startswith(kept)
     resumed = read_jsonl(out / "samples.jsonl")
-    assert [(r["id"], r["idx"]) for r in resumed] == [(p, i) for p in ("p0", "p1", "p2") for i in (0, 1)]
+    assert sorted((r["id"], r["idx"]) for r in resumed) == sorted(seeds)
+    assert all(r["request_seed"] == seeds[(r["id"], r["idx"])] for r in resumed)
     assert json.loads((out / "summary.json").read_text())["new_samples"] == 4
 
     # The interrupted and resumed run holds the samples an uninterrupted run draws.
     assert script.main([*args, "--out", str(tmp_path / "whole")]) == 0
-    assert read_jsonl(tmp_path / "whole" / "samples.jsonl") == resumed
+    whole = read_jsonl(tmp_path / "whole" / "samples.jsonl")
+    assert sorted(whole, key=lambda r: (r["id"], r["idx"])) == sorted(
+        resumed, key=lambda r: (r["id"], r["idx"])
+    )
 
 
 # --- resume ---------------------------------------------------------------------------------------------
 
 
-def test_kill_and_resume(tiny_model_dir, tmp_path):
+def test_kill_mid_stream_and_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "resume"
     samples_path = out / "samples.jsonl"
-    # 30 problems, one per chunk: long enough to kill after the first chunk. The default max_model_len
-    # (40960) is also cut to the tiny model's 2048 on the way.
-    args = [
-        "--model",
-        tiny_model_dir,
-        "--dataset",
-        "builtin",
-        "--n",
-        4,
-        "--max-tokens",
-        96,
-        "--chunk-size",
-        1,
-        "--out",
-        out,
-    ]
+    # 30 problems x 4 samples streamed at most 8 at a time: long enough to kill after the first samples.
+    # The default max_model_len (40960) is also cut to the tiny model's 2048 on the way.
+    args = ["--model", tiny_model_dir, "--dataset", "builtin", "--n", 4, "--max-tokens", 96]
+    args = [*args, "--max-in-flight", 8, "--out", out]
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), *map(str, args)],
@@ -411,19 +417,18 @@ def test_kill_and_resume(tiny_model_dir, tmp_path):
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 240
-        while not (samples_path.is_file() and samples_path.stat().st_size > 0):
+        while not (samples_path.is_file() and samples_path.read_bytes().count(b"\n") >= 4):
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no chunk was written in time"
+            assert time.monotonic() < deadline, "no sample was written in time"
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     before = samples_path.read_bytes()
     lines = before[: before.rfind(b"\n") + 1].splitlines(keepends=True)
-    assert 4 <= len(lines) < 120, "the run must be killed part way, after a chunk"
-    # A kill inside one large write can leave part of a problem's samples and a torn line; make that
-    # happen whatever the kill hit: drop the last two samples and end the file with a torn line.
+    assert 4 <= len(lines) < 120, "the run must be killed part way"
+    # A kill inside a write can leave a torn line; make that happen whatever the kill hit: drop the last
+    # two samples and end the file with a torn line.
     kept, dropped = lines[:-2], [json.loads(line) for line in lines[-2:]]
-    assert [d["idx"] for d in dropped] == [2, 3]
     complete = b"".join(kept)
     samples_path.write_bytes(complete + b'{"id": "builtin-029", "idx": 0, "text": "tor')
     done = len(kept)
@@ -438,10 +443,13 @@ def test_kill_and_resume(tiny_model_dir, tmp_path):
     keys = [(r["id"], r["idx"]) for r in records]
     assert len(keys) == len(set(keys)) == 120
     assert set(keys) == {(f"builtin-{p:03d}", i) for p in range(30) for i in range(4)}
-    # Samples 2 and 3 of the cut problem were requested as one request of n=2; seeded by their index,
-    # they come out as in the killed run (vLLM on the CPU is deterministic for a seeded request).
-    redone = {(r["id"], r["idx"]): r["text"] for r in records}
-    assert [redone[(d["id"], d["idx"])] for d in dropped] == [d["text"] for d in dropped]
+    # Every sample has its own seed: the dropped samples come out as in the killed run (vLLM on the CPU is
+    # deterministic for a seeded request), and the resumed run generated only what was missing.
+    redone = {(r["id"], r["idx"]): r for r in records}
+    for d in dropped:
+        r = redone[(d["id"], d["idx"])]
+        assert (r["text"], r["request_seed"]) == (d["text"], d["request_seed"])
+    assert all(r["request_seed"] == sample_seed(0, r["problem_index"], r["idx"]) for r in records)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["new_samples"] == 120 - done
     assert summary["metrics"]["n_problems"] == 30 and summary["config"]["max_model_len_used"] == 2048

@@ -88,15 +88,18 @@ def test_ema_teacher_is_kept_in_float32_under_bf16(tiny_model_dir):
     model = get_peft_model(
         model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     )
-    rate, steps = 1e-3, 20
+    rate, steps = 1e-3, 50
     ema = InitialisedAdapterEMA(model=model, teacher_adapter_name="teacher", update_rate=rate)
     state, control = TrainerState(), TrainerControl()
+    # peft keeps adapters in float32; DeepSpeed's bf16 engine (and QLoRA) casts them to bf16, as done here.
+    model.to(torch.bfloat16)
     ema.on_train_begin(None, state, control)
+    model.to(torch.bfloat16)
     student = {n: p for n, p in model.named_parameters() if ".default." in n}
     start = {n: p.detach().clone() for n, p in student.items()}
     with torch.no_grad():
         for p in student.values():
-            p.add_(0.5)
+            p.mul_(1.5)
     for step in range(1, steps + 1):
         state.global_step = step
         ema.on_step_end(None, state, control)
@@ -118,7 +121,8 @@ def test_ema_teacher_is_kept_in_float32_under_bf16(tiny_model_dir):
             moved += (teacher.detach() != s0).sum().item()
             stays_in_bf16 += (naive == s0).sum().item()
             total += s0.numel()
-    # The float32 EMA moved most lora_A entries by (1 - 0.999**20) * 0.5 ~ 0.01; the bf16 update moved few.
+    # The float32 EMA moved each lora_A entry x by (1 - 0.999**50) * 0.5 * x ~ 0.024 x, three bf16 steps;
+    # in bf16 each update, 0.0005 x, is below half a bf16 step (0.002 x) and rounds away.
     assert moved > 0.9 * total
     assert stays_in_bf16 > 0.5 * total
     assert all(v.dtype == torch.float32 for v in ema.shadow_weights.values())
@@ -169,14 +173,14 @@ class NaNAt(TrainerCallback):
 
     def __init__(self, trainer, steps):
         self.steps, self.armed = set(steps), False
-        norm = trainer.model.get_base_model().model.norm
-        norm.register_forward_hook(self._hook)
+        # On the final norm's input: its output is what the loss reads (`completion_hidden`).
+        trainer.model.get_base_model().model.norm.register_forward_pre_hook(self._hook)
 
-    def _hook(self, module, inputs, output):
+    def _hook(self, module, inputs):
         if self.armed and torch.is_grad_enabled():
             self.armed = False
-            return output * float("nan")
-        return output
+            return (inputs[0] * float("nan"),)
+        return None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.armed = state.global_step + 1 in self.steps
@@ -217,7 +221,7 @@ def test_nonfinite_step_is_skipped(tiny_model_dir, tmp_path):
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=3, gradient_accumulation_steps=2, lr_scheduler_type="linear"
     )
-    NaNAt(trainer, steps=[2])
+    trainer.add_callback(NaNAt(trainer, steps=[2]))
     snaps = Snapshots(trainer)
     trainer.add_callback(snaps)
     trainer.add_callback(MetricsJSONL())
@@ -248,7 +252,7 @@ def test_consecutive_nonfinite_steps_abort_keeping_the_last_checkpoint(tiny_mode
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=6, save_strategy="steps", save_steps=2, max_nonfinite_steps=2
     )
-    NaNAt(trainer, steps=[3, 4, 5, 6])
+    trainer.add_callback(NaNAt(trainer, steps=[3, 4, 5, 6]))
     snaps = Snapshots(trainer)
     trainer.add_callback(snaps)
     trainer.add_callback(CompleteMark())

@@ -138,7 +138,7 @@ def test_cli_embedded_model_two_steps(tmp_path):
     [
         ([], {"OPSD_BETAA": "0.5"}, "OPSD_BETAA"),
         (["--beta", "1.5"], {}, "beta=1.5 is out of range"),
-        (["--clip_mode", "elementwise"], {}, "clip_mode='elementwise' is not allowed"),
+        (["--clip_mode", "elementwise"], {}, "invalid choice: 'elementwise'"),
         (["--model_name_or_path", "./no/such/model"], {}, "not a model directory"),
         (["--dataset_name", "missing.jsonl"], {}, "does not exist"),
     ],

@@ -63,7 +63,6 @@ class ClaimQueue:
             for pid, start, count in queue["requests"]
         ]
         self._may_claim = True  # False once a claim was refused, until one of ours finishes
-        self.claimed = 0
 
     @contextmanager
     def _state(self):
@@ -91,7 +90,6 @@ class ClaimQueue:
             state["in_flight"][self.rank] = mine + count
         if count == 0:
             self._may_claim = False
-        self.claimed += count
         return self.requests[first : first + count]
 
     def finished(self, count: int) -> None:
@@ -105,7 +103,7 @@ def run_workers(
     config: EvalConfig, argv: Sequence[str], script: str, out: Path, requests: Sequence[Request]
 ) -> dict[str, float]:
     """Start `num_gpus` workers of `script` on a queue of `requests`, wait for all, merge their samples;
-    returns the summed timings."""
+    returns the summed timings and each worker's new samples (`worker_samples`)."""
     import torch
 
     world, tp = config.num_gpus, config.tensor_parallel_size
@@ -132,10 +130,14 @@ def run_workers(
             p.terminate()
         raise
     merge_shards(out)
-    totals = dict(NO_TIMINGS)
-    for f in sorted(shard_dir.glob("stats-*.json")):
+    totals: dict[str, Any] = {**NO_TIMINGS, "worker_samples": [0] * world}
+    for r in range(world):
+        f = shard_dir / f"stats-r{r}.json"
+        if not f.is_file():  # the worker died before it finished
+            continue
         stats = json.loads(f.read_text())
         f.unlink()
+        totals["worker_samples"][r] = stats["new_samples"]
         for key in ("new_samples", "new_tokens"):
             totals[key] += stats[key]
         # Workers run side by side: the slowest one sets the wall clock.
@@ -165,5 +167,4 @@ def run_shard(job: Job) -> None:
         job, queue.requests, queue, shard_dir / f"samples-r{rank}-of{world}.jsonl",
         shard_dir / f".merged-r{rank}", position=rank,
     )  # fmt: skip
-    timings["claimed_requests"] = queue.claimed
     (shard_dir / f"stats-r{rank}.json").write_text(json.dumps(timings))

@@ -1,0 +1,268 @@
+"""Bad input: data files refused with the file, line or row and the fix; entry points print user errors as one
+line with exit status 2 (the traceback only with --debug or OPSD_DEBUG=1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opsd.data import DataError, load_eval_dataset, load_table, load_train_dataset
+from opsd.errors import UserError, split_debug
+from tests.conftest import ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def row(i: int, **changes) -> dict:
+    base = {
+        "problem": f"problem {i}",
+        "solution": f"worked {i}",
+        "Answer": str(i),
+        "COT_Reason": f"thinking {i}",
+        "generated_token_count": 100,
+    }
+    return {**base, **changes}
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def refused(path: Path | str, load=load_train_dataset, **kw) -> str:
+    with pytest.raises(UserError) as info:
+        load(str(path), **kw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# -- data files ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv", ".parquet"])
+def test_empty_file_is_named(tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    path.write_bytes(b"")
+    message = refused(path)
+    assert str(path) in message and "is empty" in message
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_blank_lines_only(tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    path.write_text("\n  \n\n", encoding="utf-8")
+    message = refused(path)
+    assert str(path) in message and "only blank lines" in message
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(row(0)) + "\n\n" + '{"problem": "p", oops}\n', encoding="utf-8")
+    message = refused(path)
+    assert (
+        str(path) in message
+        and "line 3 is not valid JSON" in message
+        and "one JSON object per line" in message
+    )
+
+
+def test_malformed_json_document_names_line(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("[\n" + json.dumps(row(0)) + ",\n{broken}\n]\n", encoding="utf-8")
+    message = refused(path)
+    assert str(path) in message and "invalid JSON at line 3" in message
+
+
+def test_jsonl_line_that_is_not_an_object(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(row(0)) + "\n[1, 2]\n", encoding="utf-8")
+    assert "line 2 is a JSON list, not an object" in refused(path)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "teacher_ref"),
+    [
+        ("problem", None, "solution"),
+        ("problem", 12, "solution"),
+        ("solution", None, "solution"),
+        ("solution", "", "solution"),
+        ("solution", "   ", "solution"),
+        ("COT_Reason", None, "cot"),
+        ("COT_Reason", "", "cot"),
+    ],
+)
+def test_missing_or_empty_text_names_the_row(tmp_path, column, value, teacher_ref):
+    path = jsonl(tmp_path / "train.jsonl", [row(0), row(1), row(2, **{column: value})])
+    message = refused(path, teacher_ref=teacher_ref)
+    assert str(path) in message and repr(column) in message
+    assert f"row 3 has {value!r}" in message and "fill in or drop those rows" in message
+    assert "row 1 " not in message and "row 2 " not in message
+
+
+def test_the_reference_the_teacher_does_not_read_may_be_empty(tmp_path):
+    path = jsonl(tmp_path / "train.jsonl", [row(0, COT_Reason=None), row(1, COT_Reason="")])
+    assert load_train_dataset(str(path), teacher_ref="solution")["problem"] == ["problem 0", "problem 1"]
+    assert "'COT_Reason'" in refused(path, teacher_ref="cot")
+
+
+def test_many_bad_rows_are_counted(tmp_path):
+    path = jsonl(tmp_path / "train.jsonl", [row(i, problem=None) for i in range(9)])
+    message = refused(path)
+    assert "row 5 has None" in message and "row 6 " not in message and "and 4 more" in message
+
+
+def test_eval_rows_need_problem_and_answer(tmp_path):
+    path = jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": 3}, {"problem": "Q", "answer": None}])
+    message = refused(path, load=load_eval_dataset)
+    assert "'answer'" in message and "row 2 has None" in message
+    path = jsonl(tmp_path / "aime2.jsonl", [{"problem": "", "answer": "3"}])
+    assert "'problem'" in refused(path, load=load_eval_dataset)
+    # numbers are answers (AIME files store integers)
+    path = jsonl(tmp_path / "aime3.jsonl", [{"problem": "P", "answer": 33}])
+    assert load_eval_dataset(str(path)) == [{"id": "0", "problem": "P", "answer": "33"}]
+
+
+def test_csv_file(tmp_path):
+    path = tmp_path / "aime.csv"
+    path.write_text('problem,answer\nCompute 1+1.,2\n"Find x, if x=3.",3\n', encoding="utf-8")
+    assert load_eval_dataset(str(path)) == [
+        {"id": "0", "problem": "Compute 1+1.", "answer": "2"},
+        {"id": "1", "problem": "Find x, if x=3.", "answer": "3"},
+    ]
+    empty_cell = tmp_path / "bad.csv"
+    empty_cell.write_text("problem,answer\n,2\n", encoding="utf-8")
+    assert "row 1 has None" in refused(empty_cell, load=load_eval_dataset)
+
+
+def test_directory_with_split_files(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    jsonl(d / "train.jsonl", [row(0), row(1)])
+    jsonl(d / "test.jsonl", [row(7)])
+    assert load_train_dataset(str(d))["problem"] == ["problem 0", "problem 1"]
+    assert load_train_dataset(str(d), split="test")["problem"] == ["problem 7"]
+    message = refused(d, split="validation")
+    assert "validation" in message and "--dataset_split" in message
+
+
+def test_directory_of_unnamed_files_is_the_train_split(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    jsonl(d / "part-a.jsonl", [row(0)])
+    jsonl(d / "part-b.jsonl", [row(1)])
+    assert sorted(load_table(str(d), required=("problem",))["problem"]) == ["problem 0", "problem 1"]
+
+
+def test_directory_problems_name_the_file(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    jsonl(d / "train.jsonl", [row(0)])
+    (d / "extra.jsonl").write_text("")
+    message = refused(d)
+    assert str(d / "extra.jsonl") in message and "is empty" in message
+    (d / "extra.jsonl").unlink()
+    (d / "more.csv").write_text("problem\nx\n")
+    assert "mixes csv and json files" in refused(d)
+
+
+def test_data_errors_are_value_errors():
+    # Callers that catch ValueError (the evaluation's input checks) still catch data errors.
+    assert issubclass(DataError, ValueError) and issubclass(DataError, UserError)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "debug", "rest"),
+    [
+        (["--debug"], {}, True, []),
+        (["--beta", "1", "--debug"], {}, True, ["--beta", "1"]),
+        (["--debug", "underflow_overflow"], {}, False, ["--debug", "underflow_overflow"]),
+        (["--debug=underflow_overflow"], {}, False, ["--debug=underflow_overflow"]),
+        ([], {"OPSD_DEBUG": "1"}, True, []),
+        ([], {"OPSD_DEBUG": "0"}, False, []),
+    ],
+)
+def test_split_debug(argv, env, debug, rest):
+    # A bare --debug is ours; with a value it is transformers' own `debug` training argument.
+    assert split_debug(argv, env) == (debug, rest)
+
+
+# -- entry points as users run them ---------------------------------------------------------------------------
+
+
+def run(script: str, args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
+    full.update(ENV, **(env or {}))
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def one_line(res: subprocess.CompletedProcess, prefix: str, *needles: str) -> None:
+    """Exit status 2, no traceback, and the error in one line, the last (progress bars may come before)."""
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert [line for line in lines if "error:" in line] == lines[-1:], res.stderr[-3000:]
+    assert lines[-1].startswith(prefix) and "Traceback" not in res.stderr, res.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[-1]
+
+
+def test_train_bad_config_value_is_one_line(tmp_path):
+    res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--learning_rate", "-1"], tmp_path)
+    one_line(res, "opsd_train.py: error:", "learning_rate=-1.0 is out of range", "must be > 0")
+    res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--beta", "abc"], tmp_path)
+    one_line(res, "opsd_train.py: error:", "--beta: invalid float value", "--help")
+
+
+def test_train_bad_data_is_refused_before_the_model_loads(tmp_path):
+    data = jsonl(tmp_path / "train.jsonl", [row(0), row(1, solution=None)])
+    args = [
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--dataset_name",
+        str(data),
+        "--model_name_or_path",
+        "./none",
+    ]
+    res = run("opsd_train.py", args[:4], tmp_path)
+    one_line(res, "opsd_train.py: error:", str(data), "row 2 has None")
+    assert not (tmp_path / "o").exists()
+    # A missing model directory is named too, still before anything loads.
+    jsonl(data, [row(0)])
+    one_line(run("opsd_train.py", args, tmp_path), "opsd_train.py: error:", "not a model directory")
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_train_debug_shows_the_traceback(tmp_path, how):
+    args = ["--output_dir", str(tmp_path / "o"), "--beta", "2"] + (["--debug"] if how == "flag" else [])
+    res = run("opsd_train.py", args, tmp_path, {"OPSD_DEBUG": "1"} if how == "env" else None)
+    assert res.returncode == 2
+    assert "Traceback" in res.stderr and "InvalidValue" in res.stderr
+    assert (
+        res.stderr.strip().splitlines()[-1]
+        == "opsd_train.py: error: beta=2.0 is out of range: must be in [0, 1]"
+    )
+
+
+def test_train_internal_errors_keep_their_traceback(tmp_path):
+    # A bug is not a user error: its traceback shows and the status is not 2.
+    code = (
+        "import sys, opsd_train; from opsd.errors import run_main\n"
+        "def boom(argv): raise KeyError('bug')\n"
+        "sys.exit(run_main(boom, 'opsd_train.py', []))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "Traceback" in res.stderr and "KeyError: 'bug'" in res.stderr
+
+
+def test_eval_bad_data_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    data = jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": None}])
+    args = ["--dataset", str(data), "--out", str(tmp_path / "e")]
+    one_line(run("eval_aime.py", args, tmp_path), "error:", "row 1 has None", str(data))
+    res = run("eval_aime.py", [*args, "--debug"], tmp_path)
+    assert res.returncode == 2 and "Traceback" in res.stderr and "row 1 has None" in res.stderr

@@ -1,0 +1,155 @@
+"""train_capped.sh: the dry run validates values as training does, operational keys pass through recipe.env,
+OPSD_* and flags after `--`, budget keys stay refused, and an explicit --num-gpus plans that many GPUs."""
+
+import json
+
+import pytest
+
+from opsd.recipe import (
+    CAPPED_KEYS,
+    OPERATIONAL_KEYS,
+    RecipeError,
+    env_overrides,
+    flag_overrides,
+    parse_recipe,
+)
+from tests.test_capped import finish, harness
+
+# One value per operational key the harness used to refuse; each is checked in the resolved config.
+OPERATIONAL = {
+    "report_to": ("tensorboard", ["tensorboard"]),
+    "run_name": ("capped-x", "capped-x"),
+    "logging_steps": ("5", 5),
+    "vllm_gpu_memory_utilization": ("0.3", 0.3),
+    "vllm_enable_sleep_mode": ("true", True),
+}
+
+
+def dry_run(*args, env=None, recipe_text=None, tmp_path):
+    extra = []
+    if recipe_text is not None:
+        recipe = tmp_path / "recipe.env"
+        recipe.write_text(recipe_text)
+        extra = ["--recipe", str(recipe)]
+    return finish(harness("--dry-run", "--runs-dir", str(tmp_path), *extra, *args, env=env))
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_capped: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("BETA", "2", "beta=2.0 is out of range: must be in [0, 1]"),
+        ("JSD_TOKEN_CLIP", "-1", "jsd_token_clip=-1.0 is out of range"),
+        ("TOP_K_LOSS", "-3", "top_k_loss=-3 is out of range"),
+        ("LOSS_TEMPERATURE", "-1", "loss_temperature=-1.0 is out of range"),
+        ("LEARNING_RATE", "-1", "learning_rate=-1.0 is out of range: must be > 0"),
+        ("LEARNING_RATE", "0", "learning_rate=0.0 is out of range: must be > 0"),
+    ],
+)
+def test_dry_run_validates_values_as_training_does(tmp_path, key, value, message):
+    rc, out, err = dry_run(env={f"OPSD_{key}": value}, tmp_path=tmp_path)
+    assert rc == 2 and out == ""
+    assert message in one_error_line(err)
+
+
+def test_zero_steps_are_refused_before_training(tmp_path):
+    # Outside the harness max_steps is settable; 0 used to start a run that trained one step.
+    from opsd_train import parse_config
+
+    with pytest.raises(ValueError, match="max_steps=0 is out of range: must be > 0"):
+        parse_config(["--output_dir", str(tmp_path), "--max_steps", "0"], environ={})
+
+
+@pytest.mark.parametrize("route", ["recipe", "env", "flag"])
+def test_operational_keys_reach_the_training_command(tmp_path, route):
+    env, recipe_text, flags = None, None, []
+    if route == "recipe":
+        recipe_text = "".join(f"{k.upper()}={v}\n" for k, (v, _) in OPERATIONAL.items())
+    elif route == "env":
+        env = {f"OPSD_{k.upper()}": v for k, (v, _) in OPERATIONAL.items()}
+    else:
+        flags = ["--"] + [a for k, (v, _) in OPERATIONAL.items() for a in (f"--{k}", v)]
+    rc, out, err = dry_run(*flags, env=env, recipe_text=recipe_text, tmp_path=tmp_path)
+    assert rc == 0, err[-3000:]
+    plan = json.loads(out)
+    for key, (_, resolved) in OPERATIONAL.items():
+        assert plan["resolved"][key] == resolved, key
+        if route == "flag":
+            assert any(c.startswith(f"--{key}=") for c in plan["command"]), key
+        else:
+            assert any(o.startswith(f"{key}=") for o in plan["overrides"]), key
+    assert plan["resolved"]["max_steps"] == 100 and plan["resolved"]["seed"] == 42
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max_steps", "50"], "--max_steps is fixed by the capped harness"),
+        (["--per_device_train_batch_size=8"], "--per_device_train_batch_size=8"),
+        (["--seed", "1"], "--seed is fixed by the capped harness"),
+        (["--beta", "0.5"], "set BETA in recipe.env or OPSD_BETA"),
+        (["--config", "x.yaml"], "--config is not a config field"),
+    ],
+)
+def test_pass_through_flags_refuse_budget_and_method_keys(tmp_path, flags, message):
+    rc, out, err = dry_run("--", *flags, tmp_path=tmp_path)
+    assert rc == 2 and out == ""
+    assert message.split("=")[0] in err and "Traceback" not in err
+    assert err.startswith("train_capped: error: pass-through flags: 1 problem(s):")
+
+
+def test_operational_keys_in_recipe_and_env_parsers(tmp_path):
+    recipe = tmp_path / "r.env"
+    recipe.write_text("REPORT_TO=wandb\nBETA=0.5\nOPSD_LOGGING_STEPS=10\n")
+    assert {o.field: o.value for o in parse_recipe(recipe)} == {
+        "report_to": "wandb",
+        "beta": "0.5",
+        "logging_steps": "10.0",
+    }
+    got = env_overrides({"OPSD_RUN_NAME": "x", "OPSD_VLLM_ENABLE_SLEEP_MODE": "yes"}, allowed=CAPPED_KEYS)
+    assert [(o.field, o.value) for o in got] == [("run_name", "x"), ("vllm_enable_sleep_mode", "true")]
+    assert [o.field for o in flag_overrides(["--vllm-enable-sleep-mode", "--run_name=y"])] == [
+        "vllm_enable_sleep_mode",
+        "run_name",
+    ]
+    with pytest.raises(RecipeError, match="--logging_steps needs a value"):
+        flag_overrides(["--logging_steps"])
+    assert "max_steps" not in OPERATIONAL_KEYS and not OPERATIONAL_KEYS & {"seed", "learning_rate", "beta"}
+
+
+def test_explicit_num_gpus_plans_gpu_processes_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the plan on a machine without GPUs")
+    rc, out, err = dry_run("--num-gpus", "8", "--name", "x", tmp_path=tmp_path)
+    assert rc == 0, err[-3000:]
+    plan = json.loads(out)
+    assert plan["num_processes"] == 8 and plan["accelerate_config"].endswith("zero2_8gpu.yaml")
+    assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (4, 1)
+    assert (
+        "--num_processes" in plan["command"]
+        and plan["command"][plan["command"].index("--num_processes") + 1] == "8"
+    )
+    assert plan["notes"] == [
+        "8 GPU process(es) planned, and this machine has 0 GPU(s): this is the plan for a machine with 8"
+    ]
+    # Without --num-gpus the same machine plans one CPU process.
+    rc, out, err = dry_run("--name", "x", tmp_path=tmp_path)
+    assert rc == 0 and json.loads(out)["num_processes"] == 1
+    assert json.loads(out)["accelerate_config"].endswith("cpu.yaml")
+    # A real run cannot use GPUs that are not there: one line, exit 2, nothing launched.
+    rc, out, err = finish(harness("--num-gpus", "2", "--name", "x", "--runs-dir", str(tmp_path)))
+    assert rc == 2 and "this machine has 0 GPU(s)" in one_error_line(err) and "leave out --num-gpus" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    rc, _, err = dry_run("--debug", env={"OPSD_BETA": "2"}, tmp_path=tmp_path)
+    assert rc == 2 and "Traceback" in err
+    assert err.strip().splitlines()[-1] == "train_capped: error: beta=2.0 is out of range: must be in [0, 1]"
