@@ -8,6 +8,8 @@ thinking on, 38,912 new tokens, model length 40,960) is the default:
     python eval_aime.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/checkpoint-100 --out runs/eval/opsd-100 \
         --num-gpus 4                     # 4 data-parallel workers, one GPU each, one shared queue
     python eval_aime.py --dataset builtin --limit 4 --n 2 --max-tokens 256 --out runs/eval/smoke   # CPU smoke
+    python eval_aime.py --model Qwen/Qwen3-1.7B --checkpoints runs/opsd --out runs/eval/opsd-sweep
+                                         # sweep: the base and every complete checkpoint-N, one engine start
 
 Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the three capped seeds):
 
@@ -25,6 +27,11 @@ Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the t
 `--aggregate` gives mean ± SE across runs; the difference of two recipes' means has SE
 sqrt(SE_a^2 + SE_b^2). `--compare` pairs the problems of two single runs, which removes problem
 difficulty from the noise but not the run-to-run spread.
+
+A sweep (`--checkpoints RUN_DIR` or `CKPT ...`, `--no-base` to leave out the base model) writes each
+evaluation into OUT/base, OUT/checkpoint-N as a single run would, plus a table against the base (sweep.md,
+.csv, .json) and the accuracy-vs-step curve; rerunning it skips what is finished (opsd/evaluation/sweep.py).
+`--adapter` and `--checkpoints` also take Hub adapter ids (org/name).
 
 A LoRA checkpoint is served by vLLM's LoRA support on a GPU and merged with peft first on vLLM's CPU
 backend (LoRA serving there is ~10x slower and can crash); `--merge-adapter` / `--no-merge-adapter`
@@ -45,7 +52,7 @@ import sys
 import traceback
 
 from opsd import errors
-from opsd.evaluation.run import RunFailed, UserError, run
+from opsd.evaluation.run import RunFailed, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     debug, argv = errors.split_debug(sys.argv[1:] if argv is None else argv)  # --debug / OPSD_DEBUG=1
     try:
         lines = run(argv, script=__file__)
-    except (UserError, errors.UserError) as e:
+    except errors.UserError as e:  # opsd.evaluation's UserError is one
         if debug:
             traceback.print_exception(e)
         print(f"error: {e}", file=sys.stderr)

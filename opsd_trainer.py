@@ -44,35 +44,9 @@ from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
 from opsd.prompts import PromptBuilder
 from opsd.scoring import completion_hidden, left_pad, lm_head_weight, loss_token_mask
+from opsd.weights import merged_named_weights, push_weights
 
 logger = logging.getLogger(__name__)
-
-
-def merged_named_weights(model):
-    """(name, tensor) pairs of the model with its active LoRA adapter merged, in checkpoint naming.
-
-    Computed as base + delta without touching the base weights; other parameters are yielded as they are.
-    """
-    from peft import PeftModel
-
-    if not isinstance(model, PeftModel):
-        for name, p in model.named_parameters():
-            yield name, p.detach()
-        return
-    base = model.get_base_model()
-    adapter = model.active_adapter
-    for name, p in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        if ".base_layer." in name:
-            module_path, _, leaf = name.rpartition(".base_layer.")
-            module = base.get_submodule(module_path)
-            value = p.detach()
-            if leaf == "weight" and adapter in getattr(module, "lora_A", {}):
-                value = value + module.get_delta_weight(adapter).to(value.dtype)
-            yield f"{module_path}.{leaf}", value
-        else:
-            yield name, p.detach()
 
 
 class InitialisedAdapterEMA(PEFTAdapterEMACallback):
@@ -435,17 +409,14 @@ class OPSDTrainer(SDFTTrainer):
         if self.accelerator.device.type == "cpu":
             # vLLM's CPU backend packs float32 linear weights for oneDNN, so per-parameter `load_weights`
             # fails; reloading in checkpoint format re-runs that packing, and a tied lm_head is rebuilt.
-            llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-            )
-            if self.model.config.get_text_config().tie_word_embeddings:
-                llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+            tied = self.model.config.get_text_config().tie_word_embeddings
+            push_weights(llm, weights, tie_word_embeddings=tied)
         else:
             if gen.enable_sleep_mode:
                 llm.wake_up(tags=["weights"])
                 gen._llm_weights_sleeping = False
             llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
-        llm.reset_prefix_cache()
+            llm.reset_prefix_cache()
 
     def _prepare_training_batch(self, inputs):
         batch = super()._prepare_training_batch(inputs)

@@ -207,9 +207,32 @@ def single_gpu(a) -> dict:
     return result
 
 
+# H200 HBM bandwidth (vendor figure), for the KV-read bound below.
+HBM_BYTES_PER_S = 4.8e12
+
+
+def kv_bytes_per_token(kind: str) -> int:
+    """Bytes of K and V cached per token over all layers (bf16 for the Qwen3-1.7B shape, fp32 for tiny)."""
+    from opsd.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
+
+    shape = qwen3_1p7b_shape() if kind == "qwen3-1.7b" else tiny_qwen3_shape()
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    dtype_bytes = 2 if kind == "qwen3-1.7b" else 4
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def kv_read_bound_s(lengths, prompt_len: int, bytes_per_token: int, bandwidth: float = HBM_BYTES_PER_S) -> float:
+    """Seconds to read the KV cache once per decoded token: a sample decoding its t-th token attends to
+    prompt_len + t cached tokens, so a sample of length L reads sum_t (prompt_len + t) tokens' K and V. Every
+    schedule has to do these reads; at long lengths they, not the weights, bound decode speed."""
+    reads = sum(length * prompt_len + length * (length - 1) / 2 for length in lengths)
+    return reads * bytes_per_token / bandwidth
+
+
 def record(a, rows: list[dict], lengths, cap: int, speeds: dict) -> dict:
     total = sum(lengths.values())
     bound = max(max(lengths.values()) / speeds["single_tokens_per_s"], total / speeds["peak_tokens_per_s"])
+    kv_bound = kv_read_bound_s(lengths.values(), PROMPT_LEN, kv_bytes_per_token(a.model_config))
     by_mode = {r["mode"]: r for r in rows}
     speedup = None
     if "chunked" in by_mode and "streaming" in by_mode:
@@ -228,6 +251,9 @@ def record(a, rows: list[dict], lengths, cap: int, speeds: dict) -> dict:
         },  # fmt: skip
         "speeds": speeds,
         "lower_bound_s": bound,
+        # The bound above takes throughput from short (1,024-token) contexts; this one adds what long
+        # contexts cost: reading every cached token once per decode step at the full HBM bandwidth.
+        "kv_read_bound_s": kv_bound,
         "rows": rows,
         "speedup": speedup,
     }

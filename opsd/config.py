@@ -249,12 +249,6 @@ class OPSDConfig(SDFTConfig):
     def __post_init__(self):
         import torch
 
-        def choose(name: str, allowed: tuple[str, ...]) -> None:
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not allowed; choose one of {list(allowed)}"
-                )
-
         def bound(name: str, ok: bool, rule: str) -> None:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is out of range: {rule}")

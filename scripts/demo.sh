@@ -5,9 +5,10 @@
 #      problems, with configs/recipes/demo.env: clip_mode=rescale and learning rate 5e-4 instead of the
 #      published element clip and 5e-6 (the learning benchmark found that the element clip moves this small
 #      model away from its teacher: README, Results);
-#   2. eval_aime.py on the held-out `builtin:easy` problems (40 x 4 samples) for the base model and for the
-#      trained checkpoint (same sampling seeds), then their paired difference in accuracy and format rate.
-# Usage: bash scripts/demo.sh        Results: runs/demo/ (checkpoints, metrics.jsonl, eval-*/summary.json)
+#   2. one eval_aime.py sweep (one engine start) on the held-out `builtin:easy` problems (40 x 4 samples) of the
+#      base model and the trained checkpoint (same sampling seeds), then their paired difference in accuracy
+#      and format rate.
+# Usage: bash scripts/demo.sh        Results: runs/demo/ (checkpoints, metrics.jsonl, eval/*/summary.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,12 +16,9 @@ export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1
 py=.venv/bin/python
 echo "demo: clip_mode=rescale and learning rate 5e-4 (configs/recipes/demo.env) depart from the published recipe"
 ckpt=$(bash train_capped.sh --profile demo --recipe configs/recipes/demo.env --name demo | tail -n 1)
-evaluate() {
-  "$py" eval_aime.py --dataset builtin:easy --n 4 --max-tokens 128 --max-model-len 1024 --no-thinking \
-    --temperature 1.0 --out "$@"
-}
-evaluate runs/demo/eval-base
-evaluate runs/demo/eval-opsd --adapter "$ckpt"
-"$py" eval_aime.py --compare runs/demo/eval-base runs/demo/eval-opsd --out runs/demo/compare
+"$py" eval_aime.py --dataset builtin:easy --n 4 --max-tokens 128 --max-model-len 1024 --no-thinking \
+  --temperature 1.0 --checkpoints "$ckpt" --out runs/demo/eval
+"$py" eval_aime.py --compare runs/demo/eval/base "runs/demo/eval/$(basename "$ckpt")" --out runs/demo/compare
 echo "trained checkpoint: $ckpt"
-echo "results: runs/demo/ (capped_seed42/metrics.jsonl, eval-base/summary.json, eval-opsd/summary.json, compare/)"
+echo "results: runs/demo/ (capped_seed42/metrics.jsonl, eval/sweep.md, eval/base/summary.json," \
+  "eval/$(basename "$ckpt")/summary.json, compare/)"

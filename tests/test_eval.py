@@ -245,8 +245,12 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
 )
 def test_cpu_adapter_default_is_merged_and_equals_merge_adapter(boxer, problems_file, tmp_path):
     base_dir, adapter_dir = boxer
-    common = ["--model", base_dir, "--adapter", adapter_dir, "--dataset", problems_file, "--limit", 2]
-    common += ["--n", 2, "--max-tokens", 16, "--max-model-len", 512]
+    # 24 problems (the three, repeated under new ids) x 8 samples: a full-size CPU run of a LoRA checkpoint.
+    many = write_jsonl(tmp_path / "24.jsonl", [
+        {"id": f"q{j:02d}", "problem": PROBLEMS[j % 3][1], "answer": PROBLEMS[j % 3][2]} for j in range(24)
+    ])  # fmt: skip
+    common = ["--model", base_dir, "--adapter", adapter_dir, "--dataset", many]
+    common += ["--n", 8, "--max-tokens", 16, "--max-model-len", 512]
     auto, forced = tmp_path / "auto", tmp_path / "forced"
     proc = ok(run_eval(*common, "--out", auto))
     assert "adapter: merged" in proc.stdout
@@ -258,7 +262,7 @@ def test_cpu_adapter_default_is_merged_and_equals_merge_adapter(boxer, problems_
         assert summary["adapter_mode"] == "merged" and summary["config"]["adapter_mode"] == "merged"
     samples = read_jsonl(auto / "samples.jsonl")
     assert samples == read_jsonl(forced / "samples.jsonl")  # the same path, so the same samples
-    assert len(samples) == 4 and any(s["has_box"] for s in samples)  # only the adapter boxes
+    assert len(samples) == 24 * 8 and any(s["has_box"] for s in samples)  # only the adapter boxes
 
     # The same command again resumes (nothing left to sample); switching the path is refused with the
     # flag that matches the saved run, before any engine starts.

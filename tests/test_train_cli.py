@@ -67,7 +67,11 @@ def check_run(out, steps):
     assert {"opsd/divergence", "opsd/clipped_frac", "opsd/top1_agree", "rollout/tokens_per_s"} <= set(
         train[0]
     )
-    return json.loads((out / "opsd_config.json").read_text()), ckpt
+    cfg = json.loads((out / "opsd_config.json").read_text())
+    # Reproduction details: the versions the run used and the revision of this checkout.
+    assert cfg["provenance"]["versions"]["torch"] == torch.__version__
+    assert cfg["provenance"]["versions"]["trl"] and "commit" in cfg["provenance"]["git"]
+    return cfg, ckpt
 
 
 def test_cli_vllm_lora_run_with_env_override_and_reload(tiny_model_dir, tmp_path):

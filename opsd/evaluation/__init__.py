@@ -10,7 +10,8 @@ Modules, in the order a run uses them (each imports only those before it):
 * `generate`: the missing samples, streamed through vLLM and saved as they finish;
 * `workers`: data parallel over GPUs, workers pulling from a shared claim queue;
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
-* `run`: one run start to finish (eval_aime.py calls `run.run`).
+* `run`: one run start to finish (eval_aime.py calls `run.run`);
+* `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start.
 
 Output directory (`--out DIR`):
 

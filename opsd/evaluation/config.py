@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opsd import errors
+
 ENGINES = ("auto", "vllm", "transformers")
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
@@ -15,7 +17,7 @@ _MERGE_WORDS = {
 }  # fmt: skip
 
 
-class UserError(Exception):
+class UserError(errors.UserError):
     """A mistake in the command or its inputs; the entry point prints it without a traceback (exit 2)."""
 
 
@@ -44,7 +46,15 @@ class EvalConfig:
 
     # What to evaluate
     model: str = _arg("", "Hub name or model directory; empty = the embedded SmolLM2-135M.")
-    adapter: str = _arg("", "LoRA checkpoint dir from training (has adapter_config.json).")
+    adapter: str = _arg(
+        "", "LoRA checkpoint dir from training (has adapter_config.json), or a Hub adapter id."
+    )
+    checkpoints: list[str] = _arg(
+        [],
+        "Sweep: RUN_DIR (its complete checkpoint-N, by N) or CKPT ... (LoRA or full fine-tune dirs, Hub "
+        "adapter ids), each scored into --out/NAME with one engine start; the base model into --out/base.",
+    )
+    base: bool = _arg(True, "Sweep: also score the base model (--no-base: only the checkpoints).")
     merge_adapter: str = field(
         default="auto",
         metadata={
@@ -128,14 +138,23 @@ class EvalConfig:
         if not isinstance(value, str) or value.lower() not in _MERGE_WORDS:
             raise bad("merge_adapter", "choose auto, true (--merge-adapter) or false (--no-merge-adapter)")
         self.merge_adapter = _MERGE_WORDS[value.lower()]
-        if self.merge_adapter == "true" and not self.adapter:
-            raise ValueError("--merge-adapter needs --adapter CHECKPOINT")
+        if self.merge_adapter == "true" and not (self.adapter or self.checkpoints):
+            raise ValueError("--merge-adapter needs --adapter CHECKPOINT (or --checkpoints)")
+        if self.checkpoints and self.adapter:
+            raise ValueError(
+                "--adapter and --checkpoints are separate: a sweep takes its adapters from --checkpoints"
+            )
+        if self.checkpoints and self.num_gpus > 1:
+            raise ValueError(
+                f"num_gpus={self.num_gpus} is invalid with --checkpoints: a sweep runs one engine; use "
+                "--tensor-parallel-size for a large model, or one --num-gpus run per checkpoint"
+            )
         if self.compare and len(self.compare) != 2:
             raise ValueError(f"compare={self.compare} is invalid: pass exactly two result directories A B")
-        modes = [m for m in ("compare", "aggregate", "plot_steps") if getattr(self, m)]
+        modes = [m for m in ("checkpoints", "compare", "aggregate", "plot_steps") if getattr(self, m)]
         if len(modes) > 1:
             raise ValueError(f"--{modes[0]} and --{modes[1]} are separate modes; use one at a time")
-        if self.mode in ("eval", "plot_steps") and not self.out:
+        if self.mode in ("eval", "sweep", "plot_steps") and not self.out:
             raise ValueError(f"out='' is invalid: --out DIR is required for {self.mode}")
         if self.shard:
             m = re.fullmatch(r"(\d+)/(\d+)", self.shard)
@@ -144,6 +163,8 @@ class EvalConfig:
 
     @property
     def mode(self) -> str:
+        if self.checkpoints:
+            return "sweep"
         for m in ("compare", "aggregate", "plot_steps"):
             if getattr(self, m):
                 return m

@@ -245,6 +245,60 @@ def window_size(job: Job, llm, requests: Sequence[Request]) -> int:
     return window
 
 
+class Progress:
+    """Progress of one generation: samples finished of `total`, generated tokens/s and the ETA.
+
+    Shown on a tqdm bar advanced per finished sample (tokens/s in its postfix), logged every `log_every_s`
+    seconds (for logs that are not a terminal) and once more by `close` as the final line,
+    ``N/N samples, T tokens in S s (R tokens/s)``. ETA = unfinished samples x elapsed / finished samples.
+    `total` is None for a --num-gpus worker, which does not know how many samples it will draw."""
+
+    def __init__(self, total: int | None, *, position: int = 0, clock: Callable[[], float] = time.monotonic,
+                 log_every_s: float = 60.0, bar: bool = True):  # fmt: skip
+        from tqdm import tqdm
+
+        self.total, self.clock, self.log_every_s = total, clock, log_every_s
+        self.start = self._last_log = clock()
+        self.samples = self.tokens = 0
+        self.bar = tqdm(total=total, desc="samples", unit="sample", position=position, dynamic_ncols=True,
+                        disable=not bar)  # fmt: skip
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.clock() - self.start
+
+    @property
+    def tokens_per_s(self) -> float:
+        elapsed = self.elapsed_s
+        return self.tokens / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.total is None or self.samples == 0:
+            return None
+        return (self.total - self.samples) * self.elapsed_s / self.samples
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens_per_s:.0f} tok/s", refresh=False)
+        self.bar.update(samples)
+        if self.clock() - self._last_log >= self.log_every_s:
+            self._last_log = self.clock()
+            logger.info("%s", self.line())
+
+    def line(self) -> str:
+        total = "" if self.total is None else f"/{self.total}"
+        eta = self.eta_s
+        eta_text = f", ETA {eta:.0f} s" if eta is not None and self.samples != self.total else ""
+        return (f"{self.samples}{total} samples, {self.tokens} tokens in {self.elapsed_s:.1f} s "
+                f"({self.tokens_per_s:.0f} tokens/s){eta_text}")  # fmt: skip
+
+    def close(self) -> None:
+        self.bar.close()
+        logger.info("%s", self.line())
+
+
 def generate_missing(
     job: Job,
     requests: list[Request],
@@ -252,33 +306,39 @@ def generate_missing(
     samples_path: Path,
     scratch: Path,
     position: int = 0,
+    served: tuple[Any, Any] | None = None,
 ) -> dict[str, float]:
     """Sample what `source` hands out (drawn from `requests`), appending graded records to `samples_path`
-    as samples finish (vLLM) or chunk by chunk (transformers); returns the timings."""
-    from tqdm import tqdm
+    as samples finish (vLLM) or chunk by chunk (transformers); returns the timings.
 
+    `served`: (a running `VLLMEngine` that already holds the job's weights, its `LoRARequest` or None),
+    for a sweep; by default the engine is started here (`build_engine`)."""
     config = job.config
     prepare_prompts(job, requests)
     t0 = time.perf_counter()
-    engine, lora_path = build_engine(job, scratch)
-    start_s = time.perf_counter() - t0
-    totals = {"new_samples": 0, "new_tokens": 0}
-    total = sum(r.count for r in requests) if isinstance(source, ListSource) else None  # a worker: unknown
-    bar = tqdm(total=total, desc="samples", unit="sample", position=position, dynamic_ncols=True)
-
-    def save(records: list[dict[str, Any]]) -> None:
-        append_samples(samples_path, records)
-        totals["new_samples"] += len(records)
-        totals["new_tokens"] += sum(rec["n_tokens"] for rec in records)
-        bar.update(len(records))
-
-    t1 = time.perf_counter()
-    if job.resolved["engine_used"] == "vllm":
-        lora = None
+    lora = None
+    if served is not None:
+        engine, lora = served
+    else:
+        engine, lora_path = build_engine(job, scratch)
         if lora_path:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest("adapter", 1, lora_path)
+    start_s = time.perf_counter() - t0
+    totals = {"new_samples": 0, "new_tokens": 0}
+    total = sum(r.count for r in requests) if isinstance(source, ListSource) else None  # a worker: unknown
+    progress = Progress(total, position=position)
+
+    def save(records: list[dict[str, Any]]) -> None:
+        append_samples(samples_path, records)
+        tokens = sum(rec["n_tokens"] for rec in records)
+        totals["new_samples"] += len(records)
+        totals["new_tokens"] += tokens
+        progress.update(len(records), tokens)
+
+    t1 = time.perf_counter()
+    if job.resolved["engine_used"] == "vllm":
 
         def on_finished(done):
             save([
@@ -296,7 +356,7 @@ def generate_missing(
             else:
                 stream_chunked(engine.llm, source, chunk=config.chunk_size * config.n, **kwargs)
         except Exception as e:  # the engine is dead whatever vLLM raised; the finished samples are saved
-            bar.close()
+            progress.close()
             raise EngineDied(_engine_died_message(job, e, samples_path)) from e
     else:
         while batch := source.take(config.chunk_size):
@@ -309,7 +369,7 @@ def generate_missing(
                 ]
             save(records)
             source.finished(len(batch))
-    bar.close()
+    progress.close()
     return {"engine_start_s": start_s, "generation_s": time.perf_counter() - t1, **totals}
 
 

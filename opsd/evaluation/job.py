@@ -63,12 +63,18 @@ def resolve_model(name: str) -> str:
 
 
 def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
-    """Absolute adapter directory and its adapter_config.json, or `UserError`."""
-    p = Path(path).expanduser()
+    """Absolute adapter directory and its adapter_config.json, or `UserError`. `path` is a local directory
+    or a Hub adapter id (`org/name`, fetched into or read from the Hub cache: `opsd.models.resolve_adapter_dir`)."""
+    from opsd.models import resolve_adapter_dir
+
+    try:
+        p = resolve_adapter_dir(path)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
     if not p.is_dir():
         raise UserError(
             f"adapter directory {str(p)!r} does not exist; pass a training checkpoint such as "
-            "runs/opsd/checkpoint-100"
+            "runs/opsd/checkpoint-100 or a Hub adapter id (org/name)"
         )
     cfg_file = p / "adapter_config.json"
     if not cfg_file.is_file():
@@ -175,7 +181,7 @@ def resolve(config: EvalConfig) -> Job:
         **{
             k: v
             for k, v in dataclasses.asdict(config).items()
-            if k not in ("compare", "aggregate", "plot_steps")
+            if k not in ("compare", "aggregate", "plot_steps", "checkpoints", "base")
         },
         "model_path": model_path,
         "adapter_path": adapter_path,

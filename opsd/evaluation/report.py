@@ -97,29 +97,30 @@ def run_aggregate(config: EvalConfig) -> list[str]:
     return lines
 
 
-def run_plot_steps(config: EvalConfig) -> list[str]:
+def step_point(run: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """One point of the accuracy-vs-step curve: a run's step (none = 0, the base model) and avg@n ± SE."""
+    step = summary.get("step")
+    if step is None:
+        logger.info("%s names no checkpoint-N; plotted at step 0 (the base model)", run)
+        step = 0
+    metrics = summary["metrics"]
+    return {"run": run, "step": int(step), "avg": metrics["avg"], "avg_se": metrics["avg_se"],
+            "label": metrics["labels"]["avg"]}  # fmt: skip
+
+
+def write_step_plot(points: list[dict[str, Any]], out: Path) -> Path:
+    """accuracy_vs_step.png and .json under `out`."""
     from opsd.plots import accuracy_vs_step
 
-    points = []
-    for d in config.plot_steps:
-        s = load_summary(d)
-        step = s.get("step")
-        if step is None:
-            logger.info("%s names no checkpoint-N; plotted at step 0 (the base model)", d)
-            step = 0
-        points.append(
-            {
-                "run": d,
-                "step": int(step),
-                "avg": s["metrics"]["avg"],
-                "avg_se": s["metrics"]["avg_se"],
-                "label": s["metrics"]["labels"]["avg"],
-            }
-        )
-    out = Path(config.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     png = accuracy_vs_step(points, out / "accuracy_vs_step.png")
     (out / "accuracy_vs_step.json").write_text(json.dumps(points, indent=2) + "\n")
+    return png
+
+
+def run_plot_steps(config: EvalConfig) -> list[str]:
+    points = [step_point(d, load_summary(d)) for d in config.plot_steps]
+    png = write_step_plot(points, Path(config.out).expanduser())
     return [
         f"{p['step']:>6}  {p['avg']:.2f} ± {_fmt(p['avg_se'])}  {p['run']}"
         for p in sorted(points, key=lambda p: p["step"])

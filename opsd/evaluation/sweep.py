@@ -1,0 +1,385 @@
+"""Sweeps (`--checkpoints`): the base model and many checkpoints scored with one engine start.
+
+    eval_aime.py --model M --checkpoints RUN_DIR --out OUT        # base + every complete checkpoint-N, by N
+    eval_aime.py --model M --checkpoints CKPT1 CKPT2 org/name --out OUT --no-base
+
+What is scored. A RUN_DIR (a directory with `checkpoint-N` subdirectories) stands for its complete
+checkpoints in order of N: those with the trainer's `.complete` mark, written once a checkpoint is fully
+saved. A run directory without any mark (not written by opsd_train.py) contributes the checkpoints that
+hold adapter_config.json or config.json, with a warning. Any other argument is one checkpoint: a LoRA
+directory (adapter_config.json), a full fine-tune of the base model (config.json, no adapter_config.json)
+or a Hub adapter id. The base model (`--model`) comes first unless `--no-base`.
+
+Each one is an ordinary evaluation into OUT/NAME (OUT/base, OUT/checkpoint-N; a Hub id `org/name` becomes
+`org--name`, and a name used twice gets its parent directory's name in front): samples.jsonl,
+eval_config.json, summary.json and per_problem.csv exactly as `--adapter CKPT --out OUT/NAME` (or `--model
+CKPT` for a full fine-tune) would write them, so --compare, --aggregate and --plot-steps read them, and a
+single evaluation can resume one. Sample seeds depend on (seed, problem, sample index) only, so a sweep
+draws the samples that separate evaluations draw.
+
+One engine. vLLM starts once on the base model; every checkpoint is then put into the running engine:
+* on vLLM's CPU backend (adapters merged by default, `resolve_adapter_mode`): base + LoRA delta computed
+  with peft from the base model and the adapter (`opsd.weights.merged_named_weights`, the trainer's
+  rollout sync) and loaded in place (`opsd.weights.push_weights`: vLLM's `reload_weights`);
+* on a GPU (adapters served as LoRAs by default): each adapter a `LoRARequest` of its own on an engine
+  started with LoRA enabled and `max_lora_rank` fitting the largest adapter, the base weights unchanged;
+* a full fine-tune, or the base model after merged or full weights: its checkpoint reloaded in place
+  from disk (`push_weights(path=...)`).
+The transformers engine has no start worth saving: each evaluation loads its model as a single run does.
+
+Resume. Rerunning the same command skips every evaluation whose samples are complete and whose
+summary.json exists (nothing is rewritten), continues a partial one from its samples.jsonl, and starts
+the engine only if some sample is missing.
+
+Outputs at OUT: sweep.json (one row per evaluation: avg@n, format and truncation rates with SEs, the
+paired difference in accuracy against the base with its 95% CI (`opsd.metrics.paired_compare`); the
+engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the curve
+of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opsd.evaluation.config import EvalConfig, UserError
+from opsd.evaluation.generate import NO_TIMINGS, ListSource, Request, generate_missing
+from opsd.evaluation.job import Job, resolve, resolve_model
+from opsd.evaluation.run import missing_requests, report_lines
+from opsd.evaluation.samples import SUMMARY_FILE
+
+logger = logging.getLogger(__name__)
+
+BASE = "base"
+SWEEP_FILE = "sweep.json"
+TABLE_COLUMNS = (
+    "name", "step", "adapter_mode", "avg", "avg_se", "format_rate", "format_rate_se", "truncation_rate",
+    "truncation_rate_se", "diff_vs_base", "diff_se", "diff_ci_low", "diff_ci_high",
+)  # fmt: skip
+# Architecture fields a full fine-tune must share with the base model to be reloaded into its engine.
+_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+
+
+@dataclass
+class Entry:
+    """One evaluation of a sweep: result directory name, what it scores and how."""
+
+    name: str
+    source: str  # "" for the base model, else the checkpoint directory or Hub id as given
+    kind: str  # base | lora | full
+
+
+def _checkpoint_n(p: Path) -> int | None:
+    suffix = p.name[len("checkpoint-") :]
+    return int(suffix) if p.name.startswith("checkpoint-") and suffix.isdigit() else None
+
+
+def _run_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoint-N of a run directory, by N (module docstring)."""
+    from opsd.callbacks import COMPLETE_MARK
+
+    found = sorted((p for p in run_dir.iterdir() if p.is_dir() and _checkpoint_n(p) is not None),
+                   key=_checkpoint_n)  # fmt: skip
+    marked = [p for p in found if (p / COMPLETE_MARK).is_file()]
+    if marked:
+        skipped = [p.name for p in found if p not in marked]
+        if skipped:
+            logger.warning("%s: skipping %s without the %s mark (still being written, or a killed save)",
+                           run_dir, ", ".join(skipped), COMPLETE_MARK)  # fmt: skip
+        return marked
+    usable = [p for p in found if (p / "adapter_config.json").is_file() or (p / "config.json").is_file()]
+    if usable:
+        logger.warning("%s: no checkpoint has the %s mark of opsd_train.py; using the %d that hold "
+                       "adapter_config.json or config.json", run_dir, COMPLETE_MARK, len(usable))  # fmt: skip
+    return usable
+
+
+def _kind(path: Path) -> str | None:
+    if (path / "adapter_config.json").is_file():
+        return "lora"
+    if (path / "config.json").is_file():
+        return "full"
+    return None
+
+
+def expand(args: list[str], with_base: bool) -> list[Entry]:
+    """The evaluations of a sweep, in order: the base (unless not `with_base`), then the checkpoints."""
+    from opsd.models import looks_like_hub_id
+
+    found: list[tuple[Path | None, str, str]] = []  # (local path, as given, kind)
+    for arg in args:
+        path = Path(arg).expanduser()
+        if path.is_dir():
+            kind = _kind(path)
+            if kind:
+                found.append((path, arg, kind))
+                continue
+            ckpts = _run_checkpoints(path)
+            if not ckpts:
+                raise UserError(
+                    f"--checkpoints {arg}: not a checkpoint (no adapter_config.json or config.json) and no "
+                    "complete checkpoint-N inside; pass a training output directory or checkpoint directories"
+                )
+            found += [(p, str(p), _kind(p) or "lora") for p in ckpts]
+        elif looks_like_hub_id(arg):
+            found.append((None, arg, "lora"))
+        else:
+            raise UserError(
+                f"--checkpoints {arg}: no such directory; pass a run directory, checkpoint directories "
+                "or Hub adapter ids (org/name)"
+            )
+    entries = [Entry(BASE, "", "base")] if with_base else []
+    names = {BASE} if with_base else set()
+    seen: set[str] = set()
+    for path, source, kind in found:
+        key = str(path.resolve()) if path is not None else source
+        if key in seen:
+            raise UserError(f"--checkpoints names {source} twice; list each checkpoint once")
+        seen.add(key)
+        name = path.name if path is not None else source.replace("/", "--")
+        if name in names and path is not None:
+            name = f"{path.resolve().parent.name}-{name}"
+        if name in names:
+            raise UserError(f"--checkpoints: two checkpoints share the result directory name {name}")
+        names.add(name)
+        entries.append(Entry(name, source, kind))
+    return entries
+
+
+def child_config(config: EvalConfig, entry: Entry) -> EvalConfig:
+    """The single evaluation an entry stands for: `--adapter CKPT` (LoRA), `--model CKPT` (full
+    fine-tune) or the base model, into OUT/NAME."""
+    changes: dict[str, Any] = {"checkpoints": [], "base": True, "out": str(Path(config.out) / entry.name)}
+    if entry.kind == "lora":
+        changes["adapter"] = entry.source
+    else:
+        changes["merge_adapter"] = "auto" if config.merge_adapter == "true" else config.merge_adapter
+        if entry.kind == "full":
+            changes["model"] = entry.source
+    return dataclasses.replace(config, **changes)
+
+
+def _check_full_fine_tune(job: Job, base_path: str) -> None:
+    from transformers import AutoConfig
+
+    base = AutoConfig.from_pretrained(base_path).to_dict()
+    mine = AutoConfig.from_pretrained(job.resolved["model_path"]).to_dict()
+    diff = [k for k in _SHAPE_KEYS if base.get(k) != mine.get(k)]
+    if diff:
+        raise UserError(
+            f"{job.resolved['model_path']} differs from the base model {base_path} in {', '.join(diff)}; "
+            "a sweep reloads checkpoints of the base model only: evaluate it on its own with --model"
+        )
+
+
+class SweepEngine:
+    """One vLLM engine, started on the base model when first needed, holding one evaluation's weights at
+    a time (module docstring); counts its starts and weight loads."""
+
+    def __init__(self, config: EvalConfig, base_path: str, jobs: list[Job]):
+        """`jobs`: the evaluations that will be served, which fix the engine's LoRA settings."""
+        self.config, self.base_path = config, base_path
+        ranks = [
+            int(j.resolved["adapter_rank"] or 0) for j in jobs if j.resolved["adapter_mode"] == "vllm-lora"
+        ]
+        self.enable_lora, self.max_rank = bool(ranks), max(ranks, default=0)
+        # Merged weights go to the engine as tensors and a tied lm_head is rebuilt by a function: both
+        # need the engine in this process (vLLM's multiprocess engine would have to serialize them).
+        self.in_process = any(
+            j.resolved["adapter_mode"] == "merged" or j.resolved["model_path"] != base_path for j in jobs
+        )
+        self.engine = None
+        self.weights: tuple[str, str] = ("base", base_path)  # what the engine holds
+        self.starts = self.loads = 0
+        self.lora_ids: dict[str, int] = {}
+        self._hf_base = None
+
+    def _start(self, max_model_len: int) -> None:
+        from opsd.evaluation.engines import _vllm_lora_rank
+        from opsd.rollout import VLLMEngine
+
+        if self.in_process:
+            import os
+
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        rank = _vllm_lora_rank(self.max_rank) if self.enable_lora else 16
+        self.engine = VLLMEngine(
+            self.base_path, max_model_len=max_model_len, gpu_memory_utilization=self.config.gpu_memory_utilization,
+            tensor_parallel_size=self.config.tensor_parallel_size, seed=self.config.seed,
+            enable_lora=self.enable_lora, max_lora_rank=rank,
+        )  # fmt: skip
+        self.starts += 1
+
+    def _base_hf(self):
+        """The base model in transformers, kept for merging adapters (in its checkpoint dtype, as
+        `engines._merge` loads it, so merged weights equal those of a single --merge-adapter run)."""
+        if self._hf_base is None:
+            from transformers import AutoModelForCausalLM
+
+            self._hf_base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype="auto")
+        return self._hf_base
+
+    def serve(self, job: Job):
+        """Start the engine if needed and put `job`'s weights in it; returns (engine, LoRARequest or None)."""
+        from opsd.weights import merged_named_weights, push_weights
+
+        resolved = job.resolved
+        mode, adapter = resolved["adapter_mode"], resolved["adapter_path"]
+        if self.engine is None:
+            self._start(resolved["max_model_len_used"])
+        if mode == "merged":
+            want = ("merged", adapter)
+        elif resolved["model_path"] != self.base_path:
+            want = ("full", resolved["model_path"])
+        else:
+            want = ("base", self.base_path)  # the base model, or a LoRA served on top of it
+        if want != self.weights:
+            llm = self.engine.llm
+            tied = bool(llm.llm_engine.model_config.hf_config.get_text_config().tie_word_embeddings)
+            logger.info("loading %s weights of %s into the running engine", want[0], want[1])
+            if want[0] == "merged":
+                from peft import PeftModel
+
+                peft_model = PeftModel.from_pretrained(self._base_hf(), adapter)
+                try:
+                    push_weights(llm, merged_named_weights(peft_model), tie_word_embeddings=tied)
+                finally:
+                    self._hf_base = peft_model.unload()  # the LoRA layers out again, base weights untouched
+            else:
+                push_weights(llm, path=want[1], tie_word_embeddings=tied)
+            self.weights = want
+            self.loads += 1
+        lora = None
+        if mode == "vllm-lora":
+            from vllm.lora.request import LoRARequest
+
+            lora_id = self.lora_ids.setdefault(adapter, len(self.lora_ids) + 1)
+            lora = LoRARequest(f"adapter-{lora_id}", lora_id, adapter)
+        return self.engine, lora
+
+
+def _summary_row(entry: Entry, summary: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    from opsd.metrics import paired_compare, per_problem_accuracy
+
+    m = summary["metrics"]
+    row: dict[str, Any] = {"name": entry.name, "step": summary.get("step"), "source": entry.source or None,
+                           "adapter_mode": summary.get("adapter_mode"), "n_problems": m["n_problems"],
+                           "label": m["labels"]["avg"]}  # fmt: skip
+    for key in ("avg", "format_rate", "truncation_rate"):
+        row[key], row[f"{key}_se"] = m[key], m[f"{key}_se"]
+    row["vs_base"] = None
+    if base is not None and entry.kind != "base":
+        row["vs_base"] = paired_compare(per_problem_accuracy(base["metrics"]), per_problem_accuracy(m))
+    return row
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def write_table(out: Path, rows: list[dict[str, Any]], extra: dict[str, Any]) -> list[str]:
+    """sweep.json, sweep.csv and sweep.md at `out`; returns the markdown lines."""
+    flat = []
+    for r in rows:
+        d = r["vs_base"] or {}
+        flat.append({**{k: r.get(k) for k in TABLE_COLUMNS[:9]}, "diff_vs_base": d.get("mean_diff"),
+                     "diff_se": d.get("se"), "diff_ci_low": d.get("ci_low"),
+                     "diff_ci_high": d.get("ci_high")})  # fmt: skip
+    (out / SWEEP_FILE).write_text(json.dumps({**extra, "rows": rows}, indent=2) + "\n")
+    with (out / "sweep.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=TABLE_COLUMNS)
+        writer.writeheader()
+        writer.writerows(flat)
+    label = rows[0]["label"] if rows else "avg"
+    lines = [
+        f"| name | step | {label} | format % | truncated % | {label} - base [95% CI] |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in flat:
+        diff = "" if r["diff_vs_base"] is None else (
+            f"{r['diff_vs_base']:+.2f} [{_fmt(r['diff_ci_low'])}, {_fmt(r['diff_ci_high'])}]")  # fmt: skip
+        lines.append(
+            f"| {r['name']} | {_fmt(r['step'])} | {r['avg']:.2f} ± {_fmt(r['avg_se'])} | "
+            f"{r['format_rate']:.1f} ± {_fmt(r['format_rate_se'], 1)} | "
+            f"{r['truncation_rate']:.1f} ± {_fmt(r['truncation_rate_se'], 1)} | {diff} |"
+        )
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def run_sweep(config: EvalConfig) -> list[str]:
+    """Score every entry of the sweep (module docstring); returns the table and where things are."""
+    from opsd.evaluation.report import step_point, write_step_plot
+
+    t0 = time.perf_counter()
+    out = Path(config.out).expanduser()
+    entries = expand(config.checkpoints, config.base)
+    # Every input is checked, and every result directory's settings, before the engine starts.
+    jobs = [resolve(child_config(config, e)) for e in entries]
+    base_path = resolve_model(config.model)
+    for entry, job in zip(entries, jobs, strict=True):
+        if entry.kind == "full":
+            _check_full_fine_tune(job, base_path)
+    plans: list[list[Request]] = [missing_requests(job) for job in jobs]
+    todo = [(e, j) for e, j, p in zip(entries, jobs, plans, strict=True) if p]
+    logger.info("sweep of %d evaluation(s) into %s: %d to sample (%s)", len(entries), out, len(todo),
+                ", ".join(e.name for e, _ in todo) or "none")  # fmt: skip
+    vllm = jobs[0].resolved["engine_used"] == "vllm"
+    served = SweepEngine(config, base_path, [j for _, j in todo]) if vllm else None
+    lines: list[str] = []
+    engine_start_s = 0.0
+    for i, (entry, job, requests) in enumerate(zip(entries, jobs, plans, strict=True), 1):
+        t_job = time.perf_counter()
+        if not requests and (job.out / SUMMARY_FILE).is_file():
+            logger.info("sweep %d/%d: %s is complete; skipped", i, len(entries), entry.name)
+            continue
+        timings = dict(NO_TIMINGS)
+        if requests:
+            missing = sum(r.count for r in requests)
+            logger.info("sweep %d/%d: %s (%s): %d missing samples into %s", i, len(entries), entry.name,
+                        job.resolved["adapter_mode"] or entry.kind, missing, job.out)  # fmt: skip
+            engine = None
+            if served is not None:
+                t_load = time.perf_counter()
+                started = served.starts
+                engine = served.serve(job)
+                if served.starts > started:
+                    engine_start_s = time.perf_counter() - t_load
+            scratch = job.out / ".merged-model"
+            timings = generate_missing(job, requests, ListSource(requests), job.out / "samples.jsonl", scratch,
+                                       served=engine)  # fmt: skip
+            if engine is not None:
+                # Time to put this evaluation's weights in the engine (its start, for the first one).
+                timings["engine_start_s"] = time.perf_counter() - t_load - timings["generation_s"]
+        lines += [f"== {entry.name}", *report_lines(job, timings, time.perf_counter() - t_job)]
+
+    from opsd.evaluation.report import load_summary
+
+    summaries = [load_summary(str(j.out)) for j in jobs]
+    base_summary = summaries[0] if config.base else None
+    rows = [_summary_row(e, s, base_summary) for e, s in zip(entries, summaries, strict=True)]
+    extra = {
+        "engine": jobs[0].resolved["engine_used"],
+        "engine_starts": served.starts if served is not None else sum(1 for p in plans if p),
+        "weight_loads": served.loads if served is not None else 0,
+        "engine_start_s": engine_start_s,
+        "wall_time_s": time.perf_counter() - t0,
+        "evaluations": [
+            {"name": e.name, "dir": str(j.out), "sampled": bool(p)}
+            for e, j, p in zip(entries, jobs, plans, strict=True)
+        ],  # fmt: skip
+    }
+    table = write_table(out, rows, extra)
+    points = [step_point(str(j.out), s) for e, j, s in zip(entries, jobs, summaries, strict=True)
+              if e.kind == "base" or s.get("step") is not None]  # fmt: skip
+    png = write_step_plot(points, out)
+    return [*lines, "", *table, "", f"table: {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / SWEEP_FILE}",
+            f"plot: {png}", f"engine starts: {extra['engine_starts']}"]  # fmt: skip

@@ -1,0 +1,72 @@
+"""Pushing new weights into a running vLLM engine: the trainer's rollout sync and eval_aime.py's sweeps.
+
+`merged_named_weights` turns a peft model into plain checkpoint-format weights (LoRA merged out of place);
+`push_weights` loads such weights, or a checkpoint directory, into the engine in place through vLLM's
+`reload_weights`, the one path that works on vLLM's CPU backend (per-parameter `load_weights` fails there,
+see opsd_trainer.py), so an engine started once can serve the base model and any number of checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+def merged_named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of the model with its active LoRA adapter merged, in checkpoint naming.
+
+    Computed as base + delta without touching the base weights; other parameters are yielded as they are.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    base = model.get_base_model()
+    adapter = model.active_adapter
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            module_path, _, leaf = name.rpartition(".base_layer.")
+            module = base.get_submodule(module_path)
+            value = p.detach()
+            if leaf == "weight" and adapter in getattr(module, "lora_A", {}):
+                value = value + module.get_delta_weight(adapter).to(value.dtype)
+            yield f"{module_path}.{leaf}", value
+        else:
+            yield name, p.detach()
+
+
+def push_weights(
+    llm,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    *,
+    path: str | None = None,
+    tie_word_embeddings: bool,
+) -> None:
+    """Load `weights` ((name, tensor) pairs in checkpoint naming) or the checkpoint at `path` into the
+    running `vllm.LLM` in place, then drop the prefix cache (its KV entries came from the old weights).
+
+    Reloading in checkpoint format re-runs vLLM's post-load processing (on the CPU backend, the packing of
+    float32 linear weights for oneDNN). A tied lm_head shares the embedding's checkpoint tensor, so on the
+    CPU backend its packed copy is rebuilt from the reloaded embedding."""
+    if (weights is None) == (path is None):
+        raise ValueError("push_weights needs exactly one of weights or path")
+    kwargs = {"is_checkpoint_format": True}
+    if weights is not None:
+        kwargs["weights_iterator"] = list(weights)
+    else:
+        kwargs["weights_path"] = path
+    llm.collective_rpc("reload_weights", kwargs=kwargs)
+    if tie_word_embeddings and _cpu_backend():
+        llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+    llm.reset_prefix_cache()
+
+
+def _cpu_backend() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

@@ -1,0 +1,366 @@
+"""eval_aime.py --checkpoints (sweeps), Hub adapters and the progress line, with the real vLLM CPU engine.
+
+The run directory holds two LoRA checkpoints of one short training run on the tiny model: it learns to
+answer our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am not sure.` (as tests/test_eval.py's
+"boxer"), saved after 10 and 200 steps, so base, checkpoint-10 and checkpoint-200 sample differently and
+score differently. The reference for a sweep is three separate evaluations of the same settings; the
+table is recomputed here from samples.jsonl. Engine starts: 3 (references) + 1 (sweep) + 2 (killed sweep,
+rerun).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "eval_aime.py"
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+PROBLEMS = [("p0", "What is 3 + 4?", "7"), ("p1", "What is 2 * 4?", "8"), ("p2", "What is 18 / 2?", "9")]
+COMPLETIONS = ["\\boxed{7}", "\\boxed{8}", "I am not sure."]
+STEPS = (10, 200)
+N = 12
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+T975 = {2: 4.302652729911275}  # Student t, 97.5% quantile, by degrees of freedom (3 problems: df 2)
+
+
+def run_eval(*args, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env or ENV,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def samples(out: Path) -> dict[tuple[str, int], dict]:
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    keyed = {(r["id"], r["idx"]): r for r in rows}
+    assert len(keyed) == len(rows)
+    return keyed
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(base model, problems file, run directory with checkpoint-10, checkpoint-200 and an unfinished
+    checkpoint-300 that lacks the .complete mark)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd.prompts import PromptBuilder
+
+    root = tmp_path_factory.mktemp("sweep")
+    problems = root / "three.jsonl"
+    problems.write_text(
+        "".join(json.dumps({"id": i, "problem": p, "answer": a}) + "\n" for i, p, a in PROBLEMS)
+    )
+    base_dir, run = root / "base", root / "run"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)  # sharper logits, so LoRA can move them (tests/test_eval.py)
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+    builder = PromptBuilder(tok, student_thinking=True)
+    rows = []
+    for _, problem, _ in PROBLEMS:
+        prompt = builder.student_ids(problem)
+        for text in COMPLETIONS:
+            rows.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[i, : len(p) + len(c)] = 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(1, max(STEPS) + 1):
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step in STEPS:
+            peft_model.save_pretrained(run / f"checkpoint-{step}")
+            (run / f"checkpoint-{step}" / ".complete").touch()
+    torch.set_num_threads(threads)
+    shutil.copytree(run / "checkpoint-200", run / "checkpoint-300")  # a save still in progress: no mark
+    (run / "checkpoint-300" / ".complete").unlink()
+    return base_dir, problems, run
+
+
+def common(run_dir) -> list:
+    base_dir, problems, _ = run_dir
+    # One request in the engine at a time: every run schedules identically, and a kill lands mid-checkpoint.
+    return ["--model", base_dir, "--dataset", problems, "--n", N, "--max-tokens", 16, "--max-model-len", 512,
+            "--max-in-flight", 1]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def separate(run_dir, tmp_path_factory) -> dict[str, Path]:
+    """The reference: base, checkpoint-10 and checkpoint-200 each scored by its own eval_aime.py call."""
+    root = tmp_path_factory.mktemp("separate")
+    outs = {"base": root / "base"}
+    ok(run_eval(*common(run_dir), "--out", outs["base"]))
+    for step in STEPS:
+        name = f"checkpoint-{step}"
+        outs[name] = root / name
+        ok(run_eval(*common(run_dir), "--adapter", run_dir[2] / name, "--out", outs[name]))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def sweep(run_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("sweep-out") / "sweep"
+    return out, ok(run_eval(*common(run_dir), "--checkpoints", run_dir[2], "--out", out))
+
+
+@pytest.mark.slow
+def test_sweep_draws_the_samples_of_separate_evaluations_with_one_engine(sweep, separate):
+    out, proc = sweep
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["base", "checkpoint-10", "checkpoint-200"]
+    got = {name: samples(out / name) for name in separate}
+    want = {name: samples(path) for name, path in separate.items()}
+    for name in separate:
+        assert len(got[name]) == 3 * N
+        assert got[name] == want[name], name  # every field: text, seed, grading, prompt
+    # The checkpoints change what is sampled, so the comparison above could fail.
+    texts = {name: [got[name][k]["text"] for k in sorted(got[name])] for name in got}
+    assert texts["base"] != texts["checkpoint-10"] != texts["checkpoint-200"] != texts["base"]
+    assert not any(r["has_box"] for r in got["base"].values())  # only the adapters box
+    assert any(r["has_box"] for r in got["checkpoint-200"].values())
+
+    sweep_json = json.loads((out / "sweep.json").read_text())
+    assert sweep_json["engine_starts"] == 1 and sweep_json["weight_loads"] == 2
+    assert [e["name"] for e in sweep_json["evaluations"]] == ["base", "checkpoint-10", "checkpoint-200"]
+    for name, ref in separate.items():
+        mine = json.loads((out / name / "eval_config.json").read_text())
+        theirs = json.loads((ref / "eval_config.json").read_text())
+        assert {k: v for k, v in mine.items() if k != "out"} == {
+            k: v for k, v in theirs.items() if k != "out"
+        }
+    summary = json.loads((out / "checkpoint-200" / "summary.json").read_text())
+    assert summary["adapter_mode"] == "merged" and summary["step"] == 200
+    assert f"{3 * N}/{3 * N} samples" in proc.stderr  # the progress line of every evaluation
+    assert "checkpoint-300" in proc.stderr and not (out / "checkpoint-300").exists()  # incomplete: skipped
+
+
+def _rate(values):
+    return 100 * statistics.mean(values), 100 * statistics.stdev(values) / math.sqrt(len(values))
+
+
+@pytest.mark.slow
+def test_sweep_table_and_curve_match_a_hand_computation(sweep):
+    out, _ = sweep
+    per_problem = {}
+    for name in ("base", "checkpoint-10", "checkpoint-200"):
+        by_id: dict[str, list[dict]] = {}
+        for r in samples(out / name).values():
+            by_id.setdefault(r["id"], []).append(r)
+        per_problem[name] = {pid: rows for pid, rows in sorted(by_id.items())}
+    table = {row["name"]: row for row in json.loads((out / "sweep.json").read_text())["rows"]}
+    with (out / "sweep.csv").open() as f:
+        csv_rows = {row["name"]: row for row in csv.DictReader(f)}
+    md = (out / "sweep.md").read_text()
+    for name, groups in per_problem.items():
+        acc = {pid: sum(r["correct"] for r in g) / N for pid, g in groups.items()}
+        for key, field in (("avg", "correct"), ("format_rate", "has_box"), ("truncation_rate", "truncated")):
+            value, se = _rate([sum(r[field] for r in g) / N for g in groups.values()])
+            assert table[name][key] == pytest.approx(value), (name, key)
+            assert table[name][f"{key}_se"] == pytest.approx(se), (name, key)
+            assert float(csv_rows[name][key]) == pytest.approx(value)
+        assert f"| {name} |" in md
+        if name == "base":
+            assert table[name]["vs_base"] is None and csv_rows[name]["diff_vs_base"] == ""
+            base_acc = acc
+            continue
+        diffs = [100 * (acc[p] - base_acc[p]) for p in acc]
+        mean, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+        vs = table[name]["vs_base"]
+        assert vs["mean_diff"] == pytest.approx(mean) and vs["se"] == pytest.approx(se)
+        assert vs["ci_low"] == pytest.approx(mean - T975[2] * se)
+        assert vs["ci_high"] == pytest.approx(mean + T975[2] * se)
+        assert float(csv_rows[name]["diff_ci_high"]) == pytest.approx(mean + T975[2] * se)
+    assert table["checkpoint-200"]["vs_base"]["mean_diff"] > 0  # it learned to box 7 and 8
+
+    curve = json.loads((out / "accuracy_vs_step.json").read_text())
+    assert [(p["step"], p["avg"]) for p in curve] == [(0, table["base"]["avg"]), (10, table["checkpoint-10"]["avg"]),
+                                                      (200, table["checkpoint-200"]["avg"])]  # fmt: skip
+    assert (out / "accuracy_vs_step.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    # --compare reads the sweep's result directories unchanged and agrees with the table.
+    proc = ok(run_eval("--compare", out / "base", out / "checkpoint-200"))
+    vs = table["checkpoint-200"]["vs_base"]
+    assert f"b - a = {vs['mean_diff']:+.2f} points" in proc.stdout
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_per_checkpoint_and_per_sample(run_dir, separate, tmp_path):
+    out = tmp_path / "sweep"
+    args = [*common(run_dir), "--checkpoints", run_dir[2], "--out", out]
+    partial = out / "checkpoint-200" / "samples.jsonl"
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 400
+        while not (partial.is_file() and partial.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "checkpoint-200 got no samples in time"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = partial.read_bytes()
+    done = kept.count(b"\n")
+    assert 2 <= done < 3 * N, "the kill must land inside the last checkpoint"
+    finished = {name: {f: (out / name / f).read_bytes() for f in ("samples.jsonl", "summary.json")}
+                for name in ("base", "checkpoint-10")}  # fmt: skip
+    assert not (out / "checkpoint-200" / "summary.json").exists()
+
+    rerun = ok(run_eval(*args))
+    for name, files in finished.items():  # finished evaluations are skipped, nothing rewritten
+        for f, data in files.items():
+            assert (out / name / f).read_bytes() == data, (name, f)
+        assert f"{name} is complete; skipped" in rerun.stderr
+    assert partial.read_bytes().startswith(kept[: kept.rfind(b"\n") + 1])
+    summary = json.loads((out / "checkpoint-200" / "summary.json").read_text())
+    assert summary["new_samples"] == 3 * N - done
+    for name, ref in separate.items():  # equal to the uninterrupted, separate evaluations
+        assert samples(out / name) == samples(ref), name
+    sweep_json = json.loads((out / "sweep.json").read_text())
+    assert sweep_json["engine_starts"] == 1
+    assert [e["sampled"] for e in sweep_json["evaluations"]] == [False, False, True]
+
+
+# --- Hub adapters ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_hub_adapter_id_resolves_to_the_cached_snapshot(run_dir, tmp_path):
+    base_dir, problems, run = run_dir
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--opsd-test--boxer"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(run / "checkpoint-200" / f, snapshot / f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**ENV, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    args = ["--model", base_dir, "--dataset", problems, "--limit", 1, "--n", 2, "--max-tokens", 8,
+            "--engine", "transformers"]  # fmt: skip
+    out = tmp_path / "hub-eval"
+    ok(run_eval(*args, "--adapter", "opsd-test/boxer", "--out", out, env=env))
+    saved = json.loads((out / "eval_config.json").read_text())
+    assert saved["adapter_path"] == str(snapshot.resolve()) and saved["adapter"] == "opsd-test/boxer"
+    assert len(samples(out)) == 2
+
+    missing = run_eval(*args, "--adapter", "opsd-test/nothing", "--out", tmp_path / "missing", env=env)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    (line,) = [x for x in missing.stderr.splitlines() if x.startswith("error:")]
+    assert "'opsd-test/nothing' is neither a local directory nor in the Hub cache" in line
+
+
+# --- progress --------------------------------------------------------------------------------------------
+
+
+def test_progress_counts_tokens_per_second_and_eta_on_a_fake_clock():
+    from opsd.evaluation.generate import Progress
+
+    now = [100.0]
+    progress = Progress(40, clock=lambda: now[0], log_every_s=1e9, bar=False)
+    assert progress.eta_s is None and progress.tokens_per_s == 0.0
+    now[0] = 110.0
+    progress.update(4, 1000)
+    now[0] = 120.0
+    progress.update(6, 2000)
+    assert progress.samples == 10 and progress.tokens == 3000
+    assert progress.tokens_per_s == pytest.approx(3000 / 20)  # tokens over elapsed since the start
+    assert progress.eta_s == pytest.approx((40 - 10) * 20 / 10)  # unfinished x seconds per finished sample
+    assert progress.line() == "10/40 samples, 3000 tokens in 20.0 s (150 tokens/s), ETA 60 s"
+    progress.update(30, 0)
+    assert progress.eta_s == 0 and progress.line().startswith("40/40 samples")
+    assert "ETA" not in progress.line()
+    worker = Progress(None, clock=lambda: now[0], bar=False)  # a --num-gpus worker: no total, no ETA
+    worker.update(3, 30)
+    assert worker.eta_s is None and worker.line().startswith("3 samples,")
+
+
+@pytest.mark.slow
+def test_sweep_argument_errors_are_one_line(run_dir, tmp_path):
+    base_dir, problems, run = run_dir
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    cases = {
+        ("--checkpoints", empty): "no complete checkpoint-N inside",
+        ("--checkpoints", tmp_path / "nope"): "no such directory",
+        (
+            "--checkpoints",
+            run,
+            "--adapter",
+            run / "checkpoint-10",
+        ): "--adapter and --checkpoints are separate",
+        ("--checkpoints", run, "--num-gpus", 2): "a sweep runs one engine",
+    }
+    for args, message in cases.items():
+        proc = run_eval("--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert message in proc.stderr
+
+
+def test_expand_orders_complete_checkpoints_and_names_them_uniquely(tmp_path):
+    from opsd import errors
+    from opsd.evaluation.config import UserError
+    from opsd.evaluation.sweep import expand
+
+    assert issubclass(UserError, errors.UserError)  # eval_aime.py reports both the same way
+    for run, steps in (("a", (2, 10, 11)), ("b", (10,))):
+        for step in steps:
+            ckpt = tmp_path / run / f"checkpoint-{step}"
+            ckpt.mkdir(parents=True)
+            (ckpt / "adapter_config.json").write_text("{}")
+            if step != 11:  # checkpoint-11 is still being saved
+                (ckpt / ".complete").touch()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    entries = expand([str(tmp_path / "a"), str(tmp_path / "b" / "checkpoint-10"), str(tmp_path / "full"),
+                      "org/adapter"], with_base=True)  # fmt: skip
+    assert [(e.name, e.kind) for e in entries] == [
+        ("base", "base"), ("checkpoint-2", "lora"), ("checkpoint-10", "lora"), ("b-checkpoint-10", "lora"),
+        ("full", "full"), ("org--adapter", "lora"),
+    ]  # fmt: skip
+    (tmp_path / "a" / "checkpoint-2" / ".complete").unlink()
+    (tmp_path / "a" / "checkpoint-10" / ".complete").unlink()  # no marks at all: every checkpoint, warned
+    assert [e.name for e in expand([str(tmp_path / "a")], with_base=False)] == [
+        "checkpoint-2", "checkpoint-10", "checkpoint-11"
+    ]  # fmt: skip
+    with pytest.raises(UserError, match="twice"):
+        expand([str(tmp_path / "full"), str(tmp_path / "full")], with_base=False)
