@@ -221,7 +221,9 @@ def kv_bytes_per_token(kind: str) -> int:
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-def kv_read_bound_s(lengths, prompt_len: int, bytes_per_token: int, bandwidth: float = HBM_BYTES_PER_S) -> float:
+def kv_read_bound_s(
+    lengths, prompt_len: int, bytes_per_token: int, bandwidth: float = HBM_BYTES_PER_S
+) -> float:
     """Seconds to read the KV cache once per decoded token: a sample decoding its t-th token attends to
     prompt_len + t cached tokens, so a sample of length L reads sum_t (prompt_len + t) tokens' K and V. Every
     schedule has to do these reads; at long lengths they, not the weights, bound decode speed."""

@@ -300,6 +300,15 @@ class OPSDConfig(SDFTConfig):
             logger.info("bf16 mixed precision needs a GPU; training in float32 on this machine")
             self.bf16 = False
         super().__post_init__()
+        # The loss denominator is counted over one generation batch (opsd_trainer `_prepare_training_batch`),
+        # which is one optimizer step's tokens only when the two windows coincide (docs/method.md §1.5).
+        if self.steps_per_generation != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} (generation_batch_size="
+                f"{self.generation_batch_size}) differs from gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}: OPSD normalises each optimizer step by its own tokens, "
+                "so rollouts are generated one optimizer step at a time; leave both generation settings unset"
+            )
 
     @property
     def effective_loss_temperature(self) -> float:

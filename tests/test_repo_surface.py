@@ -137,6 +137,17 @@ def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
             assert literal not in text, f"{path.name} restates {literal}; import it from opsd.choices"
 
 
+def test_generation_window_other_than_the_optimizer_step_is_refused(tmp_path):
+    from opsd.config import OPSDConfig
+
+    # The loss denominator is one generation batch's tokens: it must be exactly one optimizer step's.
+    for extra in ({"steps_per_generation": 1}, {"steps_per_generation": 4}, {"generation_batch_size": 16}):
+        with pytest.raises(ValueError, match="normalises each optimizer step by its own tokens"):
+            OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, **extra)
+    cfg = OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, steps_per_generation=2)
+    assert cfg.steps_per_generation == 2
+
+
 # -- one source for the published recipe -------------------------------------------------------------------
 
 # Keys of a shipped config that say where a run reads and writes, not how it trains.
