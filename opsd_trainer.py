@@ -158,6 +158,33 @@ def restore_lora_dropout(model) -> None:
             module.p = model.peft_config[adapter].lora_dropout
 
 
+@contextmanager
+def engine_max_num_seqs(limit: int):
+    """While active, TRL's colocated vLLM engine is built with `max_num_seqs=limit` (if limit > 0).
+
+    TRL sizes it from the batch (per-device batch x TP x steps per generation) inside SDFTTrainer.__init__,
+    with no setting of its own. On vLLM's CPU backend the numerics of a decode step depend on how many
+    sequences it holds, so a seeded rollout may differ between 1 and 2 processes; one sequence at a time
+    makes rollouts independent of how the batch is split.
+    """
+    if limit <= 0:
+        yield
+        return
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.VLLMGeneration
+
+    class Limited(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "max_num_seqs": limit})
+
+    vllm_generation.VLLMGeneration = Limited
+    try:
+        yield
+    finally:
+        vllm_generation.VLLMGeneration = original
+
+
 def rollout_seed(seed: int, step: int, position: int) -> int:
     """Seed of the training rollout at `position` of optimizer step `step`'s global batch (< 2**20 rows)."""
     return ((seed * 1_000_003 + step) * (1 << 20) + position) % (1 << 62)
@@ -238,7 +265,9 @@ class OPSDTrainer(SDFTTrainer):
     }
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        with engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)):
+            super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
         self.prompt_builder = PromptBuilder(
             self.processing_class,

@@ -91,6 +91,13 @@ class OPSDConfig(SDFTConfig):
     vllm_gpu_memory_utilization: float = field(
         default=0.6, metadata=_help("Share of GPU memory for colocated vLLM.")
     )
+    vllm_max_num_seqs: int = field(
+        default=0,
+        metadata=_help(
+            "Most sequences the colocated vLLM engine decodes at once; 0 = TRL's sizing (per-device batch x "
+            "TP x steps per generation). 1 makes rollouts independent of the process count, slowly."
+        ),
+    )
     vllm_mode: str = field(
         default="colocate",
         metadata=_help("colocate (vLLM inside the training processes) | server (trl vllm-serve)."),
@@ -283,6 +290,7 @@ class OPSDConfig(SDFTConfig):
         bound("completions_steps", self.completions_steps >= 0, "must be >= 0 (0 = off)")
         bound("completions_rows", self.completions_rows > 0, "must be > 0")
         bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
+        bound("vllm_max_num_seqs", self.vllm_max_num_seqs >= 0, "must be >= 0 (0 = TRL's sizing)")
         bound("lora_r", self.lora_r > 0, "must be > 0")
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
         bound("max_completion_length", (self.max_completion_length or 0) > 0, "must be > 0")

@@ -80,7 +80,7 @@ RECIPE_KEYS = frozenset({
 OPERATIONAL_KEYS = frozenset({
     "report_to", "run_name", "logging_steps", "logging_first_step", "log_level", "disable_tqdm",
     "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "gradient_checkpointing", "loss_chunk_size",
-    "completions_steps", "completions_rows",
+    "completions_steps", "completions_rows", "vllm_max_num_seqs",
 })  # fmt: skip
 # Everything recipe.env (and OPSD_* under the harness) may set.
 CAPPED_KEYS = RECIPE_KEYS | OPERATIONAL_KEYS
