@@ -43,7 +43,7 @@ from opsd.callbacks import NonFiniteGuard, StepTimer
 from opsd.config import OPSDConfig
 from opsd.loss import chunked_opsd_loss
 from opsd.prompts import PromptBuilder
-from opsd.scoring import completion_hidden, left_pad, lm_head_weight, loss_token_mask
+from opsd.scoring import completion_hidden, eval_mode, left_pad, lm_head_weight, loss_token_mask
 from opsd.weights import merged_named_weights, push_weights
 
 logger = logging.getLogger(__name__)
@@ -127,17 +127,6 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
             device = next(iter(self.shadow_weights.values())).device
             self.shadow_weights = {k: v.to(device, torch.float32) for k, v in shadow.items()}
             self._copy_to_teacher()
-
-
-@contextmanager
-def eval_mode(module: torch.nn.Module):
-    """`module` in eval mode (dropout off) inside the block, its previous mode restored afterwards."""
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 def restore_lora_dropout(model) -> None:

@@ -22,7 +22,6 @@ import json
 import logging
 import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from opsd.loss import pointwise_jsd_terms
-from opsd.scoring import left_pad, right_pad
+from opsd.scoring import eval_mode, left_pad, right_pad
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -92,16 +91,6 @@ def probe_token_sums(
                 ]
             )
     return sums_3
-
-
-@contextmanager
-def _eval_mode(module: torch.nn.Module):
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 class Probe(TrainerCallback):
@@ -192,7 +181,7 @@ class Probe(TrainerCallback):
         teacher_w = t._lm_head_weight(acc.unwrap_model(t.teacher_model))
         sums_4 = torch.zeros(4, dtype=torch.float32, device=device)
         batch = a.per_device_train_batch_size
-        with torch.no_grad(), _eval_mode(unwrapped):
+        with torch.no_grad(), eval_mode(unwrapped):
             for start in range(0, len(rows), batch):
                 part = [r for r in rows[start : start + batch] if r["completion_ids"]]
                 if not part:

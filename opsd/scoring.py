@@ -7,7 +7,20 @@ completion]`; positions are computed from the masks so padding never shifts a re
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module):
+    """`module` in eval mode (dropout off) inside the block, its previous mode restored afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def positions(prompt_mask_BP: torch.Tensor, completion_width: int) -> torch.Tensor:
