@@ -68,3 +68,65 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
         model=model, args=cfg, train_dataset=build_dataset(cfg),
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft,
     )  # fmt: skip
+
+
+# Three problems and the three endings the "boxer" checkpoints learn for each (eval and sweep tests).
+BOXER_PROBLEMS = [
+    ("p0", "What is 3 + 4?", "7"),
+    ("p1", "What is 2 * 4?", "8"),
+    ("p2", "What is 18 / 2?", "9"),
+]
+BOXER_COMPLETIONS = ["\\boxed{7}", "\\boxed{8}", "I am not sure."]
+
+
+def train_boxer(model_dir, base_dir, save: dict) -> float:
+    """Writes a base model to `base_dir` and fine-tunes LoRA on it to end every problem's prompt with one of
+    BOXER_COMPLETIONS; the adapter is saved to `save[step]` after each listed step. Returns the last loss.
+
+    The random model's logits are nearly flat (tied embeddings of std 0.02) and LoRA cannot change the final
+    norm, so the base gets a larger final-norm gain; it stays a random model that never boxes.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd.prompts import PromptBuilder
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+    builder = PromptBuilder(tok, student_thinking=True)  # the eval script's default rendering (thinking on)
+    rows = []
+    for _, problem, _ in BOXER_PROBLEMS:
+        prompt = builder.student_ids(problem)
+        for text in BOXER_COMPLETIONS:
+            rows.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[i, : len(p) + len(c)] = 1
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(1, max(save) + 1):
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step in save:
+            peft_model.save_pretrained(save[step])
+    torch.set_num_threads(threads)
+    return loss.item()

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from opsd.evaluation.samples import sample_seed
+from tests.conftest import BOXER_PROBLEMS, train_boxer
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eval_aime.py"
@@ -41,8 +42,7 @@ ENV = {
     "TRL_EXPERIMENTAL_SILENCE": "1",
     "OMP_NUM_THREADS": "1",
 }
-PROBLEMS = [("p0", "What is 3 + 4?", "7"), ("p1", "What is 2 * 4?", "8"), ("p2", "What is 18 / 2?", "9")]
-BOXER_COMPLETIONS = ["\\boxed{7}", "\\boxed{8}", "I am not sure."]
+PROBLEMS = BOXER_PROBLEMS
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.slow
@@ -82,60 +82,11 @@ def problems_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def boxer(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
     """(base model dir, LoRA checkpoint dir `.../checkpoint-100`) trained to box 7 or 8 or give up."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opsd.prompts import PromptBuilder
-
     root = tmp_path_factory.mktemp("boxer")
     base_dir, adapter_dir = root / "base", root / "run" / "checkpoint-100"
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    # The random model's logits are nearly flat (tied embeddings of std 0.02) and LoRA cannot change the
-    # final norm, so the base gets a larger final-norm gain; it stays a random model that never boxes.
-    with torch.no_grad():
-        model.model.norm.weight.mul_(10.0)
-    model.save_pretrained(base_dir)
-    tok.save_pretrained(base_dir)
-
-    builder = PromptBuilder(tok, student_thinking=True)  # the script's default rendering (thinking on)
-    rows = []
-    for _, problem, _ in PROBLEMS:
-        prompt = builder.student_ids(problem)
-        for text in BOXER_COMPLETIONS:
-            rows.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        mask[i, : len(p) + len(c)] = 1
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(
-            r=8,
-            lora_alpha=16,
-            task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        ),
-    )
-    opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(200):
-        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(threads)
+    loss = train_boxer(tiny_model_dir, base_dir, {200: adapter_dir})
     # Three equally likely endings: the optimum mean token loss is well below 1 (it started near 34).
-    assert loss.item() < 0.5
-    peft_model.save_pretrained(adapter_dir)
+    assert loss < 0.5
     return base_dir, adapter_dir
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import BOXER_PROBLEMS, train_boxer
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eval_aime.py"
 ENV = {
@@ -34,8 +36,7 @@ ENV = {
     "TRL_EXPERIMENTAL_SILENCE": "1",
     "OMP_NUM_THREADS": "1",
 }
-PROBLEMS = [("p0", "What is 3 + 4?", "7"), ("p1", "What is 2 * 4?", "8"), ("p2", "What is 18 / 2?", "9")]
-COMPLETIONS = ["\\boxed{7}", "\\boxed{8}", "I am not sure."]
+PROBLEMS = BOXER_PROBLEMS
 STEPS = (10, 200)
 N = 12
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,55 +64,15 @@ def samples(out: Path) -> dict[tuple[str, int], dict]:
 def run_dir(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
     """(base model, problems file, run directory with checkpoint-10, checkpoint-200 and an unfinished
     checkpoint-300 that lacks the .complete mark)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opsd.prompts import PromptBuilder
-
     root = tmp_path_factory.mktemp("sweep")
     problems = root / "three.jsonl"
     problems.write_text(
         "".join(json.dumps({"id": i, "problem": p, "answer": a}) + "\n" for i, p, a in PROBLEMS)
     )
     base_dir, run = root / "base", root / "run"
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(10.0)  # sharper logits, so LoRA can move them (tests/test_eval.py)
-    model.save_pretrained(base_dir)
-    tok.save_pretrained(base_dir)
-
-    builder = PromptBuilder(tok, student_thinking=True)
-    rows = []
-    for _, problem, _ in PROBLEMS:
-        prompt = builder.student_ids(problem)
-        for text in COMPLETIONS:
-            rows.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        mask[i, : len(p) + len(c)] = 1
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    lora = LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
-    peft_model = get_peft_model(model, lora)
-    opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(1, max(STEPS) + 1):
-        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step in STEPS:
-            peft_model.save_pretrained(run / f"checkpoint-{step}")
-            (run / f"checkpoint-{step}" / ".complete").touch()
-    torch.set_num_threads(threads)
+    train_boxer(tiny_model_dir, base_dir, {step: run / f"checkpoint-{step}" for step in STEPS})
+    for step in STEPS:
+        (run / f"checkpoint-{step}" / ".complete").touch()
     shutil.copytree(run / "checkpoint-200", run / "checkpoint-300")  # a save still in progress: no mark
     (run / "checkpoint-300" / ".complete").unlink()
     return base_dir, problems, run
