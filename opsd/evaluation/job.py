@@ -177,6 +177,11 @@ def resolve(config: EvalConfig) -> Job:
             "merging the adapter first: vLLM's CPU backend serves LoRA slowly and can fail on seeded "
             "requests (--no-merge-adapter serves it as a LoRA)"
         )
+    elif adapter_mode == "vllm-lora" and cuda_available():
+        logger.info(
+            "serving the adapter as a vLLM LoRA: its samples are not reproducible run to run on a GPU "
+            "(vLLM's LoRA kernels); --merge-adapter gives byte-identical reruns"
+        )
     resolved = {
         **{
             k: v

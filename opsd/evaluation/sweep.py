@@ -15,7 +15,8 @@ Each one is an ordinary evaluation into OUT/NAME (OUT/base, OUT/checkpoint-N; a 
 eval_config.json, summary.json and per_problem.csv exactly as `--adapter CKPT --out OUT/NAME` (or `--model
 CKPT` for a full fine-tune) would write them, so --compare, --aggregate and --plot-steps read them, and a
 single evaluation can resume one. Sample seeds depend on (seed, problem, sample index) only, so a sweep
-draws the samples that separate evaluations draw.
+draws the samples that separate evaluations draw, except for LoRAs served on a GPU, whose samples vLLM does
+not reproduce run to run (use --merge-adapter there for byte-identical reruns; docs/decisions.md).
 
 One engine. vLLM starts once on the base model; every checkpoint is then put into the running engine:
 * on vLLM's CPU backend (adapters merged by default, `resolve_adapter_mode`): base + LoRA delta computed
