@@ -1,6 +1,9 @@
 """Shared fixtures: a tiny Qwen3 with a locally trained tokenizer, built once per test session."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # Set before vLLM or the hub client is imported anywhere in the session.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,6 +22,36 @@ ENV = {
         "TRL_EXPERIMENTAL_SILENCE",
     )
 }
+
+
+EVAL_SCRIPT = Path(__file__).resolve().parents[1] / "eval_aime.py"
+# For eval_aime.py subprocesses. One thread per process: on a small CPU machine, OpenMP threads of parallel
+# processes spin against each other and slow everything down by orders of magnitude.
+EVAL_ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def eval_argv(*args) -> list[str]:
+    """The command line of `python eval_aime.py ARGS` (run it with cwd=EVAL_SCRIPT.parent, env=EVAL_ENV)."""
+    return [sys.executable, str(EVAL_SCRIPT), *map(str, args)]
+
+
+def run_eval(*args, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(eval_argv(*args), cwd=EVAL_SCRIPT.parent, env=env or EVAL_ENV,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`proc` after checking it exited 0 (its stderr tail otherwise)."""
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
 
 
 @pytest.fixture(scope="session")

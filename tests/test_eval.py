@@ -20,7 +20,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,40 +27,20 @@ from pathlib import Path
 import pytest
 
 from opsd.evaluation.samples import sample_seed
-from tests.conftest import BOXER_PROBLEMS, train_boxer
+from tests.conftest import (
+    BOXER_PROBLEMS,
+    EVAL_ENV,
+    EVAL_SCRIPT,
+    PNG_SIGNATURE,
+    eval_argv,
+    ok,
+    run_eval,
+    train_boxer,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "eval_aime.py"
-# One thread per process: on a small CPU machine, OpenMP threads of parallel processes spin against
-# each other and slow everything down by orders of magnitude.
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "OMP_NUM_THREADS": "1",
-}
 PROBLEMS = BOXER_PROBLEMS
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.slow
-
-
-def run_eval(*args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -281,7 +260,7 @@ def test_adapter_mode_resolution(merge, engine, cuda, expected):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("eval_aime_under_test", SCRIPT)
+    spec = importlib.util.spec_from_file_location("eval_aime_under_test", EVAL_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -365,9 +344,9 @@ def test_kill_mid_stream_and_resume(tiny_model_dir, tmp_path):
     args = [*args, "--max-in-flight", 8, "--out", out]
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *map(str, args)],
-            cwd=REPO,
-            env=ENV,
+            eval_argv(*args),
+            cwd=EVAL_SCRIPT.parent,
+            env=EVAL_ENV,
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -18,39 +18,22 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BOXER_PROBLEMS, train_boxer
+from tests import conftest
+from tests.conftest import BOXER_PROBLEMS, EVAL_ENV, EVAL_SCRIPT, PNG_SIGNATURE, eval_argv, ok, train_boxer
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "eval_aime.py"
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "OMP_NUM_THREADS": "1",
-}
 PROBLEMS = BOXER_PROBLEMS
 STEPS = (10, 200)
 N = 12
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T975 = {2: 4.302652729911275}  # Student t, 97.5% quantile, by degrees of freedom (3 problems: df 2)
 
 
 def run_eval(*args, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env or ENV,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    return conftest.run_eval(*args, timeout=timeout, env=env)
 
 
 def samples(out: Path) -> dict[tuple[str, int], dict]:
@@ -189,7 +172,7 @@ def test_killed_sweep_resumes_per_checkpoint_and_per_sample(run_dir, separate, t
     args = [*common(run_dir), "--checkpoints", run_dir[2], "--out", out]
     partial = out / "checkpoint-200" / "samples.jsonl"
     with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=ENV,
+        proc = subprocess.Popen(eval_argv(*args), cwd=EVAL_SCRIPT.parent, env=EVAL_ENV,
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         deadline = time.monotonic() + 400
         while not (partial.is_file() and partial.read_bytes().count(b"\n") >= 2):
@@ -235,7 +218,7 @@ def test_hub_adapter_id_resolves_to_the_cached_snapshot(run_dir, tmp_path):
         shutil.copy(run / "checkpoint-200" / f, snapshot / f)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    env = {**ENV, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    env = {**EVAL_ENV, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     args = ["--model", base_dir, "--dataset", problems, "--limit", 1, "--n", 2, "--max-tokens", 8,
             "--engine", "transformers"]  # fmt: skip
     out = tmp_path / "hub-eval"

@@ -53,7 +53,7 @@ from opsd.evaluation.config import EvalConfig, UserError
 from opsd.evaluation.generate import NO_TIMINGS, ListSource, Request, generate_missing
 from opsd.evaluation.job import Job, resolve, resolve_model
 from opsd.evaluation.run import missing_requests, report_lines
-from opsd.evaluation.samples import SUMMARY_FILE
+from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
                 if served.starts > started:
                     engine_start_s = time.perf_counter() - t_load
             scratch = job.out / ".merged-model"
-            timings = generate_missing(job, requests, ListSource(requests), job.out / "samples.jsonl", scratch,
+            timings = generate_missing(job, requests, ListSource(requests), job.out / SAMPLES_FILE, scratch,
                                        served=engine)  # fmt: skip
             if engine is not None:
                 # Time to put this evaluation's weights in the engine (its start, for the first one).
