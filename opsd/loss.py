@@ -194,6 +194,117 @@ def opsd_loss_from_logits(
     return loss_N.sum(), _sum_stats(stats, loss_N.shape[0], loss_N.device)
 
 
+def token_divergence_with_grad(
+    student_logits_NV: torch.Tensor,
+    teacher_logits_NV: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    clip: float = 0.05,
+    clip_mode: str = "element",
+    top_k: int = 0,
+    loss_type: str = "jsd",
+    target_ids_N: torch.Tensor | None = None,
+    need_grad: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """token_divergence (same arguments, same loss_N and stats) plus d(loss_N.sum())/d(student logits) (N, V)
+    in float32, written out in closed form instead of recorded by autograd (the chunked loss's inner step).
+
+    With x = student logits / tau over the support (full vocab or the teacher's top-k) and logp = log_softmax(x),
+    every mode's loss is a function of logp; a_v = dL/dlogp_v is
+      jsd, beta = 0:      -p_T(v)                      (forward KL)
+      jsd, beta = 1:       p_S(v) (log p_S(v) - log p_T(v) + 1)   (reverse KL)
+      jsd, 0 < beta < 1:  (1 - beta) p_S(v) (log p_S(v) - log M(v))
+    times the clip's weight: element: [term_v <= clip]; token: [sum_v term_v <= clip]; rescale: sg(clip / s) for
+    s > clip else 1; none: 1 (the subgradients torch.clamp uses). Through log_softmax, dL/dx = a - softmax(x) sum(a);
+    sampled_token: dL/dx = -A (onehot(y) - softmax(x) over the support). Then dL/dlogits = dL/dx / tau, scattered
+    back to the vocabulary for top-k. No autograd graph is kept, so a chunk costs a few (N, V) float32 buffers.
+    """
+    _check_args(
+        beta=beta,
+        temperature=temperature,
+        clip=clip,
+        clip_mode=clip_mode,
+        top_k=top_k,
+        loss_type=loss_type,
+        target_ids_N=target_ids_N,
+    )
+    with torch.no_grad():
+        x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
+        xt_NV = teacher_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
+        top1_agree_N = (x_NV.argmax(-1) == xt_NV.argmax(-1)).float()
+        idx_NK = None
+        x_NK, xt_NK = x_NV, xt_NV
+        if 0 < top_k < x_NV.shape[-1]:
+            idx_NK = xt_NV.topk(top_k, dim=-1).indices
+            x_NK, xt_NK = x_NV.gather(-1, idx_NK), xt_NV.gather(-1, idx_NK)
+        logp_s_NK = F.log_softmax(x_NK, -1)
+        logp_t_NK = F.log_softmax(xt_NK, -1)
+        if loss_type == "sampled_token":
+            advantage_N = _log_prob_at(xt_NV, xt_NK, target_ids_N) - _log_prob_at(x_NV, x_NK, target_ids_N)
+        del xt_NV, xt_NK
+        terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, beta)
+        divergence_N = terms_NK.sum(-1)
+
+        if loss_type == "jsd":
+            if clip_mode == "element":
+                kept_NK = terms_NK <= clip
+                loss_N = terms_NK.clamp(max=clip).sum(-1)
+                clipped_frac_N = (~kept_NK).float().mean(-1)
+            else:
+                loss_N = divergence_N.clone()
+                clipped_frac_N = torch.zeros_like(divergence_N)
+                weight_N = torch.ones_like(divergence_N)
+                if clip_mode != "none":
+                    over_N = divergence_N > clip
+                    clipped_frac_N = over_N.float()
+                    if clip_mode == "token":
+                        loss_N = divergence_N.clamp(max=clip)
+                        weight_N = (~over_N).float()
+                    else:  # rescale
+                        weight_N = torch.where(over_N, clip / divergence_N, weight_N)
+                        loss_N = divergence_N * weight_N
+            grad_NV = None
+            if need_grad:
+                if beta == 0.0:
+                    a_NK = logp_t_NK.exp_().neg_()
+                elif beta == 1.0:
+                    a_NK = (logp_s_NK - logp_t_NK).add_(1.0).mul_(logp_s_NK.exp())
+                else:
+                    log_m_NK = torch.logaddexp(logp_t_NK + math.log(beta), logp_s_NK + math.log1p(-beta))
+                    a_NK = (logp_s_NK - log_m_NK).mul_(logp_s_NK.exp()).mul_(1.0 - beta)
+                    del log_m_NK
+                if clip_mode == "element":
+                    a_NK.mul_(kept_NK)
+                else:
+                    a_NK.mul_(weight_N[:, None])
+                grad_NV = _through_log_softmax(a_NK, logp_s_NK, idx_NK, x_NV.shape, temperature)
+        else:
+            loss_N = -advantage_N * _log_prob_at(x_NV, x_NK, target_ids_N)
+            clipped_frac_N = torch.zeros_like(divergence_N)
+            grad_NV = None
+            if need_grad:
+                # d(-A log p(y))/dx = -A onehot(y) + A softmax(x) over the support
+                grad_NV = _scatter_support(logp_s_NK.exp_().mul_(advantage_N[:, None]), idx_NK, x_NV.shape)
+                grad_NV.scatter_add_(-1, target_ids_N[:, None], -advantage_N[:, None])
+                grad_NV.div_(temperature)
+    stats = {"divergence": divergence_N, "clipped_frac": clipped_frac_N, "top1_agree": top1_agree_N}
+    return loss_N, stats, grad_NV
+
+
+def _scatter_support(values_NK: torch.Tensor, idx_NK: torch.Tensor | None, shape) -> torch.Tensor:
+    if idx_NK is None:
+        return values_NK
+    return values_NK.new_zeros(shape).scatter_(-1, idx_NK, values_NK)
+
+
+def _through_log_softmax(a_NK, logp_NK, idx_NK, shape, temperature: float) -> torch.Tensor:
+    """dL/dx from a = dL/dlogp for logp = log_softmax(x): a - softmax(x) * sum(a), divided by tau; in place."""
+    total_N1 = a_NK.sum(-1, keepdim=True)
+    grad_NK = logp_NK.exp_().mul_(total_N1).neg_().add_(a_NK).div_(temperature)
+    return _scatter_support(grad_NK, idx_NK, shape)
+
+
 class _ChunkedOPSDLoss(torch.autograd.Function):
     """Loss sum and its gradients computed chunk by chunk in forward; backward only rescales them."""
 
@@ -225,19 +336,21 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
             # Hidden states may come out of a mixed-precision model in float32 while lm_head is bf16: the
             # logits are computed in the weight's dtype, as the model's own lm_head would.
             h_s_CH = student_hidden_NH[start:end].detach()
-            s_logits_CV = (h_s_CH.to(w_s_VH.dtype) @ w_s_VH.T).requires_grad_(need_h or need_w)  # leaf
+            s_logits_CV = h_s_CH.to(w_s_VH.dtype) @ w_s_VH.T
             t_logits_CV = h_t_NH[start:end].to(w_t_VH.dtype) @ w_t_VH.T
             ids_C = None if target_ids_N is None else target_ids_N[start:end]
-            with torch.enable_grad():
-                loss_C, stats = token_divergence(s_logits_CV, t_logits_CV, target_ids_N=ids_C, **loss_kwargs)
-                chunk_loss = loss_C.sum()
-            if need_h or need_w:
-                # d(chunk loss)/d(logits); the lm_head matmul is then differentiated by hand.
-                (g_CV,) = torch.autograd.grad(chunk_loss, s_logits_CV)
+            loss_C, stats, g_CV = token_divergence_with_grad(
+                s_logits_CV, t_logits_CV, target_ids_N=ids_C, need_grad=need_h or need_w, **loss_kwargs
+            )
+            del s_logits_CV, t_logits_CV
+            chunk_loss = loss_C.sum()
+            if g_CV is not None:
+                # d(chunk loss)/d(logits) in closed form; the lm_head matmul is then differentiated by hand.
                 if need_h:
                     grad_h_NH[start:end] = g_CV.to(w_s_VH.dtype) @ w_s_VH
                 if need_w:
-                    grad_w_VH.addmm_(g_CV.T.float(), h_s_CH.float())
+                    grad_w_VH.addmm_(g_CV.T, h_s_CH.float())
+                del g_CV
             loss_sum += chunk_loss.detach()
             stat_sums_3 += torch.stack([stats[k].sum() for k in STAT_KEYS])
 

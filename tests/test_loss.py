@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from opsd.loss import chunked_opsd_loss, opsd_loss_from_logits, token_divergence
+from opsd.loss import chunked_opsd_loss, opsd_loss_from_logits, token_divergence, token_divergence_with_grad
 
 ATOL = RTOL = 1e-5
 BETAS = (0.0, 0.3, 0.5, 1.0)  # 0.3: asymmetric, so swapped mixture weights are caught
@@ -160,6 +160,37 @@ def test_sampled_token_matches_oracle(top_k, tau):
     if top_k:  # some sampled tokens lie outside the teacher's top-k; they must still be finite
         in_topk = (t.topk(top_k, -1).indices == ids[:, None]).any(-1)
         assert not in_topk.all() and torch.isfinite(loss_N).all()
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("top_k", [0, 5])
+@pytest.mark.parametrize(
+    ("loss_type", "clip_mode"), [("jsd", m) for m in CLIP_MODES] + [("sampled_token", "none")]
+)
+@pytest.mark.parametrize("beta", BETAS)
+def test_closed_form_gradient_matches_oracle(beta, clip_mode, loss_type, top_k, tau):
+    """The chunked loss's hand-written gradient against autograd through the float64 oracle."""
+    s, t = make_logits(40, 11, seed=4)
+    ids = torch.randint(0, 11, (40,), generator=torch.Generator().manual_seed(5))
+    clip = pick_clip(s, t, beta=beta, tau=tau, clip_mode=clip_mode, top_k=top_k)
+    kw = dict(beta=beta, clip=clip, clip_mode=clip_mode, top_k=top_k, loss_type=loss_type)
+    s64 = s.detach().double().requires_grad_()
+    ref = oracle(s64, t, tau=tau, target_ids=ids, **kw)
+    if loss_type == "jsd":
+        assert_some_clipped(ref, clip_mode)
+    s_in = s.detach().clone()
+    loss_N, stats, grad_NV = token_divergence_with_grad(s_in, t, temperature=tau, target_ids_N=ids, **kw)
+    assert torch.equal(s_in, s.detach())  # the caller's logits are left as they were
+    close(loss_N, ref["loss"])
+    close(stats["divergence"], ref["divergence"])
+    (g_ref,) = torch.autograd.grad(ref["loss"].sum(), s64)
+    close(grad_NV, g_ref)
+    plain_N, plain_stats = token_divergence(s, t, temperature=tau, target_ids_N=ids, **kw)
+    close(loss_N, plain_N)
+    for k in plain_stats:
+        close(stats[k], plain_stats[k])
+    _, _, none = token_divergence_with_grad(s, t, temperature=tau, target_ids_N=ids, need_grad=False, **kw)
+    assert none is None
 
 
 # --------------------------------------------------------------------------------------------------------------
