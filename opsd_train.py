@@ -19,6 +19,7 @@ loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` add
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -151,9 +152,20 @@ def main(argv: list[str] | None = None) -> Path | None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
+    from opsd import microbatch
+    from opsd.models import resolve_model_path
+
     if extra.dry_run:
+        local = Path(config.model_name_or_path).is_dir()
+        config, plan = microbatch.resolve(
+            config,
+            dataset,
+            config.model_name_or_path if local else None,
+            colocated_engine=config.rollout_engine != "transformers" and config.vllm_mode == "colocate",
+        )
         rows = None if dataset is None else len(dataset)
-        print(json.dumps({"config": config.to_dict(), "data_rows": rows}, default=str))
+        out = {"config": config.to_dict(), "data_rows": rows, "micro_batch": dataclasses.asdict(plan)}
+        print(json.dumps(out, default=str))
         return None
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -165,13 +177,17 @@ def main(argv: list[str] | None = None) -> Path | None:
         TailWeightAverage,
         latest_complete_checkpoint,
     )
-    from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
+    from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype
     from opsd.probe import Probe, split_probe
     from opsd.provenance import provenance
     from opsd_trainer import OPSDTrainer
 
     model_path = resolve_model_path(config.model_name_or_path)
     choose_rollout_engine(config)
+    config, plan = microbatch.resolve(
+        config, dataset, model_path, colocated_engine=config.use_vllm and config.vllm_mode == "colocate"
+    )
+    logger.info("%s", plan.describe())
     probe_rows = []
     if config.probe_steps:
         dataset, probe_rows = split_probe(dataset, config.probe_size, seed=config.seed)
@@ -181,6 +197,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         resolved = {
             **config.to_dict(),
             "resolved_model_path": model_path,
+            "micro_batch": dataclasses.asdict(plan),
             "recipe": extra.recipe,
             "provenance": provenance(),
         }

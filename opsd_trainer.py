@@ -276,6 +276,11 @@ class OPSDTrainer(SDFTTrainer):
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
         # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
         restore_lora_dropout(self.accelerator.unwrap_model(self.model))
+        if self.use_vllm and self.vllm_generation.mode == "colocate":
+            # Training reads token ids only; vLLM would otherwise detokenise every sequence at every decode
+            # step in this process, between GPU steps (docs/performance.md).
+            gen = self.vllm_generation
+            gen.generation_kwargs = {"detokenize": False, **(gen.generation_kwargs or {})}
 
     @property
     def _rollout_step(self) -> int:

@@ -2,7 +2,10 @@
 
 100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
 The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the
-number of processes. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
+number of processes. How each process splits its share into micro-batches is memory, not method
+(`opsd.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine on
+a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
+`-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
 which `opsd_train.py --capped` checks against the whitelist in `opsd.recipe`.
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
@@ -127,7 +130,7 @@ def make_plan(
         f"--output_dir={out}", f"--seed={seed}", f"--max_steps={STEPS}",
         f"--per_device_train_batch_size={batch}", f"--gradient_accumulation_steps={accum}",
         f"--save_steps={SAVE_EVERY}", "--save_strategy=steps", "--num_generations=1",
-        *prof.extra,
+        "--micro_batch_size=auto", *prof.extra,
     ]  # fmt: skip
     if prof.max_completion_length is not None:
         # Placed before the recipe's overrides only in precedence terms: opsd_train appends recipe/env
@@ -239,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     out["resolved"] = {k: v for k, v in sorted(checked["config"].items()) if k in CAPPED_KEYS | BUDGET_KEYS}
     out["data_rows"] = checked["data_rows"]
     out["notes"] = notes
+    micro = checked["micro_batch"]
+    out["micro_batch"] = micro
     out["budget"] = (
-        f"{plan.max_steps} steps x {plan.problems_per_step} problems = {plan.per_device_train_batch_size} "
-        f"per device x {plan.gradient_accumulation_steps} accumulation x {plan.num_processes} process(es)"
+        f"{plan.max_steps} steps x {plan.problems_per_step} problems = {micro['micro_batch']} per micro-batch x "
+        f"{micro['accumulation']} accumulation x {plan.num_processes} process(es) ({micro['reason']})"
     )
     out["shell"] = shlex.join(plan.command)
     print(json.dumps(out, indent=1), file=sys.stderr if not a.dry_run else sys.stdout)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from trl.experimental.sdft import SDFTConfig
 
 from opsd.choices import CHOICES, check_choice
+from opsd.microbatch import parse_micro_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,15 @@ class OPSDConfig(SDFTConfig):
         default=4, metadata=_help("Problems per device per micro-batch.")
     )
     gradient_accumulation_steps: int = field(default=2, metadata=_help("Micro-batches per optimizer step."))
+    micro_batch_size: str = field(
+        default="",
+        metadata=_help(
+            "Rows per forward/backward, keeping per_device_train_batch_size x gradient_accumulation_steps "
+            "problems per process per step (memory, not method; opsd.microbatch): unset = "
+            "per_device_train_batch_size as given; N (must divide them); auto = the largest that fits beside "
+            "the engine on a GPU, the plan as given without one. train_capped.sh uses auto."
+        ),
+    )
     gradient_checkpointing: bool = field(default=True, metadata=_help("Recompute activations in backward."))
     bf16: bool = field(
         default=True, metadata=_help("bf16 mixed precision (turned off with a log line when no GPU).")
@@ -290,6 +300,7 @@ class OPSDConfig(SDFTConfig):
         bound("completions_steps", self.completions_steps >= 0, "must be >= 0 (0 = off)")
         bound("completions_rows", self.completions_rows > 0, "must be > 0")
         bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
+        parse_micro_batch_size(self.micro_batch_size)
         bound("vllm_max_num_seqs", self.vllm_max_num_seqs >= 0, "must be >= 0 (0 = TRL's sizing)")
         bound("lora_r", self.lora_r > 0, "must be > 0")
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")

@@ -130,17 +130,54 @@ def completion_hidden(
         )
         # As in the reference, the model numbers the positions itself (0..P+C-1 for causal LMs).
         position_ids = None
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
     width = prompt_ids_BP.size(1)
-    hidden_BCH = out.hidden_states[-1][:, width - 1 : width - 1 + completion_ids_BC.size(1)]
+    with _last_hidden_state(model) as captured:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=not captured.hooked,
+            logits_to_keep=1,
+        )
+    last_BTH = captured.value if captured.hooked else out.hidden_states[-1]
+    hidden_BCH = last_BTH[:, width - 1 : width - 1 + completion_ids_BC.size(1)]
     return hidden_BCH[completion_mask_BC.bool()]
+
+
+class _Captured:
+    hooked = False
+    value: torch.Tensor | None = None
+
+
+@contextmanager
+def _last_hidden_state(model):
+    """Captures the decoder's `last_hidden_state` (after the final norm) during one forward.
+
+    Asking the model for `output_hidden_states` instead would keep every layer's output alive until the
+    forward returns: ~L x T x H values per row for the teacher, which needs none of them. Models whose decoder
+    cannot be found (no `get_decoder`) fall back to `output_hidden_states`.
+    """
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):  # DDP, DeepSpeed
+        inner = inner.module
+    if hasattr(inner, "get_base_model"):  # peft
+        inner = inner.get_base_model()
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    captured = _Captured()
+    if not isinstance(decoder, torch.nn.Module) or decoder is inner:
+        yield captured
+        return
+
+    def keep(_module, _args, output):
+        captured.value = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    handle = decoder.register_forward_hook(keep)
+    captured.hooked = True
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def lm_head_weight(model) -> torch.Tensor:

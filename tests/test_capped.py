@@ -49,6 +49,24 @@ def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_dry_run_prints_the_resolved_micro_batch(tmp_path):
+    args = ("--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path))
+    rc, out, err = finish(harness(*args))
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["resolved"]["micro_batch_size"] == "auto"
+    assert (plan["micro_batch"]["micro_batch"], plan["micro_batch"]["accumulation"]) == (2, 1)
+    assert "2 per micro-batch x 1 accumulation" in plan["budget"] and "no GPU" in plan["budget"]
+    for how in ({"env": {"OPSD_MICRO_BATCH_SIZE": "1"}}, {"tail": ("--", "--micro_batch_size", "1")}):
+        rc, out, err = finish(harness(*args, *how.get("tail", ()), env=how.get("env")))
+        assert rc == 0, err
+        assert json.loads(out)["micro_batch"]["micro_batch"] == 1
+        assert "1 per micro-batch x 2 accumulation" in json.loads(out)["budget"]
+    rc, _, err = finish(harness(*args, env={"OPSD_MICRO_BATCH_SIZE": "3"}))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "micro_batch_size=3 does not divide the 2 problems per process" in err
+
+
 def test_dry_run_refusals(tmp_path):
     rc, _, err = finish(harness("--dry-run", "--num-gpus", "3"))
     assert rc == 2 and "cannot be split over 3 processes" in err
@@ -89,8 +107,10 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
         "linear",
     )
 
-    # The same command killed mid-way, then rerun: it resumes and still stops at exactly 100.
-    proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), start_new_session=True)
+    # The same budget split into micro-batches of 1 (1 x 2 instead of 2 x 1: memory, not method), killed
+    # mid-way, then rerun: it resumes, still stops at exactly 100 and ends with the same weights.
+    one = {"OPSD_MICRO_BATCH_SIZE": "1"}
+    proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one, start_new_session=True)
     cut = tmp_path / "cut" / "capped_seed42"
     deadline = time.time() + 600
     while not (cut / "checkpoint-30" / ".complete").exists():
@@ -100,9 +120,10 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert not (cut / "checkpoint-100").exists()
-    rc, out, err = finish(harness(*common, "--name", "cut", "--runs-dir", str(tmp_path)))
+    rc, out, err = finish(harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one))
     assert rc == 0, err[-3000:]
-    assert "resuming from" in err
+    assert "resuming from" in err and "micro-batch 1 x 2 accumulation" in err
+    assert json.loads((cut / "opsd_config.json").read_text())["gradient_accumulation_steps"] == 2
     assert out.strip().splitlines()[-1] == str(cut / "checkpoint-100")
     assert _steps(cut) == list(range(1, 101))
     a, b = _adapter(whole / "checkpoint-100"), _adapter(cut / "checkpoint-100")

@@ -11,7 +11,7 @@ import torch
 
 from opsd.config import IGNORED_SDFT_OPTIONS, OPSDConfig
 from opsd.loss import token_divergence
-from opsd.scoring import completion_hidden, left_pad, loss_token_mask, right_pad
+from opsd.scoring import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from tests.conftest import make_trainer
 
 
@@ -206,3 +206,34 @@ def test_every_ignored_sdft_option_is_tested_and_defaults_pass(tmp_path):
     assert OPSDConfig(output_dir=str(tmp_path)).num_loss_tokens_to_skip == 0
     with pytest.raises(ValueError, match="num_loss_tokens_to_skip=-1 is out of range"):
         OPSDConfig(output_dir=str(tmp_path), num_loss_tokens_to_skip=-1)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_completion_hidden_is_the_models_last_hidden_state(tiny, wrap):
+    """The decoder hook gives what `output_hidden_states` would (its last entry), through peft too."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny
+    if wrap == "peft":
+        model = get_peft_model(
+            type(model).from_pretrained(model.name_or_path, dtype=torch.float32).eval(),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        )
+    prompts, completions = _batch(tok)
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id, "cpu")
+    c_ids, c_mask = right_pad(completions, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        got = completion_hidden(model, p_ids, p_mask, c_ids, c_mask)
+        full = model(
+            input_ids=torch.cat([p_ids, c_ids], 1),
+            attention_mask=torch.cat([p_mask, c_mask], 1),
+            position_ids=positions(p_mask, c_ids.size(1)),
+            output_hidden_states=True,
+        )
+    width = p_ids.size(1)
+    want = full.hidden_states[-1][:, width - 1 : width - 1 + c_ids.size(1)][c_mask.bool()]
+    assert got.shape == (int(c_mask.sum()), model.config.hidden_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and these are the states the model's own lm_head turns into its logits
+    logits = full.logits[:, width - 1 : width - 1 + c_ids.size(1)][c_mask.bool()]
+    torch.testing.assert_close(got @ model.get_output_embeddings().weight.T, logits, atol=1e-4, rtol=1e-4)

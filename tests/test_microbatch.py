@@ -1,0 +1,131 @@
+"""Micro-batch plans (opsd.microbatch): parsing, divisibility, the memory estimate and auto's choice, against
+hand-computed values."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from opsd import microbatch
+from opsd.errors import InvalidValue
+from opsd.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
+
+QWEN3_1P7B = SimpleNamespace(
+    hidden_size=2048,
+    intermediate_size=6144,
+    vocab_size=151936,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
+
+
+def cfg(**kw):
+    base = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=8,
+        micro_batch_size="",
+        max_completion_length=1024,
+        gradient_checkpointing=True,
+        loss_chunk_size=1024,
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_shape_of_qwen3_1p7b():
+    shape = ModelShape.from_config(QWEN3_1P7B)
+    # per layer: q,o 2048x2048 each; k,v 2048x1024 each; MLP 3 x 2048x6144; one tied embedding 151936x2048
+    per_layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144
+    assert shape.params == 28 * per_layer + 151936 * 2048  # 1.72e9, the published size without norms
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (28, 2048, 6144, 151936)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("", ""), ("auto", "auto"), ("AUTO", "auto"), ("8", 8), (" 2 ", 2)]
+)
+def test_parse(value, expected):
+    assert microbatch.parse_micro_batch_size(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "two", "1.5"])
+def test_parse_refuses(value):
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        microbatch.parse_micro_batch_size(value)
+
+
+def test_fixed_plans_keep_the_problems_per_process():
+    assert plan_for(cfg()).micro_batch == 4 and plan_for(cfg()).accumulation == 8
+    p = plan_for(cfg(micro_batch_size="16"))
+    assert (p.micro_batch, p.accumulation, p.problems_per_process) == (16, 2, 32)
+    with pytest.raises(InvalidValue, match=r"does not divide the 32 problems .* \[1, 2, 4, 8, 16, 32\]"):
+        plan_for(cfg(micro_batch_size="12"))
+    # auto without a GPU (no shape, no free memory) keeps the plan as given
+    p = plan_for(cfg(micro_batch_size="auto"))
+    assert (p.micro_batch, p.accumulation) == (4, 8) and "no GPU" in p.reason
+
+
+def test_estimate_by_hand():
+    shape = ModelShape(layers=2, hidden=4, intermediate=8, vocab=10, params=0)
+    b = 2
+    # checkpointing: student (H (L+1) + 6H + 2I) = 12 + 24 + 16 = 52 values per token; teacher 6H + 2I = 40;
+    # hidden 3H = 12 per completion token; loss: min(chunk, m C) x V x (5 x 4 + 2 x 2) bytes
+    got = estimate_micro_batch_bytes(
+        shape, 3, student_tokens=7, teacher_tokens=9, completion_tokens=5, gradient_checkpointing=True,
+        chunk_size=4,
+    )  # fmt: skip
+    assert got == 3 * (7 * b * 52 + 9 * b * 40 + 5 * b * 12) + 4 * 10 * 24
+    # no checkpointing: every layer's activations, L (14H + 7I) = 2 x 112 values per token
+    got = estimate_micro_batch_bytes(
+        shape, 1, student_tokens=7, teacher_tokens=9, completion_tokens=5, gradient_checkpointing=False,
+        chunk_size=100,
+    )  # fmt: skip
+    assert got == 7 * b * 224 + 9 * b * 40 + 5 * b * 12 + 5 * 10 * 24
+
+
+def test_auto_takes_the_largest_that_fits_and_is_monotone():
+    shape = ModelShape.from_config(QWEN3_1P7B)
+    kw = dict(student_tokens=1124, teacher_tokens=1524, completion_tokens=1024, chunk_size=1024)
+    sizes = [
+        auto_micro_batch(32, shape, free_bytes=free * GIB, gradient_checkpointing=True, **kw).micro_batch
+        for free in (0, 4, 8, 16, 50)
+    ]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 32
+    for free in (4, 8, 16, 50):
+        p = auto_micro_batch(32, shape, free_bytes=free * GIB, gradient_checkpointing=True, **kw)
+        budget = (free * GIB - microbatch.AUTO_RESERVE_BYTES) * microbatch.AUTO_MEMORY_SHARE
+        assert p.micro_batch * p.accumulation == 32
+        if p.micro_batch > 1:
+            assert p.estimate_gib * GIB <= budget + 0.01 * GIB
+        larger = [m for m in microbatch.divisors(32) if m > p.micro_batch]
+        if larger:  # the next divisor would not have fitted
+            need = estimate_micro_batch_bytes(shape, larger[0], gradient_checkpointing=True, **kw)
+            assert need > budget
+    # without checkpointing each row costs far more, so the same memory holds fewer rows
+    off = auto_micro_batch(32, shape, free_bytes=16 * GIB, gradient_checkpointing=False, **kw).micro_batch
+    on = auto_micro_batch(32, shape, free_bytes=16 * GIB, gradient_checkpointing=True, **kw).micro_batch
+    assert off < on
+
+
+def test_auto_stops_at_the_token_cap():
+    shape = ModelShape.from_config(QWEN3_1P7B)
+    p = auto_micro_batch(
+        32, shape, free_bytes=1000 * GIB, student_tokens=2148, teacher_tokens=2548, completion_tokens=2048,
+        gradient_checkpointing=True, chunk_size=1024,
+    )  # fmt: skip
+    assert p.micro_batch == 16 and 16 * 2148 <= microbatch.AUTO_MAX_TOKENS < 32 * 2148
+
+
+def test_apply_rederives_the_generation_window(tmp_path):
+    from opsd.config import OPSDConfig
+
+    config = OPSDConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        report_to="none",
+    )
+    out = microbatch.apply(config, microbatch.fixed_plan(2, 1, "micro_batch_size"))
+    assert (out.per_device_train_batch_size, out.gradient_accumulation_steps) == (1, 2)
+    assert (out.steps_per_generation, out.generation_batch_size) == (2, 2)
+    assert microbatch.apply(config, plan_for(config)) is config
