@@ -371,8 +371,10 @@ class OPSDTrainer(SDFTTrainer):
 
     def _generate(self, prompt_ids):
         t0 = time.perf_counter()
+        synced = self.phase_s["weight_sync"]
         out = super()._generate(prompt_ids)
-        elapsed = time.perf_counter() - t0
+        # The weight push that may open the call is booked as weight_sync, not as rollout.
+        elapsed = time.perf_counter() - t0 - (self.phase_s["weight_sync"] - synced)
         n_tokens = sum(len(c) for c in out[1])
         self.phase_s["rollout"] += elapsed
         self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(elapsed, 1e-9))

@@ -1,12 +1,20 @@
-"""Benchmark: one full OPSD optimizer step on one GPU with vLLM colocated (docs/method.md §5 step table).
+"""Benchmark: one full OPSD optimizer step on one GPU with vLLM colocated, the project's step against the
+reference way of doing it, measured in the same run (docs/performance.md c).
 
-    python bench/opsd_step.py --lengths 1024,2048 --out bench/results/opsd_step_h200.json
+    python bench/opsd_step.py --out bench/results/opsd_step_h200.json
 
-Each length runs `opsd_train.py` (the real entry point) in a subprocess: random-weight Qwen3-1.7B (bf16),
-32 problems per step (micro-batch M x accumulation 32/M; the reference used M = 4), one rollout each of exactly L tokens (min_tokens
-= max_tokens), vLLM colocated at gpu_memory_utilization 0.6, LoRA r64, fixed teacher, gradient checkpointing.
-The first step (engine warm-up, compilation) is excluded; medians over the remaining steps of the time split
-logged by the trainer (rollout, weight sync, scoring+loss+backward, optimizer) and of GPU memory.
+Every variant ARM:LENGTH:MICRO:ckpt|nockpt runs a training entry point in its own process on the same
+random-weight Qwen3-1.7B (bf16), the same built-in problems and the same settings: 32 problems per step
+(per-device batch 4 x accumulation 8, as the capped harness plans one GPU), one rollout each of exactly
+LENGTH tokens (min_tokens = max_tokens), vLLM colocated at gpu_memory_utilization 0.6, LoRA r64, fixed
+teacher, beta 0, per-entry clip 0.05.
+- `project`: `opsd_train.py` with `micro_batch_size=MICRO` (auto = what `train_capped.sh` runs);
+- `reference`: `bench/reference_step.py` (both roles' logits over the whole vocabulary, TRL's rollout call
+  and merged-LoRA sync) with per-device micro-batch MICRO.
+The first step (engine warm-up, compilation) is excluded; the rows hold medians over the remaining steps of
+the time split the trainer logs (rollout, weight sync, scoring + loss + backward, optimizer) and of GPU
+memory. `ratios` divides each project row by the reference row of the same length: step, rollout and
+training part. A variant already in --out with status ok is kept unless --rerun, so a cut-short run resumes.
 """
 
 from __future__ import annotations
@@ -26,81 +34,97 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
 
+DEFAULT_VARIANTS = (
+    "reference:1024:4:ckpt,project:1024:auto:ckpt,project:1024:4:ckpt,"
+    "reference:2048:4:ckpt,project:2048:auto:ckpt"
+)
+ENTRY = {"project": ROOT / "opsd_train.py", "reference": ROOT / "bench" / "reference_step.py"}
+GOAL_RATIO = 0.7
 
-def run(length: int, model_dir: Path, work: Path, steps: int, micro: int, ckpt: bool) -> dict:
-    tag = f"step{length}_mb{micro}{'' if ckpt else '_nockpt'}"
+
+def parse_variant(text: str) -> dict:
+    arm, length, micro, ckpt = text.split(":")
+    if arm not in ENTRY or ckpt not in ("ckpt", "nockpt"):
+        raise SystemExit(f"bad variant {text!r}: ARM:LENGTH:MICRO:ckpt|nockpt with ARM in {sorted(ENTRY)}")
+    return {"arm": arm, "length": int(length), "micro": micro, "ckpt": ckpt == "ckpt", "variant": text}
+
+
+def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
+    tag = v["variant"].replace(":", "_")
     out = work / tag
     cfg = {
         "model_name_or_path": str(model_dir),
         "dataset_name": "builtin",
         "output_dir": str(out),
         "max_steps": steps,
-        "per_device_train_batch_size": micro,
-        "gradient_accumulation_steps": 32 // micro,
-        "gradient_checkpointing": ckpt,
-        "max_completion_length": length,
-        "generation_kwargs": {"min_tokens": length, "ignore_eos": True},
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 8,
+        "gradient_checkpointing": v["ckpt"],
+        "max_completion_length": v["length"],
+        "generation_kwargs": {"min_tokens": v["length"], "ignore_eos": True},
         "vllm_gpu_memory_utilization": 0.6,
-        "vllm_max_model_length": length + 1536,
+        "vllm_max_model_length": v["length"] + 1536,
         "save_strategy": "no",
         "logging_steps": 1,
         "report_to": "none",
     }
+    if v["arm"] == "project":
+        cfg["micro_batch_size"] = v["micro"]
+    else:
+        cfg["per_device_train_batch_size"] = int(v["micro"])
+        cfg["gradient_accumulation_steps"] = 32 // int(v["micro"])
+    work.mkdir(parents=True, exist_ok=True)
     cfg_path = work / f"{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     res = subprocess.run(
-        [sys.executable, str(ROOT / "opsd_train.py"), "--config", str(cfg_path)],
+        [sys.executable, str(ENTRY[v["arm"]]), "--config", str(cfg_path)],
         env=env,
         capture_output=True,
         text=True,
     )
+    row = {k: v[k] for k in ("variant", "arm", "length", "micro", "ckpt")}
     if res.returncode != 0:
-        return {
-            "length": length,
-            "micro_batch": micro,
-            "gradient_checkpointing": ckpt,
-            "status": "failed",
-            "stderr_tail": res.stderr[-4000:],
-        }
+        return {**row, "status": "failed", "stderr_tail": res.stderr[-4000:]}
+    resolved = json.loads((out / "opsd_config.json").read_text())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [r for r in records if "loss" in r]
     measured = steps_logged[1:]  # step 1 pays the engine's warm-up
-    row = {
-        "length": length,
-        "micro_batch": micro,
-        "gradient_checkpointing": ckpt,
-        "status": "ok",
-        "steps_measured": len(measured),
-        "per_step": [{k: r.get(k) for k in STEP_METRICS} for r in steps_logged],
-    }
+    row.update(
+        status="ok",
+        micro_batch=resolved["per_device_train_batch_size"],
+        accumulation=resolved["gradient_accumulation_steps"],
+        micro_batch_plan=resolved.get("micro_batch"),
+        steps_measured=len(measured),
+        per_step=[{k: r.get(k) for k in STEP_METRICS} for r in steps_logged],
+        engine_log=[line for line in res.stderr.splitlines() if "Asynchronous scheduling" in line][:1],
+    )
     for k in STEP_METRICS:
         vals = [r[k] for r in measured if r.get(k) is not None]
         row[k] = statistics.median(vals) if vals else None
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model-dir", default="/tmp/qwen3-1.7b-random")
-    ap.add_argument("--work", default="/tmp/opsd-step")
-    ap.add_argument(
-        "--variants", default="1024:4:ckpt,2048:4:ckpt", help="comma-separated LENGTH:MICRO_BATCH:ckpt|nockpt"
-    )
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default="bench/results/opsd_step.json")
-    a = ap.parse_args()
-    model_dir = qwen3_1p7b_dir(a.model_dir)
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for variant in a.variants.split(","):
-        length, micro, ckpt = variant.split(":")
-        row = run(int(length), model_dir, work, a.steps, int(micro), ckpt == "ckpt")
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "per_step"}), flush=True)
-        write(record(rows), a.out)  # after every variant: a run cut short keeps what it measured
-    print(f"wrote {a.out}")
+def ratios(rows: list[dict]) -> list[dict]:
+    ref = {r["length"]: r for r in rows if r["arm"] == "reference" and r["status"] == "ok"}
+    out = []
+    for r in rows:
+        base = ref.get(r["length"])
+        if r["arm"] != "project" or r["status"] != "ok" or base is None:
+            continue
+        entry = {"variant": r["variant"], "against": base["variant"], "micro_batch": r["micro_batch"]}
+        for name, key in (
+            ("step", "time/step_s"),
+            ("rollout", "time/rollout_s"),
+            ("train", "time/train_micro_s"),
+        ):
+            if r.get(key) and base.get(key):
+                entry[name] = round(r[key] / base[key], 3)
+        entry["ratio"] = entry.get("step")
+        entry["step_goal_met"] = entry.get("step") is not None and entry["step"] <= GOAL_RATIO
+        entry["extra_memory_gib"] = r.get("memory/step_extra_gib")
+        out.append(entry)
+    return out
 
 
 def record(rows: list[dict]) -> dict:
@@ -112,12 +136,42 @@ def record(rows: list[dict]) -> dict:
             "problems_per_step": 32,
             "lora_r": 64,
             "teacher": "fixed",
+            "beta": 0.0,
+            "clip": "element, 0.05",
             "vllm_gpu_memory_utilization": 0.6,
             "data": "built-in problems (short prompts)",
+            "goal": f"project step <= {GOAL_RATIO} x reference step of the same length, same run",
         },
-        "reference_step_s": {"1024": 7.8, "2048": 13.9},
         "rows": rows,
+        "ratios": ratios(rows),
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default="/tmp/qwen3-1.7b-random")
+    ap.add_argument("--work", default="/tmp/opsd-step")
+    ap.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help="comma-separated ARM:LENGTH:MICRO:ckpt|nockpt"
+    )
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default="bench/results/opsd_step.json")
+    ap.add_argument("--rerun", action="store_true", help="run variants already in --out again")
+    a = ap.parse_args()
+    model_dir = qwen3_1p7b_dir(a.model_dir)
+    out = Path(a.out)
+    done = json.loads(out.read_text())["rows"] if out.is_file() and not a.rerun else []
+    rows = [r for r in done if r.get("status") == "ok"]
+    for text in a.variants.split(","):
+        v = parse_variant(text)
+        if any(r["variant"] == v["variant"] for r in rows):
+            continue
+        row = run(v, model_dir, Path(a.work), a.steps)
+        rows = [r for r in rows if r["variant"] != v["variant"]] + [row]
+        print(json.dumps({k: x for k, x in row.items() if k not in ("per_step", "stderr_tail")}), flush=True)
+        write(record(rows), out)  # after every variant: a run cut short keeps what it measured
+    print(json.dumps(record(rows)["ratios"], indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

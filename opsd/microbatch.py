@@ -251,6 +251,19 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
             per_process, config.per_device_train_batch_size, "auto: chosen when training starts"
         )
         return config, plan
+    free, total = torch.cuda.mem_get_info()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor([free], device="cuda")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        free = int(t.item())
+    plan = gpu_plan(
+        config, rows, model_path, free_bytes=free, total_bytes=total, colocated_engine=colocated_engine
+    )
+    return apply(config, plan), plan
+
+
+def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int, colocated_engine: bool):
+    """auto's plan on a GPU with `free_bytes` free of `total_bytes`, before the model and the engine load."""
     from transformers import AutoConfig
 
     from opsd.models import load_tokenizer
@@ -261,18 +274,13 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
             model_path, revision=config.model_revision, trust_remote_code=config.trust_remote_code
         )
     )
-    free, total = torch.cuda.mem_get_info()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor([free], device="cuda")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        free = int(t.item())
     b = 2 if config.bf16 or config.dtype in ("bfloat16", "float16") else 4
     weights = shape.params * b
     if not config.use_peft:  # fp32 master copy, gradients and two Adam moments
         weights += shape.params * 16
-    engine = config.vllm_gpu_memory_utilization * total if colocated_engine else 0
-    if config.teacher_mode != "fixed" and not config.use_peft:
-        weights += shape.params * b  # a separate teacher copy
+        if config.teacher_mode != "fixed":
+            weights += shape.params * b  # a separate teacher copy
+    engine = config.vllm_gpu_memory_utilization * total_bytes if colocated_engine else 0
     cap = config.max_teacher_prompt_length or 4096
     student_p, teacher_p = cap, cap
     if rows is not None and len(rows):
@@ -285,11 +293,10 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
             max_teacher_prompt_tokens=config.max_teacher_prompt_length,
         )
         student_p, teacher_p = prompt_token_lengths(rows, builder)
-    plan = plan_for(
+    return plan_for(
         config,
         shape=shape,
-        free_bytes=int(free - engine - weights),
+        free_bytes=int(free_bytes - engine - weights),
         student_prompt_tokens=student_p,
         teacher_prompt_tokens=teacher_p,
     )
-    return apply(config, plan), plan

@@ -129,3 +129,47 @@ def test_apply_rederives_the_generation_window(tmp_path):
     assert (out.per_device_train_batch_size, out.gradient_accumulation_steps) == (1, 2)
     assert (out.steps_per_generation, out.generation_batch_size) == (2, 2)
     assert microbatch.apply(config, plan_for(config)) is config
+
+
+def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
+    """auto on a GPU: the memory left beside a 0.6 engine share and the weights, the model's shape from its
+    config, and the longest prompts of the rows."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from opsd.config import OPSDConfig
+    from opsd.prompts import PromptBuilder
+
+    config = OPSDConfig(
+        output_dir=str(tmp_path), report_to="none", micro_batch_size="auto", per_device_train_batch_size=4,
+        gradient_accumulation_steps=8, max_completion_length=64,
+    )  # fmt: skip
+    rows = [{"prompt": "What is 2 + 3?" * k, "privileged_context": "It is 5. " * (3 * k)} for k in (1, 4, 2)]
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(tiny_model_dir))
+    student = max(len(builder.student_ids(r["prompt"])) for r in rows)
+    teacher = max(len(builder.teacher_ids(r["prompt"], r["privileged_context"]).ids) for r in rows)
+    assert teacher > student > 0
+    total = 80 * GIB
+    for free in (80 * GIB, 49 * GIB, 40 * GIB):
+        plan = microbatch.gpu_plan(
+            config, rows, str(tiny_model_dir), free_bytes=free, total_bytes=total, colocated_engine=True
+        )
+        left = int(free - 0.6 * total - shape.params * 4)  # float32 weights: no bf16 without a GPU
+        expected = plan_for(
+            config, shape=shape, free_bytes=left, student_prompt_tokens=student, teacher_prompt_tokens=teacher
+        )
+        assert plan == expected and plan.reason.startswith("auto:")
+    big = microbatch.gpu_plan(
+        config, rows, str(tiny_model_dir), free_bytes=total, total_bytes=total, colocated_engine=True
+    )
+    assert (big.micro_batch, big.accumulation) == (32, 1)  # a tiny model fits all 32 rows
+    # less free memory than the engine's share: the smallest split
+    small = microbatch.gpu_plan(
+        config, rows, str(tiny_model_dir), free_bytes=40 * GIB, total_bytes=total, colocated_engine=True
+    )
+    assert (small.micro_batch, small.accumulation) == (1, 32)
+    # without an engine on the GPU the same memory holds everything
+    alone = microbatch.gpu_plan(
+        config, rows, str(tiny_model_dir), free_bytes=40 * GIB, total_bytes=total, colocated_engine=False
+    )
+    assert alone.micro_batch == 32

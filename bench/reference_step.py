@@ -1,0 +1,100 @@
+"""The reference way of doing an OPSD step, run through `opsd_train.py` as a same-run baseline.
+
+    python bench/reference_step.py --config cfg.yaml        # any opsd_train.py arguments
+
+`bench/opsd_step.py` runs it beside the project's own step on the same model, data and machine. What differs
+from `OPSDTrainer` is what the published OPSD code does, and nothing else:
+- rollouts: TRL's colocated `generate` as it is: one `SamplingParams` for the batch (no per-row seeds),
+  detokenised outputs;
+- weight sync: TRL's `sync_weights` (merge the LoRA adapter into the base weights, push them, unmerge);
+- scoring and loss: both roles' logits over the whole vocabulary (`model(...).logits`, prompt positions
+  included), then the clipped divergence on the completion positions (`opsd.loss.opsd_loss_from_logits`,
+  the same formula as the chunked loss);
+- micro-batch and checkpointing: whatever the arguments say (the reference used 4 and checkpointing on).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import opsd_train  # noqa: E402  (first: it sets the engine's environment before vLLM loads)
+import opsd_trainer  # noqa: E402
+from opsd.errors import run_main  # noqa: E402
+from opsd.loss import opsd_loss_from_logits  # noqa: E402
+from opsd.scoring import positions  # noqa: E402
+
+
+class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
+    """OPSDTrainer with the reference's rollout call, weight sync and materialised-logits loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.use_vllm:
+            kwargs = dict(self.vllm_generation.generation_kwargs or {})
+            kwargs.pop("detokenize", None)
+            self.vllm_generation.generation_kwargs = kwargs
+
+    def _generate_vllm(self, prompt_ids):
+        if self.state.global_step != self._last_loaded_step:
+            t0 = time.perf_counter()
+            self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+            self.phase_s["weight_sync"] += time.perf_counter() - t0
+        return opsd_trainer.SDFTTrainer._generate_vllm(self, prompt_ids)  # TRL's call, not OPSDTrainer's
+
+    def _role_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        width = prompt_ids.size(1)
+        logits_BTV = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], 1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+            position_ids=positions(prompt_mask, completion_ids.size(1)),
+            use_cache=False,
+        ).logits
+        return logits_BTV[:, width - 1 : width - 1 + completion_ids.size(1)]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        a = self.args
+        t0 = time.perf_counter()
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        student_BCV = self._role_logits(
+            model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
+        )
+        width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
+        with torch.no_grad(), self._get_teacher_context_for_self_distillation():
+            teacher_BCV = self._role_logits(
+                self.teacher_model,
+                inputs["teacher_input_ids"][:, :width],
+                inputs["teacher_attention_mask"][:, :width],
+                completion_ids,
+                completion_mask,
+            )
+        loss_sum, stats = opsd_loss_from_logits(
+            student_BCV,
+            teacher_BCV,
+            self._loss_mask(completion_ids, completion_mask),
+            beta=a.beta,
+            temperature=a.effective_loss_temperature,
+            clip=a.jsd_token_clip,
+            clip_mode=a.clip_mode,
+            top_k=a.top_k_loss,
+        )
+        loss = loss_sum / inputs["num_loss_tokens"].clamp(min=1) * self.accelerator.num_processes
+        self._record_loss_stats(loss_sum.detach(), stats)
+        self.phase_s["score_loss"] += time.perf_counter() - t0
+        return loss
+
+
+def main(argv=None):
+    opsd_trainer.OPSDTrainer = ReferenceStepTrainer  # opsd_train.main imports the class when it runs
+    return opsd_train.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, "reference_step.py"))
