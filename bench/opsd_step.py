@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +54,9 @@ def parse_variant(text: str) -> dict:
 def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
     tag = v["variant"].replace(":", "_")
     out = work / tag
+    shutil.rmtree(
+        out, ignore_errors=True
+    )  # metrics.jsonl appends: a rerun must not read an earlier run's steps
     cfg = {
         "model_name_or_path": str(model_dir),
         "dataset_name": "builtin",
@@ -63,7 +68,8 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
         "max_completion_length": v["length"],
         "generation_kwargs": {"min_tokens": v["length"], "ignore_eos": True},
         "vllm_gpu_memory_utilization": 0.6,
-        "vllm_max_model_length": v["length"] + 1536,
+        # One model length for every variant, so later engines reuse the first one's compiled graphs.
+        "vllm_max_model_length": max(v["length"] + 1536, 3584),
         "save_strategy": "no",
         "logging_steps": 1,
         "report_to": "none",
@@ -113,6 +119,10 @@ def ratios(rows: list[dict]) -> list[dict]:
         if r["arm"] != "project" or r["status"] != "ok" or base is None:
             continue
         entry = {"variant": r["variant"], "against": base["variant"], "micro_batch": r["micro_batch"]}
+        failed = [x["variant"] for x in rows if x["arm"] == "reference" and x["length"] == r["length"]
+                  and x["status"] != "ok"]  # fmt: skip
+        if failed:  # e.g. out of memory beside the engine: the baseline is the reference setting that ran
+            entry["reference_failed"] = failed
         for name, key in (
             ("step", "time/step_s"),
             ("rollout", "time/rollout_s"),
@@ -127,10 +137,39 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def record(rows: list[dict]) -> dict:
+# Qwen3-1.7B without embeddings (28 layers: q,o 2048x2048, k,v 2048x1024, MLP 3 x 2048x6144); H200 datasheet.
+BODY_PARAMS = 28 * (2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144)
+ALL_PARAMS = BODY_PARAMS + 151936 * 2048
+HBM_BYTES_PER_S = 4.8e12
+BF16_DENSE_FLOPS = 989e12
+
+
+def bounds(row: dict) -> dict:
+    """What limits a measured step: the decode step against reading the weights once, and the training part's
+    matrix FLOPs (student forward, recompute and activation backward with frozen base weights; teacher forward;
+    three lm_head products per completion token) against the bf16 peak. Token counts are the longest rows'
+    (`micro_batch_plan`), so the FLOPs are an upper estimate."""
+    out = {"decode_step_ms": round(1000 * row["time/rollout_s"] / row["length"], 3)}
+    out["weight_read_ms"] = round(1000 * ALL_PARAMS * 2 / HBM_BYTES_PER_S, 3)
+    reason = (row.get("micro_batch_plan") or {}).get("reason", "")
+    found = re.search(r"of (\d+) student / (\d+) teacher tokens", reason)
+    if found and row.get("time/train_micro_s"):
+        student, teacher = (32 * int(t) for t in found.groups())
+        completion = 32 * row["length"]
+        flops = 2 * BODY_PARAMS * (3 * student + teacher) + 3 * 2 * 2048 * 151936 * completion
+        out["train_tflop"] = round(flops / 1e12, 1)
+        out["train_tflop_per_s"] = round(flops / row["time/train_micro_s"] / 1e12, 1)
+        out["train_at_peak_s"] = round(flops / BF16_DENSE_FLOPS, 3)
+    return out
+
+
+def record(rows: list[dict], machine_info: dict | None = None) -> dict:
+    for r in rows:
+        if r.get("status") == "ok" and r["arm"] == "project":
+            r["bounds"] = bounds(r)
     return {
         "benchmark": "opsd_step",
-        "machine": machine(),
+        "machine": machine_info or machine(),
         "config": {
             "model": "Qwen3-1.7B shape, random weights, bf16",
             "problems_per_step": 32,
@@ -158,19 +197,21 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/opsd_step.json")
     ap.add_argument("--rerun", action="store_true", help="run variants already in --out again")
     a = ap.parse_args()
-    model_dir = qwen3_1p7b_dir(a.model_dir)
     out = Path(a.out)
-    done = json.loads(out.read_text())["rows"] if out.is_file() and not a.rerun else []
-    rows = [r for r in done if r.get("status") == "ok"]
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    rows = [r for r in old.get("rows", []) if a.rerun is False]
+    ran = False
     for text in a.variants.split(","):
         v = parse_variant(text)
-        if any(r["variant"] == v["variant"] for r in rows):
+        if any(r["variant"] == v["variant"] and r["status"] == "ok" for r in rows):
             continue
-        row = run(v, model_dir, Path(a.work), a.steps)
+        row, ran = run(v, qwen3_1p7b_dir(a.model_dir), Path(a.work), a.steps), True
         rows = [r for r in rows if r["variant"] != v["variant"]] + [row]
         print(json.dumps({k: x for k, x in row.items() if k not in ("per_step", "stderr_tail")}), flush=True)
         write(record(rows), out)  # after every variant: a run cut short keeps what it measured
-    print(json.dumps(record(rows)["ratios"], indent=1))
+    result = record(rows, None if ran else old.get("machine"))
+    write(result, out)
+    print(json.dumps(result["ratios"], indent=1))
     print(f"wrote {out}")
 
 

@@ -112,7 +112,7 @@ def main() -> None:
     extra = {} if a.async_scheduling == "default" else {"async_scheduling": a.async_scheduling == "on"}
     t0 = time.perf_counter()
     llm = LLM(
-        model=str(model_dir), gpu_memory_utilization=0.6, max_model_len=max(lengths) + 512, max_num_seqs=32,
+        model=str(model_dir), gpu_memory_utilization=0.6, max_model_len=max(max(lengths) + 1536, 3584), max_num_seqs=32,
         distributed_executor_backend="external_launcher", seed=0, max_num_batched_tokens=4096,
         logprobs_mode="processed_logprobs", **extra,
     )  # fmt: skip
