@@ -16,7 +16,6 @@ from `OPSDTrainer` is what the published OPSD code does, and nothing else:
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,10 +42,9 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
 
     def _generate_vllm(self, prompt_ids):
         if self.state.global_step != self._last_loaded_step:
-            t0 = time.perf_counter()
-            self.vllm_generation.sync_weights()
+            with self.clock.phase("weight_sync"):
+                self.vllm_generation.sync_weights()
             self._last_loaded_step = self.state.global_step
-            self.phase_s["weight_sync"] += time.perf_counter() - t0
         return opsd_trainer.SDFTTrainer._generate_vllm(self, prompt_ids)  # TRL's call, not OPSDTrainer's
 
     def _role_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -60,8 +58,11 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
         return logits_BTV[:, width - 1 : width - 1 + completion_ids.size(1)]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self.clock.part("score_loss"):
+            return self._reference_loss(model, inputs)
+
+    def _reference_loss(self, model, inputs):
         a = self.args
-        t0 = time.perf_counter()
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         student_BCV = self._role_logits(
             model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
@@ -87,7 +88,6 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
         )
         loss = loss_sum / inputs["num_loss_tokens"].clamp(min=1) * self.accelerator.num_processes
         self._record_loss_stats(loss_sum.detach(), stats)
-        self.phase_s["score_loss"] += time.perf_counter() - t0
         return loss
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,16 +49,62 @@ class MetricsJSONL(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
+class _Timed:
+    seconds = 0.0
+
+
+class PhaseClock:
+    """Seconds per phase of the current optimizer step, for `StepTimer`.
+
+    `phase(name)` times a block exclusively: a phase opened inside it is booked under its own name and left out
+    of the outer one (the rollout inside a micro-batch, the weight push that opens a rollout). `part(name)`
+    times a block inside a phase without taking it out (scoring + loss inside a micro-batch).
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # per open phase: seconds of the phases opened inside it
+
+    @contextmanager
+    def phase(self, name: str):
+        """Yields a record whose `seconds` is the block's own time once it has ended."""
+        timed = _Timed()
+        t0 = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield timed
+        finally:
+            elapsed = time.perf_counter() - t0
+            timed.seconds = elapsed - self._inner.pop()
+            self.seconds[name] += timed.seconds
+            if self._inner:
+                self._inner[-1] += elapsed
+
+    @contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The step's totals, clearing them for the next step."""
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
+
+
 class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, optimizer time, and the trainer's phase totals (rollout, sync, loss).
 
-    The trainer adds seconds to `phase_s` (a dict) as phases run; each step's totals become the metrics
-    `time/<phase>_s`, so a step's split adds up across its accumulation micro-batches.
+    The trainer times its phases on a `PhaseClock`; each step's totals become the metrics `time/<phase>_s`, so
+    a step's split adds up across its accumulation micro-batches.
     """
 
-    def __init__(self, metrics: dict, phase_s: dict):
+    def __init__(self, metrics: dict, clock: PhaseClock):
         self.metrics = metrics
-        self.phase_s = phase_s
+        self.clock = clock
         self._t_step = self._t_opt = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -79,9 +127,8 @@ class StepTimer(TrainerCallback):
             peak = torch.cuda.max_memory_allocated() / 2**30
             self.metrics["memory/peak_gib"].append(peak)
             self.metrics["memory/step_extra_gib"].append(peak - self._allocated_gib)
-        for phase, seconds in self.phase_s.items():
+        for phase, seconds in self.clock.take().items():
             self.metrics[f"time/{phase}_s"].append(seconds)
-        self.phase_s.clear()
         self._t_step = self._t_opt = None
         self._allocated_gib = 0.0
 

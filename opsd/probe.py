@@ -177,8 +177,6 @@ class Probe(TrainerCallback):
         device = acc.device
         pad = t.processing_class.pad_token_id
         unwrapped = acc.unwrap_model(t.model)
-        student_w = t._lm_head_weight(unwrapped)
-        teacher_w = t._lm_head_weight(acc.unwrap_model(t.teacher_model))
         sums_4 = torch.zeros(4, dtype=torch.float32, device=device)
         batch = a.per_device_train_batch_size
         with torch.no_grad(), eval_mode(unwrapped):
@@ -189,14 +187,13 @@ class Probe(TrainerCallback):
                 c_ids, c_mask = right_pad([r["completion_ids"] for r in part], pad, device)
                 s_ids, s_mask = left_pad([r["student_ids"] for r in part], pad, device)
                 t_ids, t_mask = left_pad([r["teacher_ids"] for r in part], pad, device)
-                h_s = t._completion_hidden(t.model_wrapped, s_ids, s_mask, c_ids, c_mask)
-                with t._get_teacher_context_for_self_distillation():
-                    h_t = t._completion_hidden(t.teacher_model, t_ids, t_mask, c_ids, c_mask)
+                scores = t.score_completions(t.model_wrapped, s_ids, s_mask, t_ids, t_mask, c_ids, c_mask)
                 sums_4[:3] += probe_token_sums(
-                    h_s, h_t, student_w, teacher_w, beta=a.beta, temperature=a.effective_loss_temperature,
+                    scores.student_hidden_NH, scores.teacher_hidden_NH, scores.student_weight_VH,
+                    scores.teacher_weight_VH, beta=a.beta, temperature=a.effective_loss_temperature,
                     chunk_size=a.loss_chunk_size,
                 )  # fmt: skip
-                sums_4[3] += h_s.shape[0]
+                sums_4[3] += scores.student_hidden_NH.shape[0]
         sums_4 = acc.reduce(sums_4, reduction="sum")
         n = max(float(sums_4[3]), 1.0)
         return dict(zip(PROBE_KEYS, (float(sums_4[i]) / n for i in range(3)), strict=True))
@@ -229,8 +226,7 @@ class Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every == 0:
             # Runs after StepTimer: the probe's time is not in time/step_s but in its own time/probe_s.
-            for k, v in self._timed_score(state.global_step).items():
-                self.trainer._metrics["train"][k].append(v)
+            self.trainer.record_metrics(self._timed_score(state.global_step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         loss = (logs or {}).get("loss")

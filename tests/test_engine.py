@@ -116,10 +116,11 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 
 def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
-    """PerRowSeeds (the trainer's wrapper of the colocated engine) against the engine with one seed."""
+    """RolloutSeeds' seeded engine (the trainer's wrapper of the colocated engine) against the engine with one
+    seed."""
     from vllm import SamplingParams
 
-    from opsd_trainer import PerRowSeeds, rollout_seed
+    from opsd.seeds import RolloutSeeds
 
     tok = vllm_tiny.llm.get_tokenizer()
     rows = [{"prompt_token_ids": tok("What is 2 + 3?").input_ids}] * 4 + [
@@ -134,14 +135,19 @@ def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
     shared = texts(vllm_tiny.llm.generate(rows, sampling_params=sp, use_tqdm=False))
     assert len(set(shared[:4])) == 1
     # Per-row seeds: distinct samples for the repeated prompt.
-    whole = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, j) for j in range(n)])
+    seeds = RolloutSeeds(3, step_of=lambda: 5)
+    whole = seeds.seeded(vllm_tiny.llm, lambda n: 0)
     got = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
     assert len(set(got[:4])) > 1
     # Two "processes" with contiguous shares draw exactly the rows of the single call.
-    first = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, j) for j in range(n)])
-    second = PerRowSeeds(vllm_tiny.llm, lambda n: [rollout_seed(3, 5, 3 + j) for j in range(n)])
+    first = seeds.seeded(vllm_tiny.llm, lambda n: 0)
+    second = seeds.seeded(vllm_tiny.llm, lambda n: 3)
     split = texts(first.generate(rows[:3], sampling_params=sp, use_tqdm=False)) + texts(
         second.generate(rows[3:], sampling_params=sp, use_tqdm=False)
     )
     assert split == got
+    # The probe's rollouts use other seeds than any training step's.
+    with seeds.probe():
+        probe = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
+    assert probe != got and seeds.step == 5
     assert whole.get_tokenizer() is vllm_tiny.llm.get_tokenizer()  # everything else is the engine's

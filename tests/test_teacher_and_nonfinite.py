@@ -82,7 +82,7 @@ def test_ema_teacher_is_kept_in_float32_under_bf16(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from opsd_trainer import InitialisedAdapterEMA
+    from opsd.ema_teacher import InitialisedAdapterEMA
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     model = get_peft_model(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opsd.scoring import positions
+from opsd.scoring import lm_head_weight, positions
 
 
 def _naive_positions(prompt_mask, completion_width):
@@ -112,7 +112,7 @@ def _student_logprobs(trainer, b):
         h = trainer._completion_hidden(
             trainer.model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"]
         )
-        logits = h @ trainer._lm_head_weight(trainer.model).T
+        logits = h @ lm_head_weight(trainer.model).T
     return logits.log_softmax(-1).gather(-1, b["completion_ids"][b["completion_mask"].bool()][:, None])[:, 0]
 
 
@@ -218,3 +218,23 @@ def test_all_masked_batch_gives_connected_zero_loss(trained):
     grads = [p.grad for p in trainer.model.parameters() if p.requires_grad and p.grad is not None]
     assert all(torch.isfinite(g).all() for g in grads)
     trainer.model.zero_grad()
+
+
+def test_the_trl_hooks_the_trainer_overrides_exist_in_trl():
+    """Every TRL method OPSDTrainer overrides (TRL_HOOKS) is still defined by TRL's SDFTTrainer under that
+    name, and every override in the class is listed: a renamed TRL hook would otherwise be silently unused."""
+    import inspect
+
+    from trl.experimental.sdft import SDFTTrainer
+
+    from opsd_trainer import OPSDTrainer
+
+    for name in OPSDTrainer.TRL_HOOKS:
+        assert name in OPSDTrainer.__dict__, f"{name} is listed but not overridden"
+        assert callable(getattr(SDFTTrainer, name, None)), f"TRL's SDFTTrainer no longer has {name}"
+    overrides = {
+        name
+        for name, member in OPSDTrainer.__dict__.items()
+        if inspect.isfunction(member) and name != "__init__" and hasattr(SDFTTrainer, name)
+    }
+    assert overrides == set(OPSDTrainer.TRL_HOOKS)
