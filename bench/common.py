@@ -35,22 +35,13 @@ def qwen3_1p7b_dir(path: str | Path) -> Path:
 
 
 def machine() -> dict:
-    import transformers
+    """The host, its GPU and the package versions (`opsd.provenance`, the lookup runs use too)."""
+    from opsd.provenance import package_versions
 
-    info = {
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    info = {"host": platform.node(), **package_versions()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
-    for name in ("vllm", "trl", "peft"):
-        try:
-            info[name] = __import__(name).__version__
-        except ImportError:
-            info[name] = None
     return info
 
 

@@ -159,10 +159,9 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, n: int = 1, lora_path: str | None = None
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, n: int = 1
     ) -> list[list[Sample]]:
-        if lora_path:
-            raise ValueError("HFEngine takes a model with the adapter already loaded; pass lora_path=None")
+        """n samples per prompt; an adapter must already be loaded into the model."""
         device = next(self.model.parameters()).device
         flat = [ids for ids in prompt_ids for _ in range(n)]
         samples: list[Sample] = []

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opsd import errors
+from opsd.choices import ROLLOUT_ENGINES
 
-ENGINES = ("auto", "vllm", "transformers")
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
     "false": "false", "no": "false", "n": "false", "f": "false", "0": "false", "off": "false",
@@ -129,8 +129,8 @@ class EvalConfig:
             raise bad("max_in_flight", "must be >= 0 (0 = auto)")
         if self.limit < 0:
             raise bad("limit", "must be >= 0 (0 = all problems)")
-        if self.engine not in ENGINES:
-            raise bad("engine", f"choose one of {ENGINES}")
+        if self.engine not in ROLLOUT_ENGINES:
+            raise bad("engine", f"choose one of {ROLLOUT_ENGINES}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
@@ -190,6 +190,9 @@ def parse_config(argv: Sequence[str]) -> EvalConfig:
         "--no_merge_adapter", "--no-merge-adapter", dest="merge_adapter", action="store_const",
         const="false", default=argparse.SUPPRESS, help="Same as --merge-adapter false.",
     )  # fmt: skip
+    for action in parser._actions:  # set by --num-gpus for its own workers, not a user flag
+        if action.dest == "shard":
+            action.help = argparse.SUPPRESS
     try:
         (config,) = parser.parse_args_into_dataclasses(args=list(argv))
     except ValueError as e:
