@@ -285,3 +285,39 @@ def test_upstream_eval_prompt_file_renders_the_problem_first(tiny_model_dir):
     text = builder.tokenizer.decode(builder.student_ids("What is 2+3?"))
     assert text.index("What is 2+3?") < text.index("Please reason step by step")
     assert "\\boxed{}" in text
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """No module of opsd imports (at the top or inside a function) one that imports it back, directly or not."""
+    import ast
+
+    modules = {}
+    for path in (ROOT / "opsd").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    assert "opsd.evaluation.config" in graph["opsd.evaluation.run"]  # the walk sees real edges
+
+    def path_back(start, node, seen):
+        for nxt in graph[node]:
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                rest = path_back(start, nxt, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    for name in graph:
+        cycle = path_back(name, name, set())
+        assert cycle is None, " -> ".join(cycle)

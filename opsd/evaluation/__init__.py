@@ -10,8 +10,9 @@ Modules, in the order a run uses them (each imports only those before it):
 * `generate`: the missing samples, streamed through vLLM and saved as they finish;
 * `workers`: data parallel over GPUs, workers pulling from a shared claim queue;
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
-* `run`: one run start to finish (eval_aime.py calls `run.run`);
-* `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start.
+* `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;
+* `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start;
+* `run`: one run start to finish, or a sweep or a report mode (eval_aime.py calls `run.run`).
 
 Output directory (`--out DIR`):
 

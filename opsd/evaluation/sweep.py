@@ -52,7 +52,7 @@ from typing import Any
 from opsd.evaluation.config import EvalConfig, UserError
 from opsd.evaluation.generate import NO_TIMINGS, ListSource, Request, generate_missing
 from opsd.evaluation.job import Job, resolve, resolve_model
-from opsd.evaluation.run import missing_requests, report_lines
+from opsd.evaluation.plan import missing_requests, report_lines
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,62 @@
+"""What one evaluation still has to generate, and how its results are reported: shared by a single run
+(`opsd.evaluation.run`) and a sweep (`opsd.evaluation.sweep`)."""
+
+from __future__ import annotations
+
+from opsd.evaluation.config import UserError
+from opsd.evaluation.generate import Request, plan_requests
+from opsd.evaluation.job import Job
+from opsd.evaluation.samples import (
+    SAMPLES_FILE,
+    SUMMARY_FILE,
+    check_resume,
+    index_samples,
+    merge_shards,
+    read_samples,
+)
+from opsd.evaluation.summary import binomial_se, write_summary
+
+
+def missing_requests(job: Job) -> list[Request]:
+    """Check `job.out` against the saved settings (`check_resume`) and plan the samples it lacks."""
+    config, out = job.config, job.out
+    check_resume(out, job.resolved)
+    merge_shards(out)  # leftovers of a killed --num-gpus run
+    records = index_samples(read_samples(out / SAMPLES_FILE))
+    gold = {p["id"]: p["answer"] for p in job.problems}
+    changed = sorted({pid for (pid, _), r in records.items() if pid in gold and r["gold"] != gold[pid]})
+    if changed:
+        raise UserError(f"the dataset's answers differ from those in {out / SAMPLES_FILE} for problem(s) "
+                        f"{changed[:5]}; the dataset file changed: use a new --out")  # fmt: skip
+    # vLLM draws every sample as its own request; streamed, sample 0 of every problem comes first, so any
+    # stretch of the queue mixes problems (opsd.evaluation.workers).
+    vllm = job.resolved["engine_used"] == "vllm"
+    return plan_requests(job.problems, set(records), config.n, config.seed, per_sample=vllm,
+                         sample_major=vllm and config.stream)  # fmt: skip
+
+
+def report_lines(job: Job, timings: dict[str, float], wall_s: float) -> list[str]:
+    """Write summary.json and per_problem.csv (and per_problem.png with --plot); the lines to print."""
+    config, out = job.config, job.out
+    summary = write_summary(job, timings, wall_s)
+    metrics = summary["metrics"]
+    from opsd.metrics import format_summary
+
+    adapter = f", adapter: {summary['adapter_mode']}" if summary["adapter_mode"] else ""
+    lines = [
+        format_summary(metrics),
+        f"engine: {summary['engine']}{adapter}",
+        f"samples: {out / SAMPLES_FILE}",
+        f"summary: {out / SUMMARY_FILE}",
+        f"per-problem: {out / 'per_problem.csv'}",
+    ]
+    if config.plot:
+        from opsd.plots import per_problem_accuracy
+
+        rows = metrics["problems"]
+        se = [binomial_se(r["accuracy"], r["n"]) for r in rows]
+        title = f"{out.name}: {metrics['labels']['avg']} {metrics['avg']:.2f}"
+        png = per_problem_accuracy([r["id"] for r in rows], [r["accuracy"] for r in rows], se,
+                                   out / "per_problem.png", title=title)  # fmt: skip
+        lines.append(f"plot: {png}")
+    return lines
