@@ -152,4 +152,7 @@ def test_explicit_num_gpus_plans_gpu_processes_without_a_gpu(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     rc, _, err = dry_run("--debug", env={"OPSD_BETA": "2"}, tmp_path=tmp_path)
     assert rc == 2 and "Traceback" in err
-    assert err.strip().splitlines()[-1] == "train_capped: error: beta=2.0 is out of range: must be in [0, 1]"
+    assert (
+        err.strip().splitlines()[-1]
+        == "train_capped: error: beta=2.0 is out of range: must be in [0, 1] (from env OPSD_BETA)"
+    )
