@@ -35,7 +35,12 @@ single_node_engine_env()
 
 from opsd.config import OPSDConfig  # noqa: E402
 from opsd.errors import InvalidValue, MissingPath, UserError, run_main  # noqa: E402
-from opsd.recipe import resolve_overrides, to_argv  # noqa: E402
+from opsd.recipe import name_source, resolve_overrides, to_argv  # noqa: E402
+
+ALLOW_HELP = (
+    "resume a run directory with changed method or budget settings; the changes are appended to "
+    "opsd_config.json's history (otherwise refused)"
+)
 
 logger = logging.getLogger("opsd")
 
@@ -48,8 +53,17 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     from trl import TrlParser
 
     class Parser(TrlParser):
+        yaml_source = "the YAML config"
+
         def error(self, message: str):  # argparse would print the usage of ~200 flags, then exit
             raise InvalidValue(f"{message}; see python opsd_train.py --help")
+
+        def set_defaults_with_config(self, **kwargs) -> list[str]:
+            # Keys transformers 5 removed are translated or ignored with a note; unknown keys get a hint.
+            from opsd.legacy import translate_yaml
+
+            known = {a.dest for a in self._actions}
+            return super().set_defaults_with_config(**translate_yaml(kwargs, known, source=self.yaml_source))
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--recipe", default=None, help="recipe.env file with KEY=VALUE overrides")
@@ -57,17 +71,32 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     pre.add_argument(
         "--dry-run", action="store_true", help="check every input, print the config, train nothing"
     )
+    pre.add_argument("--allow-config-change", action="store_true", help=ALLOW_HELP)
     extra, rest = pre.parse_known_args(argv)
     overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
+    parser = Parser((OPSDConfig,))
+    if "--config" in rest[:-1]:
+        parser.yaml_source = rest[rest.index("--config") + 1]
     try:
-        (config,) = Parser((OPSDConfig,)).parse_args_and_config(rest + to_argv(overrides))
+        (config,) = parser.parse_args_and_config(rest + to_argv(overrides))
     except UserError:
         raise
     except FileNotFoundError as err:  # --config naming a missing YAML file
         raise MissingPath(f"{err}; check the path") from err
+    except OSError as err:  # a --config path that cannot be read (too long, a directory, no permission)
+        raise MissingPath(f"cannot read the YAML config ({err.strerror}); check the path") from err
     except ValueError as err:  # OPSDConfig/TrainingArguments validation and unknown flags
         unknown = "not used by the HfArgumentParser" in str(err)
-        raise InvalidValue(f"{err}; see python opsd_train.py --help" if unknown else str(err)) from err
+        message = f"{err}; see python opsd_train.py --help" if unknown else name_source(str(err), overrides)
+        raise InvalidValue(message) from err
+    except Exception as err:
+        import yaml
+
+        if isinstance(err, yaml.YAMLError):  # a YAML syntax error: its location, on one line
+            raise InvalidValue(
+                f"{parser.yaml_source} is not valid YAML: {' '.join(str(err).split())}"
+            ) from err
+        raise
     return config, extra
 
 
@@ -109,14 +138,15 @@ def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
     local model directory, the data. Returns the training rows, or None for a hub dataset in a dry run
     (which reaches no hub). Raises `UserError`."""
     from opsd.data import is_local
-    from opsd.models import resolve_model_path
+    from opsd.models import check_model_source
     from opsd.prompts import PromptBuilder
 
     PromptBuilder(
         student_template_file=config.student_prompt_file, teacher_template_file=config.teacher_prompt_file
     )
-    if config.model_name_or_path not in ("", "embedded"):  # the embedded model is converted, not checked
-        resolve_model_path(config.model_name_or_path)
+    # The embedded model is converted, not checked; a local directory needs its config and tokenizer, a hub
+    # id must be in the cache or downloadable (a dry run reaches no hub).
+    check_model_source(config.model_name_or_path, config.model_revision, fetch=not dry_run)
     if dry_run and not is_local(config.dataset_name):
         logger.info("dry run: hub dataset %s is not loaded", config.dataset_name)
         return None
@@ -151,6 +181,13 @@ def main(argv: list[str] | None = None) -> Path | None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
+    from opsd.rundir import json_settings, resume_history
+
+    # A rerun in a run directory must keep its method and budget (opsd/rundir.py); refused before writing.
+    processes = {} if extra.dry_run else {"num_processes": state.num_processes}
+    history = resume_history(
+        Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
+    )
     if extra.dry_run:
         rows = None if dataset is None else len(dataset)
         print(json.dumps({"config": config.to_dict(), "data_rows": rows}, default=str))
@@ -183,6 +220,8 @@ def main(argv: list[str] | None = None) -> Path | None:
             "resolved_model_path": model_path,
             "recipe": extra.recipe,
             "provenance": provenance(),
+            **processes,
+            "history": history,
         }
         (out / "opsd_config.json").write_text(json.dumps(resolved, indent=2, default=str))
         logger.info(
