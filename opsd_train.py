@@ -73,8 +73,12 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     )
     pre.add_argument("--allow-config-change", action="store_true", help=ALLOW_HELP)
     extra, rest = pre.parse_known_args(argv)
-    overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
     parser = Parser((OPSDConfig,))
+    if "-h" in rest or "--help" in rest:
+        print(opsd_help(pre) + "\n\nEvery TRL/transformers training argument (each also a YAML key):\n")
+        parser.print_help()
+        raise SystemExit(0)
+    overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
     if "--config" in rest[:-1]:
         parser.yaml_source = rest[rest.index("--config") + 1]
     try:
@@ -98,6 +102,44 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
             ) from err
         raise
     return config, extra
+
+
+def opsd_help(pre: argparse.ArgumentParser) -> str:
+    """The top of `--help`: usage, the entry flags, then OPSD's own fields with their defaults, choices and
+    ranges; the ~200 inherited TRL/transformers arguments follow it."""
+    import dataclasses
+
+    from opsd.ranges import RANGES
+
+    lines = [
+        "usage: python opsd_train.py [--config FILE.yaml] [--recipe recipe.env] [--dry-run] [--debug]",
+        "                            [--allow-config-change] [--FIELD VALUE ...]",
+        "",
+        (__doc__ or "").strip().splitlines()[0],
+        "Precedence, lowest first: defaults < --config YAML < flags < --recipe < OPSD_<FIELD> variables.",
+        "",
+        "entry flags:",
+        "  --config FILE          YAML config (TRL/open-r1 shape); flags given after it win",
+    ]
+    for action in pre._actions:
+        flag = action.option_strings[0] + (" FILE" if action.nargs is None and action.const is None else "")
+        lines.append(f"  {flag:<22} {action.help}")
+    lines.append(
+        f"  {'--debug':<22} show the traceback of a user error (also OPSD_DEBUG=1); --debug VALUE is "
+        "transformers' debug option"
+    )
+    lines += ["", "OPSD fields (--field VALUE, YAML key field, recipe.env key FIELD, variable OPSD_FIELD):"]
+    by_name = {f.name: f for f in dataclasses.fields(OPSDConfig)}
+    for name in OPSDConfig.__dict__.get("__annotations__", {}):  # in the order the class declares them
+        f = by_name[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        extras = [f"default {default!r}"]
+        if f.metadata.get("choices"):
+            extras.append("one of " + "|".join(f.metadata["choices"]))
+        if f.name in RANGES:
+            extras.append(RANGES[f.name].rule())
+        lines.append(f"  --{f.name:<36} {f.metadata.get('help', '')} [{'; '.join(extras)}]")
+    return "\n".join(lines)
 
 
 def trim_metrics(path: Path, last_step: int) -> None:

@@ -226,15 +226,23 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
-        from opsd.recipe import BUDGET_KEYS, CAPPED_KEYS, flag_overrides, resolve_overrides, to_argv
+        from opsd.recipe import (
+            BUDGET_KEYS,
+            CAPPED_KEYS,
+            flag_overrides,
+            replaced_message,
+            resolve_with_replaced,
+        )
+        from opsd.recipe import to_argv
 
         plan.command += to_argv(flag_overrides(passthrough))
-        overrides = resolve_overrides(recipe, os.environ, capped=True)
+        overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
         checked = check_config(plan, root, debug=debug)
     except (UserError, ValueError, FileNotFoundError) as err:
         return report(err, "train_capped", debug=debug)
     out = asdict(plan)
     out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
+    out["replaced"] = [replaced_message(o, by) for o, by in replaced]  # recipe lines an OPSD_* value replaces
     # The values training will use for every key the harness fixes or lets you tune.
     out["resolved"] = {k: v for k, v in sorted(checked["config"].items()) if k in CAPPED_KEYS | BUDGET_KEYS}
     out["data_rows"] = checked["data_rows"]
