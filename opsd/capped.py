@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             flag_overrides,
             replaced_message,
             resolve_with_replaced,
+            to_argv,
         )
-        from opsd.recipe import to_argv
 
         plan.command += to_argv(flag_overrides(passthrough))
         overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)

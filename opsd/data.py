@@ -271,7 +271,7 @@ def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
         )
     logger.info("data filter %s: %d -> %d rows", data_filter, before, len(ds))
     if len(ds) == 0:
-        raise ValueError(f"data_filter={data_filter!r} removed every row; use a weaker filter or other data")
+        raise DataError(f"data_filter={data_filter!r} removed every row; use a weaker filter or other data")
     return ds
 
 
@@ -282,7 +282,7 @@ def _builtin_set(name: str):
     if name in BUILTIN_SETS:
         return BUILTIN_SETS[name]
     if name.startswith(BUILTIN + ":"):
-        raise ValueError(f"unknown built-in dataset {name!r}; the built-in sets are {list(BUILTIN_SETS)}")
+        raise DataError(f"unknown built-in dataset {name!r}; the built-in sets are {list(BUILTIN_SETS)}")
     return None
 
 
