@@ -102,8 +102,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_model_source(name_or_path: str, revision: str = "main", *, fetch: bool = True) -> None:
     """Refuse, before any model loads or anything is written, a model that cannot load: a local directory
     without config.json or tokenizer files, or a hub id that is not in the cache and cannot be downloaded
-    (offline, unknown repository or revision). `fetch=False` (dry run) reaches no hub: a hub id is then
-    checked only under HF_HUB_OFFLINE, against the cache. Raises MissingPath."""
+    (offline, unknown repository or revision). `fetch=False` (dry run) leaves hub ids unchecked, as it leaves
+    hub datasets unloaded: a plan for another machine must not depend on this one's cache. Raises
+    MissingPath."""
     if name_or_path in ("", "embedded"):
         return
     path = Path(resolve_model_path(name_or_path))
@@ -124,12 +125,13 @@ def check_model_source(name_or_path: str, revision: str = "main", *, fetch: bool
         RevisionNotFoundError,
     )
 
-    offline = constants.HF_HUB_OFFLINE
-    if not fetch and not offline:
+    if not fetch:
+        logger.info("dry run: hub model %s is not checked", name_or_path)
         return
+    offline = constants.HF_HUB_OFFLINE
     local = "pass a local model directory with --model_name_or_path /path/to/model"
     try:
-        hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline or not fetch)
+        hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline)
     except HFValidationError as err:
         raise MissingPath(
             f"model {name_or_path!r} is neither a local model directory nor a valid hub id ({err}); {local}"

@@ -322,10 +322,10 @@ def test_hub_model_id_offline_names_the_cache_and_the_way_out(tmp_path):
     line = _train_refused(tmp_path, ["--model_name_or_path", "someorg/some-model"], "'someorg/some-model'",
                           "HF_HUB_OFFLINE", str(cache), "--model_name_or_path /path/to/model", env=env)  # fmt: skip
     assert "is not in the Hugging Face cache" in line
-    # The dry run checks the same against the cache (it reaches no hub).
+    # A dry run plans for any machine: it leaves hub ids unchecked, as it leaves hub datasets unloaded.
     res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--model_name_or_path", "someorg/some-model",
                                 "--dry-run"], tmp_path, env)  # fmt: skip
-    one_line(res, "opsd_train.py: error:", "HF_HUB_OFFLINE")
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_model_directory_without_tokenizer_is_one_line(tmp_path, tiny_model_dir):

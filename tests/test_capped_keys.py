@@ -156,3 +156,34 @@ def test_debug_shows_the_traceback(tmp_path):
         err.strip().splitlines()[-1]
         == "train_capped: error: beta=2.0 is out of range: must be in [0, 1] (from env OPSD_BETA)"
     )
+
+
+@pytest.mark.parametrize(
+    ("recipe_text", "env", "message"),
+    [
+        ("TOP_P=1.5\n", None, "top_p=1.5 is out of range: must be in (0, 1] (from {recipe}:1)"),
+        (
+            "LORA_DROPOUT=0.1\nWARMUP_STEPS=500\n",
+            None,
+            "warmup_steps=500.0 is out of range: must be below max_steps=100",
+        ),
+        (
+            "",
+            {"OPSD_VLLM_GPU_MEMORY_UTILIZATION": "5"},
+            "vllm_gpu_memory_utilization=5.0 is out of range: must be in (0, 1] (from env OPSD_VLLM_GPU_MEMORY_UTILIZATION)",
+        ),
+    ],
+)
+def test_dry_run_refuses_out_of_range_values_naming_the_source(tmp_path, recipe_text, env, message):
+    rc, out, err = dry_run(env=env, recipe_text=recipe_text, tmp_path=tmp_path)
+    assert rc == 2 and out == ""
+    assert message.format(recipe=tmp_path / "recipe.env") in one_error_line(err)
+
+
+def test_dry_run_lists_recipe_lines_that_env_values_replace(tmp_path):
+    rc, out, err = dry_run(env={"OPSD_BETA": "1"}, recipe_text="LORA_R=8\nBETA=0.5\n", tmp_path=tmp_path)
+    assert rc == 0, err[-3000:]
+    plan = json.loads(out)
+    recipe = tmp_path / "recipe.env"
+    assert plan["replaced"] == [f"beta=0.5 ({recipe}:2) is replaced by beta=1.0 (env OPSD_BETA)"]
+    assert plan["resolved"]["beta"] == 1.0 and "beta=1.0 (env OPSD_BETA)" in plan["overrides"]
