@@ -91,7 +91,10 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
         raise MissingPath(f"cannot read the YAML config ({err.strerror}); check the path") from err
     except ValueError as err:  # OPSDConfig/TrainingArguments validation and unknown flags
         unknown = "not used by the HfArgumentParser" in str(err)
-        message = f"{err}; see python opsd_train.py --help" if unknown else name_source(str(err), overrides)
+        hints = unknown_flag_hints(rest, {a.dest for a in parser._actions}) if unknown else ""
+        message = (
+            f"{err}{hints}; see python opsd_train.py --help" if unknown else name_source(str(err), overrides)
+        )
         raise InvalidValue(message) from err
     except Exception as err:
         import yaml
@@ -102,6 +105,27 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
             ) from err
         raise
     return config, extra
+
+
+def unknown_flag_hints(argv: list[str], known: set[str]) -> str:
+    """`(--learnin_rate: did you mean --learning_rate?)` for the unknown flags of `argv`, by edit distance
+    over the config's fields; removed transformers keys say what replaced them."""
+    from opsd.legacy import IGNORED, RENAMED, closest
+
+    hints = []
+    for arg in argv:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name in known or name == "config":
+            continue
+        if name in RENAMED:
+            hints.append(f"--{name}: transformers 5 removed it; use --{RENAMED[name]} with the same value")
+        elif name in IGNORED:
+            hints.append(f"--{name}: transformers 5 removed it; leave it out ({IGNORED[name]})")
+        elif near := closest(name, known):
+            hints.append(f"--{name}: did you mean --{near}?")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def opsd_help(pre: argparse.ArgumentParser) -> str:

@@ -207,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="check the configuration as a real run does, print the plan and the budget arithmetic; train nothing",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run whose recipe changed; the changes go to its opsd_config.json history",
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         plan.command += to_argv(flag_overrides(passthrough))
+        plan.command += ["--allow-config-change"] if a.allow_config_change else []
         overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
         checked = check_config(plan, root, debug=debug)
     except (UserError, ValueError, FileNotFoundError) as err:

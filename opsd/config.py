@@ -310,6 +310,12 @@ class OPSDConfig(SDFTConfig):
                     f"{name}={getattr(self, name)!r} is an SDFTTrainer option that OPSDTrainer ignores; {instead}"
                 )
         check_trl_teacher_options(self, sdft_defaults)
+        evaluation = getattr(self.eval_strategy, "value", self.eval_strategy)
+        if evaluation not in (None, "no"):  # Trainer refuses it once the model has loaded
+            raise ValueError(
+                f"eval_strategy={evaluation!r} needs an evaluation set, and OPSD trains on none; leave it at "
+                "'no' and score checkpoints with eval_aime.py"
+            )
         # Map OPSD's switches onto the TRL fields that implement them.
         self.teacher_model_kind = TEACHER_KIND[self.teacher_mode]
         self.teacher_update_rate = 1.0 - self.ema_decay

@@ -380,3 +380,37 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
         assert any(line.startswith(f"  {field} ") for line in head), field
     assert "must be in (0, 1]" in text and "one of element|token|rescale|none" in text
     assert "--adam_beta1" in res.stdout  # the inherited arguments follow
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--learnin_rate", "1e-5"], "--learnin_rate: did you mean --learning_rate?"),
+        (
+            ["--warmup_ratio", "0.1"],
+            "--warmup_ratio: transformers 5 removed it; use --warmup_steps with the same value",
+        ),
+        (
+            ["--eval_strategy", "steps"],
+            "eval_strategy='steps' needs an evaluation set, and OPSD trains on none",
+        ),
+    ],
+)
+def test_cli_mistakes_get_the_hint(args, message, tmp_path):
+    from opsd_train import parse_config
+
+    with pytest.raises(InvalidValue) as info:
+        parse_config(["--output_dir", str(tmp_path), *args], environ={})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_harness_passes_allow_config_change_to_training(tmp_path, monkeypatch, capsys):
+    from opsd import capped
+
+    for key in [k for k in __import__("os").environ if k.startswith("OPSD_") and k != "OPSD_CACHE_DIR"]:
+        monkeypatch.delenv(key)
+    argv = ["--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path), "--name", "x"]
+    assert capped.main(argv) == 0
+    assert "--allow-config-change" not in json.loads(capsys.readouterr().out)["command"]
+    assert capped.main([*argv, "--allow-config-change"]) == 0
+    assert json.loads(capsys.readouterr().out)["command"][-1] == "--allow-config-change"
