@@ -14,6 +14,9 @@ saved as `opsd_config.json` in the output directory.
 Bad input (config values, recipe lines, prompt files, model paths, data files) is refused before any model
 loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` adds the traceback.
 `--dry-run` runs exactly those checks, prints the resolved configuration as JSON, and loads no model.
+A rerun in an output directory with a complete checkpoint resumes it and refuses other method or budget
+settings than the run's `opsd_config.json` (opsd/rundir.py); `--allow-config-change` continues with them
+and records the change in the file's history. `--help` lists the entry flags and OPSD's fields first.
 """
 
 from __future__ import annotations

@@ -355,3 +355,16 @@ def test_hub_dataset_offline_and_missing_split(tmp_path, monkeypatch):
         and "one of ['train']" in message
         and "--dataset_split" in message
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top_p", "1.5"], "top_p=1.5 is out of range: must be in (0, 1]"),
+        (["--lora_dropout", "1.5"], "lora_dropout=1.5 is out of range: must be in [0, 1)"),
+        (["--learning_rate=inf"], "learning_rate=inf is out of range: must be finite and > 0"),
+        (["--teacher_update_rate", "0.5"], "teacher_update_rate=0.5 is a TRL option that OPSD sets itself"),
+    ],
+)
+def test_train_out_of_range_values_are_one_line_before_anything_loads(tmp_path, args, message):
+    _train_refused(tmp_path, args, message)
