@@ -97,6 +97,11 @@ RANGES: dict[str, Range] = {
     "vllm_gpu_memory_utilization": PROBABILITY_OPEN_LOW,
     "vllm_max_num_seqs": Range(0, note="0 = TRL's sizing"),
     "vllm_tensor_parallel_size": Range(1),
+    "vllm_max_model_length": Range(0, lo_open=True, optional=True),
+    "vllm_server_port": Range(1, 65535),
+    "vllm_server_timeout": POSITIVE,
+    "num_iterations": Range(1),
+    "dataloader_num_workers": NON_NEGATIVE,
     # loss
     "beta": Range(0, 1),
     "loss_temperature": Range(0, note="0 = rollout temperature"),
