@@ -113,3 +113,14 @@ def test_rerun_with_other_settings_is_refused_and_the_flag_records_it(tiny_model
         "teacher_model_kind",  # TRL's field that OPSD derives from teacher_mode: recorded, not compared
     }
     assert "resume at step 1: beta 0.0 -> 0.5" in res.stderr
+    # Continuing the run for longer with another run name needs no flag: both changes are recorded.
+    res = run_train([*base, *changed[2:], "--max_steps", "3", "--run_name", "again"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "checkpoint-3" / ".complete").is_file()
+    history = json.loads((out / "opsd_config.json").read_text())[HISTORY_KEY]
+    assert len(history) == 2 and history[0] == entry
+    assert history[1]["at_step"] == 2 and history[1]["allowed_by"] == "operational or max_steps"
+    assert history[1]["changed"] == {
+        "max_steps": {"from": 2, "to": 3},
+        "run_name": {"from": "longer", "to": "again"},
+    }
