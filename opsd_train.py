@@ -57,6 +57,7 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
 
     class Parser(TrlParser):
         yaml_source = "the YAML config"
+        yaml_keys: set[str] = set()
 
         def error(self, message: str):  # argparse would print the usage of ~200 flags, then exit
             raise InvalidValue(f"{message}; see python opsd_train.py --help")
@@ -66,7 +67,9 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
             from opsd.legacy import translate_yaml
 
             known = {a.dest for a in self._actions}
-            return super().set_defaults_with_config(**translate_yaml(kwargs, known, source=self.yaml_source))
+            translated = translate_yaml(kwargs, known, source=self.yaml_source)
+            self.yaml_keys = set(translated)
+            return super().set_defaults_with_config(**translated)
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--recipe", default=None, help="recipe.env file with KEY=VALUE overrides")
@@ -98,6 +101,12 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
         message = (
             f"{err}{hints}; see python opsd_train.py --help" if unknown else name_source(str(err), overrides)
         )
+        field = message.split("=", 1)[0]
+        flagged = any(a == f"--{field}" or a.startswith(f"--{field}=") for a in rest)
+        if (
+            message == str(err) and field in parser.yaml_keys and not flagged
+        ):  # the YAML set it, nothing later
+            message = f"{message} (from {parser.yaml_source})"
         raise InvalidValue(message) from err
     except Exception as err:
         import yaml

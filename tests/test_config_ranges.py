@@ -154,8 +154,9 @@ def test_every_range_through_every_entry_path(name, tmp_path, tiny_data, capsys,
             assert "max_completion_length=0 is outside 1..4096" in message and ".env:1:" in message
             continue
         assert "\n" not in message and message.startswith(expected), (path, message)
-        if path in ("recipe", "env"):  # the source is named: the recipe line or the variable
-            source = f"{tmp_path / 'recipe.env'}:1" if path == "recipe" else f"env OPSD_{name.upper()}"
+        if path in ("recipe", "env", "yaml"):  # the source is named: the recipe line, the variable, the file
+            source = {"recipe": f"{tmp_path / 'recipe.env'}:1", "env": f"env OPSD_{name.upper()}",
+                      "yaml": str(tmp_path / "c.yaml")}[path]  # fmt: skip
             assert message == f"{expected} (from {source})", message
 
 
