@@ -100,7 +100,8 @@ def check_resume(
         named = ", ".join(f"{k} {_shown(a)} -> {_shown(b)}" for k, (a, b) in refused.items())
         raise InvalidValue(
             f"{where} holds a run with other settings ({len(refused)} changed: {named}); a run directory "
-            f"belongs to one configuration: use a new --output_dir, or rerun with {ALLOW_FLAG} to continue "
+            f"belongs to one configuration: use a new --output_dir (train_capped.sh: a new --name), or rerun "
+            f"with {ALLOW_FLAG} to continue "
             f"this run from step {at_step} with the new settings (recorded in {CONFIG_FILE}'s history)"
         )
     for k, (a, b) in changes.items():
