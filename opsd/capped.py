@@ -18,8 +18,8 @@ prints the launch command as a JSON plan (`train_capped.sh` executes it). Before
 it runs `opsd_train.py --dry-run` on the planned arguments, in this interpreter: the configuration is
 validated by the code a real run uses, with no model loaded. `--allow-config-change` is passed on to
 training (resuming a run whose recipe changed, recorded in its history). Flags after `--` pass through to
-training; only `OPERATIONAL_KEYS` (trackers, logging, memory) are accepted there, budget keys are refused and method keys belong in
-`recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
+training; only `OPERATIONAL_KEYS` (trackers, logging, memory) are accepted there, budget keys are refused
+and method keys belong in `recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
 elsewhere; an explicit `--num-gpus N` always plans N GPU processes (a real run without them is refused).
 User errors print one line and exit with status 2 (`--debug` or `OPSD_DEBUG=1` adds the traceback).
 """
