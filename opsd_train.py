@@ -14,6 +14,9 @@ saved as `opsd_config.json` in the output directory.
 Bad input (config values, recipe lines, prompt files, model paths, data files) is refused before any model
 loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` adds the traceback.
 `--dry-run` runs exactly those checks, prints the resolved configuration as JSON, and loads no model.
+A rerun in an output directory with a complete checkpoint resumes it and refuses other method or budget
+settings than the run's `opsd_config.json` (opsd/rundir.py); `--allow-config-change` continues with them
+and records the change in the file's history. `--help` lists the entry flags and OPSD's fields first.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ single_node_engine_env()
 
 from opsd.config import OPSDConfig  # noqa: E402
 from opsd.errors import InvalidValue, MissingPath, UserError, run_main  # noqa: E402
-from opsd.recipe import resolve_overrides, to_argv  # noqa: E402
+from opsd.recipe import name_source, resolve_overrides, to_argv  # noqa: E402
+
+ALLOW_HELP = (
+    "resume a run directory with changed method or budget settings; the changes are appended to "
+    "opsd_config.json's history (otherwise refused)"
+)
 
 logger = logging.getLogger("opsd")
 
@@ -49,8 +57,20 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     from trl import TrlParser
 
     class Parser(TrlParser):
+        yaml_source = "the YAML config"
+        yaml_keys: set[str] = set()
+
         def error(self, message: str):  # argparse would print the usage of ~200 flags, then exit
             raise InvalidValue(f"{message}; see python opsd_train.py --help")
+
+        def set_defaults_with_config(self, **kwargs) -> list[str]:
+            # Keys transformers 5 removed are translated or ignored with a note; unknown keys get a hint.
+            from opsd.legacy import translate_yaml
+
+            known = {a.dest for a in self._actions}
+            translated = translate_yaml(kwargs, known, source=self.yaml_source)
+            self.yaml_keys = set(translated)
+            return super().set_defaults_with_config(**translated)
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--recipe", default=None, help="recipe.env file with KEY=VALUE overrides")
@@ -58,18 +78,105 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     pre.add_argument(
         "--dry-run", action="store_true", help="check every input, print the config, train nothing"
     )
+    pre.add_argument("--allow-config-change", action="store_true", help=ALLOW_HELP)
     extra, rest = pre.parse_known_args(argv)
+    parser = Parser((OPSDConfig,))
+    if "-h" in rest or "--help" in rest:
+        print(opsd_help(pre) + "\n\nEvery TRL/transformers training argument (each also a YAML key):\n")
+        parser.print_help()
+        raise SystemExit(0)
     overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
+    if "--config" in rest[:-1]:
+        parser.yaml_source = rest[rest.index("--config") + 1]
     try:
-        (config,) = Parser((OPSDConfig,)).parse_args_and_config(rest + to_argv(overrides))
+        (config,) = parser.parse_args_and_config(rest + to_argv(overrides))
     except UserError:
         raise
     except FileNotFoundError as err:  # --config naming a missing YAML file
         raise MissingPath(f"{err}; check the path") from err
+    except OSError as err:  # a --config path that cannot be read (too long, a directory, no permission)
+        raise MissingPath(f"cannot read the YAML config ({err.strerror}); check the path") from err
     except ValueError as err:  # OPSDConfig/TrainingArguments validation and unknown flags
         unknown = "not used by the HfArgumentParser" in str(err)
-        raise InvalidValue(f"{err}; see python opsd_train.py --help" if unknown else str(err)) from err
+        hints = unknown_flag_hints(rest, {a.dest for a in parser._actions}) if unknown else ""
+        message = (
+            f"{err}{hints}; see python opsd_train.py --help" if unknown else name_source(str(err), overrides)
+        )
+        field = message.split("=", 1)[0]
+        flagged = any(a == f"--{field}" or a.startswith(f"--{field}=") for a in rest)
+        if (
+            message == str(err) and field in parser.yaml_keys and not flagged
+        ):  # the YAML set it, nothing later
+            message = f"{message} (from {parser.yaml_source})"
+        raise InvalidValue(message) from err
+    except Exception as err:
+        import yaml
+
+        if isinstance(err, yaml.YAMLError):  # a YAML syntax error: its location, on one line
+            raise InvalidValue(
+                f"{parser.yaml_source} is not valid YAML: {' '.join(str(err).split())}"
+            ) from err
+        raise
     return config, extra
+
+
+def unknown_flag_hints(argv: list[str], known: set[str]) -> str:
+    """`(--learnin_rate: did you mean --learning_rate?)` for the unknown flags of `argv`, by edit distance
+    over the config's fields; removed transformers keys say what replaced them."""
+    from opsd.legacy import IGNORED, RENAMED, closest
+
+    hints = []
+    for arg in argv:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name in known or name == "config":
+            continue
+        if name in RENAMED:
+            hints.append(f"--{name}: transformers 5 removed it; use --{RENAMED[name]} with the same value")
+        elif name in IGNORED:
+            hints.append(f"--{name}: transformers 5 removed it; leave it out ({IGNORED[name]})")
+        elif near := closest(name, known):
+            hints.append(f"--{name}: did you mean --{near}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def opsd_help(pre: argparse.ArgumentParser) -> str:
+    """The top of `--help`: usage, the entry flags, then OPSD's own fields with their defaults, choices and
+    ranges; the ~200 inherited TRL/transformers arguments follow it."""
+    import dataclasses
+
+    from opsd.ranges import RANGES
+
+    lines = [
+        "usage: python opsd_train.py [--config FILE.yaml] [--recipe recipe.env] [--dry-run] [--debug]",
+        "                            [--allow-config-change] [--FIELD VALUE ...]",
+        "",
+        (__doc__ or "").strip().splitlines()[0],
+        "Precedence, lowest first: defaults < --config YAML < flags < --recipe < OPSD_<FIELD> variables.",
+        "",
+        "entry flags:",
+        "  --config FILE          YAML config (TRL/open-r1 shape); flags given after it win",
+    ]
+    for action in pre._actions:
+        flag = action.option_strings[0] + (" FILE" if action.nargs is None and action.const is None else "")
+        lines.append(f"  {flag:<22} {action.help}")
+    lines.append(
+        f"  {'--debug':<22} show the traceback of a user error (also OPSD_DEBUG=1); --debug VALUE is "
+        "transformers' debug option"
+    )
+    lines += ["", "OPSD fields (--field VALUE, YAML key field, recipe.env key FIELD, variable OPSD_FIELD):"]
+    by_name = {f.name: f for f in dataclasses.fields(OPSDConfig)}
+    for name in OPSDConfig.__dict__.get("__annotations__", {}):  # in the order the class declares them
+        f = by_name[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        extras = [f"default {default!r}"]
+        if f.metadata.get("choices"):
+            extras.append("one of " + "|".join(f.metadata["choices"]))
+        if f.name in RANGES:
+            extras.append(RANGES[f.name].rule())
+        lines.append(f"  --{f.name:<36} {f.metadata.get('help', '')} [{'; '.join(extras)}]")
+    return "\n".join(lines)
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -110,14 +217,15 @@ def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
     local model directory, the data. Returns the training rows, or None for a hub dataset in a dry run
     (which reaches no hub). Raises `UserError`."""
     from opsd.data import is_local
-    from opsd.models import resolve_model_path
+    from opsd.models import check_model_source
     from opsd.prompts import PromptBuilder
 
     PromptBuilder(
         student_template_file=config.student_prompt_file, teacher_template_file=config.teacher_prompt_file
     )
-    if config.model_name_or_path not in ("", "embedded"):  # the embedded model is converted, not checked
-        resolve_model_path(config.model_name_or_path)
+    # The embedded model is converted, not checked; a local directory needs its config and tokenizer, a hub
+    # id must be in the cache or downloadable (a dry run reaches no hub).
+    check_model_source(config.model_name_or_path, config.model_revision, fetch=not dry_run)
     if dry_run and not is_local(config.dataset_name):
         logger.info("dry run: hub dataset %s is not loaded", config.dataset_name)
         return None
@@ -154,7 +262,13 @@ def main(argv: list[str] | None = None) -> Path | None:
     dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
     from opsd import microbatch
     from opsd.models import resolve_model_path
+    from opsd.rundir import json_settings, resume_history
 
+    # A rerun in a run directory must keep its method and budget (opsd/rundir.py); refused before writing.
+    processes = {} if extra.dry_run else {"num_processes": state.num_processes}
+    history = resume_history(
+        Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
+    )
     if extra.dry_run:
         local = Path(config.model_name_or_path).is_dir()
         config, plan = microbatch.resolve(
@@ -200,6 +314,8 @@ def main(argv: list[str] | None = None) -> Path | None:
             "micro_batch": dataclasses.asdict(plan),
             "recipe": extra.recipe,
             "provenance": provenance(),
+            **processes,
+            "history": history,
         }
         (out / "opsd_config.json").write_text(json.dumps(resolved, indent=2, default=str))
         logger.info(

@@ -18,10 +18,11 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
         [--dry-run] [--debug] [-- --report_to wandb --run_name x]
 
 prints the launch command as a JSON plan (`train_capped.sh` executes it). Before launching, and in a dry run,
-it runs `opsd_train.py --dry-run` on the planned arguments: the configuration is validated by the code a real
-run uses, with no model loaded. Flags after `--` pass through to training; only `OPERATIONAL_KEYS`
-(trackers, logging, memory) are accepted there, budget keys are refused and method keys belong in
-`recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
+it runs `opsd_train.py --dry-run` on the planned arguments, in this interpreter: the configuration is
+validated by the code a real run uses, with no model loaded. `--allow-config-change` is passed on to
+training (resuming a run whose recipe changed, recorded in its history). Flags after `--` pass through to
+training; only `OPERATIONAL_KEYS` (trackers, logging, memory) are accepted there, budget keys are refused
+and method keys belong in `recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
 elsewhere; an explicit `--num-gpus N` always plans N GPU processes (a real run without them is refused).
 User errors print one line and exit with status 2 (`--debug` or `OPSD_DEBUG=1` adds the traceback).
 """
@@ -37,14 +38,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opsd.errors import DEBUG_ENV, USER_ERROR_EXIT, UserError, report, split_debug
+from opsd.errors import UserError, report, split_debug
 
 STEPS = 100
 PROBLEMS_PER_STEP = 32
 PER_DEVICE_BATCH = 4
 SAVE_EVERY = 10
 DEFAULT_GPUS = 4
-_TRAIN_ERROR = "opsd_train.py: error: "
 
 
 @dataclass(frozen=True)
@@ -146,23 +146,34 @@ def make_plan(
 
 def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
     """`opsd_train.py --dry-run` on the planned arguments: the checks a real run makes before loading a
-    model (config values, recipe and `OPSD_*`, prompt files, local model and data). Returns its JSON."""
+    model (config values, recipe and `OPSD_*`, prompt files, local model and data). Returns its JSON.
+
+    It runs in this interpreter (`opsd_train.main`), so the training stack is imported once, not a second
+    time in a child process (docs/performance.md: the dry run took half the time). Its log and progress
+    output is kept out of the plan's terminal, as the child's was; under `--debug` it is shown."""
+    import contextlib
+    import io
+    import logging
+
     script = str(root / "opsd_train.py")
     args = plan.command[plan.command.index(script) + 1 :]
-    env = {**os.environ, **({DEBUG_ENV: "1"} if debug else {})}
-    res = subprocess.run(
-        [sys.executable, script, *args, "--dry-run"], env=env, capture_output=True, text=True, check=False
-    )
-    if res.returncode == USER_ERROR_EXIT:
-        lines = res.stderr.splitlines()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import opsd_train
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = list(logging.getLogger().handlers)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            opsd_train.main([*args, "--dry-run"])
+    except BaseException:
         if debug:
-            sys.stderr.write(res.stderr)
-        first = max(i for i, line in enumerate(lines) if line.startswith(_TRAIN_ERROR))
-        raise UserError("\n".join(lines[first:]).removeprefix(_TRAIN_ERROR))
-    if res.returncode != 0:
-        sys.stderr.write(res.stderr)
-        raise RuntimeError(f"opsd_train.py --dry-run failed with exit status {res.returncode} (output above)")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+            sys.stderr.write(err.getvalue())
+        raise
+    finally:
+        for handler in set(logging.getLogger().handlers) - set(handlers):  # the dry run's, bound to `err`
+            logging.getLogger().removeHandler(handler)
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="check the configuration as a real run does, print the plan and the budget arithmetic; train nothing",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run whose recipe changed; the changes go to its opsd_config.json history",
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -229,15 +245,24 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
-        from opsd.recipe import BUDGET_KEYS, CAPPED_KEYS, flag_overrides, resolve_overrides, to_argv
+        from opsd.recipe import (
+            BUDGET_KEYS,
+            CAPPED_KEYS,
+            flag_overrides,
+            replaced_message,
+            resolve_with_replaced,
+            to_argv,
+        )
 
         plan.command += to_argv(flag_overrides(passthrough))
-        overrides = resolve_overrides(recipe, os.environ, capped=True)
+        plan.command += ["--allow-config-change"] if a.allow_config_change else []
+        overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
         checked = check_config(plan, root, debug=debug)
     except (UserError, ValueError, FileNotFoundError) as err:
         return report(err, "train_capped", debug=debug)
     out = asdict(plan)
     out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
+    out["replaced"] = [replaced_message(o, by) for o, by in replaced]  # recipe lines an OPSD_* value replaces
     # The values training will use for every key the harness fixes or lets you tune.
     out["resolved"] = {k: v for k, v in sorted(checked["config"].items()) if k in CAPPED_KEYS | BUDGET_KEYS}
     out["data_rows"] = checked["data_rows"]

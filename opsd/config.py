@@ -15,6 +15,7 @@ from trl.experimental.sdft import SDFTConfig
 
 from opsd.choices import CHOICES, check_choice
 from opsd.microbatch import parse_micro_batch_size
+from opsd.ranges import check_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,37 @@ IGNORED_SDFT_OPTIONS = {
     "use_teacher_server": "OPSD scores the teacher locally on the full vocabulary; leave it unset",
     "chat_template_kwargs": "use student_thinking / teacher_thinking, or the prompt template files",
 }
+
+
+# SDFTConfig fields that OPSD sets itself from its own switches, with the switch to use instead. A value other
+# than SDFTConfig's default and other than the one OPSD derives is refused: it would be rewritten silently.
+DERIVED_SDFT_OPTIONS = {
+    "teacher_model_kind": "set the teacher with teacher_mode (fixed | ema | dynamic) instead",
+    "teacher_update_rate": "set the EMA teacher's speed with ema_decay (update rate = 1 - ema_decay) instead",
+}
+
+
+def _shown(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else repr(value)
+
+
+def check_trl_teacher_options(config, sdft_defaults: dict) -> None:
+    """Refuse `teacher_model_kind` / `teacher_update_rate` set to anything but what OPSD derives from
+    `teacher_mode` / `ema_decay` (SDFTConfig's default cannot be told from unset and passes)."""
+    derived = {
+        "teacher_model_kind": TEACHER_KIND.get(config.teacher_mode),
+        "teacher_update_rate": 1.0 - config.ema_decay,
+    }
+    for name, instead in DERIVED_SDFT_OPTIONS.items():
+        value, ours = getattr(config, name), derived[name]
+        same = value == ours or (
+            isinstance(value, float) and isinstance(ours, float) and abs(value - ours) <= 1e-12
+        )
+        if value != sdft_defaults[name] and not same:
+            raise ValueError(
+                f"{name}={value!r} is a TRL option that OPSD sets itself (here to {_shown(ours)}, from "
+                f"teacher_mode={config.teacher_mode!r}, ema_decay={config.ema_decay!r}); {instead}"
+            )
 
 
 def _help(text: str) -> dict:
@@ -279,39 +311,22 @@ class OPSDConfig(SDFTConfig):
         self.lora_target_modules = _module_list(self.lora_target_modules)
         for name in CHOICES:
             check_choice(name, getattr(self, name))
-        bound("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]")
-        bound(
-            "jsd_token_clip", self.jsd_token_clip > 0, "must be > 0 (use clip_mode=none to disable clipping)"
-        )
-        bound("loss_temperature", self.loss_temperature >= 0, "must be >= 0 (0 = rollout temperature)")
-        bound("temperature", self.temperature > 0, "must be > 0")
-        # 0 would spend the whole budget without moving a weight; the base model is that control.
-        bound("learning_rate", self.learning_rate > 0, "must be > 0")
-        # TrainingArguments reads max_steps <= 0 as "train by epochs", which OPSD does not do.
-        bound("max_steps", self.max_steps > 0, "must be > 0 (OPSD trains for a number of optimizer steps)")
-        bound("top_k_loss", self.top_k_loss >= 0, "must be >= 0 (0 = off)")
-        bound("ema_decay", 0.0 < self.ema_decay < 1.0, "must be in (0, 1)")
-        bound("max_nonfinite_steps", self.max_nonfinite_steps >= 1, "must be >= 1 (1 = stop at the first)")
-        bound("teacher_ref_max_chars", self.teacher_ref_max_chars >= 0, "must be >= 0 (0 = no cut)")
-        bound("max_teacher_prompt_length", self.max_teacher_prompt_length >= 0, "must be >= 0 (0 = no cap)")
-        bound("wavg_last", self.wavg_last >= 0, "must be >= 0 (0 = off)")
-        bound("probe_steps", self.probe_steps >= 0, "must be >= 0 (0 = off)")
-        bound("probe_size", self.probe_size >= 0, "must be >= 0 (0 = off)")
-        bound("completions_steps", self.completions_steps >= 0, "must be >= 0 (0 = off)")
-        bound("completions_rows", self.completions_rows > 0, "must be > 0")
-        bound("loss_chunk_size", self.loss_chunk_size > 0, "must be > 0")
+        check_ranges(self)  # every numeric field's range, declared once in opsd/ranges.py
         parse_micro_batch_size(self.micro_batch_size)
-        bound("vllm_max_num_seqs", self.vllm_max_num_seqs >= 0, "must be >= 0 (0 = TRL's sizing)")
-        bound("lora_r", self.lora_r > 0, "must be > 0")
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
-        bound("max_completion_length", (self.max_completion_length or 0) > 0, "must be > 0")
-        bound("num_loss_tokens_to_skip", self.num_loss_tokens_to_skip >= 0, "must be >= 0 (0 = none)")
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}
         for name, instead in IGNORED_SDFT_OPTIONS.items():
             if getattr(self, name) != sdft_defaults[name]:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is an SDFTTrainer option that OPSDTrainer ignores; {instead}"
                 )
+        check_trl_teacher_options(self, sdft_defaults)
+        evaluation = getattr(self.eval_strategy, "value", self.eval_strategy)
+        if evaluation not in (None, "no"):  # Trainer refuses it once the model has loaded
+            raise ValueError(
+                f"eval_strategy={evaluation!r} needs an evaluation set, and OPSD trains on none; leave it at "
+                "'no' and score checkpoints with eval_aime.py"
+            )
         # Map OPSD's switches onto the TRL fields that implement them.
         self.teacher_model_kind = TEACHER_KIND[self.teacher_mode]
         self.teacher_update_rate = 1.0 - self.ema_decay

@@ -106,9 +106,42 @@ def _check_local_file(path: Path) -> None:
         _check_json_file(path)
 
 
+def _cause(err: BaseException) -> str:
+    """The innermost cause of a loading error on one line, cut to a readable length."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _read_local(source: str, fmt: str, path: str, **kw) -> Dataset:
+    """`datasets.load_dataset(fmt, **kw)`, with a file datasets cannot parse (a CSV with an unclosed quote or a
+    ragged row, a Parquet file that is not Parquet, JSON whose rows disagree in type) refused as a DataError
+    naming it and the parser's own reason; datasets' own error log is silenced (the DataError says it)."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(path, **kw)
+    except (DatasetGenerationError, ArithmeticError, TypeError, KeyError) as err:
+        raise DataError(f"{source} cannot be read as {fmt}: {_cause(err)}; fix the file") from err
+    except ValueError as err:
+        if "split" in str(err).lower():
+            raise
+        raise DataError(f"{source} cannot be read as {fmt}: {_cause(err)}; fix the file") from err
+    except Exception as err:  # pyarrow errors that are not ValueErrors, such as ArrowIOError
+        if type(err).__module__.startswith(("pyarrow", "pandas", "datasets")):
+            raise DataError(f"{source} cannot be read as {fmt}: {_cause(err)}; fix the file") from err
+        raise
+    finally:
+        quiet.setLevel(level)
+
+
 def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
     """A local file or directory as a table, with the name used in messages about it."""
-    import datasets
 
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _LOCAL_SUFFIXES)
@@ -127,7 +160,7 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
             _check_local_file(f)
         source = f"directory {str(path)!r} (split {split!r})"
         try:
-            return datasets.load_dataset(str(path), split=split), source
+            return _read_local(source, formats[0], str(path), split=split), source
         except ValueError as err:
             if "split" not in str(err).lower():
                 raise
@@ -138,7 +171,36 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
         raise DataError(f"dataset file {str(path)!r} must end in {_FORMATS}")
     _check_local_file(path)
     fmt = _LOCAL_SUFFIXES[path.suffix.lower()]
-    return datasets.load_dataset(fmt, data_files=str(path), split="train"), f"file {str(path)!r}"
+    source = f"dataset file {str(path)!r}"
+    return _read_local(source, fmt, fmt, data_files=str(path), split="train"), f"file {str(path)!r}"
+
+
+def _load_hub(name: str, split: str) -> Dataset:
+    """A hub dataset's split; one that cannot be reached offline, does not exist, or lacks the split is a
+    DataError naming HF_HUB_OFFLINE, the cache and the local alternatives."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    offline = datasets.config.HF_HUB_OFFLINE
+    try:
+        return datasets.load_dataset(name, split=split)
+    except (ConnectionError, DatasetNotFoundError, FileNotFoundError) as err:
+        reach = (
+            "HF_HUB_OFFLINE=1 forbids downloading it"
+            if offline
+            else "the Hub cannot be reached or has no such dataset"
+        )
+        raise DataError(
+            f"dataset {name!r} is not a local file or directory and is not in the datasets cache "
+            f"({datasets.config.HF_DATASETS_CACHE}), and {reach} ({_cause(err)}); load it once where the Hub "
+            "is reachable (unset HF_HUB_OFFLINE), or pass a local .json/.jsonl/.csv/.parquet file or directory"
+        ) from err
+    except ValueError as err:
+        if "split" not in str(err).lower():
+            raise
+        raise DataError(
+            f"dataset {name!r} has no split {split!r} ({_cause(err)}); name one it has with --dataset_split"
+        ) from err
 
 
 def check_text_column(ds: Dataset, column: str, source: str, *, numbers: bool = False) -> None:
@@ -170,9 +232,7 @@ def load_table(name_or_path: str, *, split: str = "train", required: tuple[str, 
             )
         ds, source = _load_local(path, split)
     else:
-        import datasets
-
-        ds = datasets.load_dataset(name_or_path, split=split)
+        ds = _load_hub(name_or_path, split)
         source = f"dataset {name_or_path!r} (split {split!r})"
     missing = [c for c in required if c not in ds.column_names]
     if missing:
@@ -211,7 +271,7 @@ def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
         )
     logger.info("data filter %s: %d -> %d rows", data_filter, before, len(ds))
     if len(ds) == 0:
-        raise ValueError(f"data_filter={data_filter!r} removed every row; use a weaker filter or other data")
+        raise DataError(f"data_filter={data_filter!r} removed every row; use a weaker filter or other data")
     return ds
 
 
@@ -222,7 +282,7 @@ def _builtin_set(name: str):
     if name in BUILTIN_SETS:
         return BUILTIN_SETS[name]
     if name.startswith(BUILTIN + ":"):
-        raise ValueError(f"unknown built-in dataset {name!r}; the built-in sets are {list(BUILTIN_SETS)}")
+        raise DataError(f"unknown built-in dataset {name!r}; the built-in sets are {list(BUILTIN_SETS)}")
     return None
 
 

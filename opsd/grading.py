@@ -21,6 +21,14 @@ Correctness (`is_correct`): math-verify first (symbolic and numeric equivalence,
 ``0.5``, ``x = 5`` against ``5``, ``2\sqrt{2}`` against ``\sqrt{8}`` and ``50\%`` against ``50`` all
 match), then a string/number fallback on `normalize_answer` for what math-verify cannot parse or
 times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side.
+
+Degenerate answers stay cheap and quiet. An answer longer than `MAX_VERIFY_CHARS` (no AIME answer is:
+``\boxed{1+1+...}`` of 200k characters took math-verify 5-6 s and logged the whole expression) is graded
+by the string fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts
+them). math-verify's own log lines, which quote the expression, are silenced. Its timeout uses SIGALRM,
+which only the main thread can arm: elsewhere (a grading thread) math-verify runs in a worker process
+with the same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}`` cannot hang a
+thread.
 """
 
 from __future__ import annotations
@@ -238,6 +246,44 @@ def fallback_equal(predicted: str, gold: str) -> bool:
 # --- math-verify ---------------------------------------------------------------------------------
 
 
+# No AIME answer (an integer 0-999) or competition answer comes near this; longer ones skip math-verify.
+MAX_VERIFY_CHARS = 1000
+GRADER_VERIFY = "math-verify"
+GRADER_LONG = "string (long answer)"
+# A worker process that grades off the main thread needs a moment to start (spawn, import sympy).
+WORKER_START_S = 60.0
+_worker = None
+_worker_lock = threading.Lock()
+
+
+def _quiet_math_verify() -> None:
+    """math-verify logs each failed or timed-out parse with the whole expression (200 KB lines): keep its
+    loggers to errors of its own."""
+    for name in ("math_verify", "math_verify.parser", "math_verify.grader", "latex2sympy2_extended"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _verify_in_process(predicted: str, gold: str, timeout_s: float | None) -> bool:
+    """math_verify_equal on the main thread of a worker process, with its signal timeout; the process is
+    killed (and restarted for the next call) if it overruns by far."""
+    global _worker
+    import multiprocessing
+
+    with _worker_lock:
+        if _worker is None:
+            _worker = multiprocessing.get_context("spawn").Pool(1)
+        result = _worker.apply_async(math_verify_equal, (predicted, gold, timeout_s))
+        try:
+            return bool(result.get(3 * (timeout_s or 5.0) + WORKER_START_S))
+        except multiprocessing.TimeoutError:
+            logger.warning(
+                "math-verify overran its timeout in the grading worker; graded by the string fallback"
+            )
+            _worker.terminate()
+            _worker = None
+            return False
+
+
 def _signal_timeout(timeout_s: float | None) -> int | None:
     """math-verify's timeout argument: whole seconds for signal.alarm, None (no timeout) off the main thread.
 
@@ -259,6 +305,9 @@ def math_verify_equal(predicted: str, gold: str, timeout_s: float | None = 5.0) 
     except ImportError:  # pragma: no cover - math-verify is a core dependency
         logger.warning("math-verify is not installed; grading with the string fallback only")
         return False
+    if timeout_s is not None and timeout_s > 0 and threading.current_thread() is not threading.main_thread():
+        return _verify_in_process(predicted, gold, timeout_s)
+    _quiet_math_verify()
     timeout = _signal_timeout(timeout_s)
     try:
         # Both sides are bare answers; boxing them makes math-verify read the whole string as one answer.
@@ -273,23 +322,32 @@ def math_verify_equal(predicted: str, gold: str, timeout_s: float | None = 5.0) 
         return False
 
 
+def grader_for(predicted: str | None) -> str:
+    """Which grader `is_correct` uses for `predicted`: math-verify, or the string fallback for a long answer."""
+    return GRADER_LONG if predicted is not None and len(predicted) > MAX_VERIFY_CHARS else GRADER_VERIFY
+
+
 def is_correct(predicted: str | None, gold: str, timeout_s: float = 5.0) -> bool:
-    """Whether a predicted answer matches the gold answer (math-verify, then the normalised fallback)."""
+    """Whether a predicted answer matches the gold answer (math-verify, then the normalised fallback).
+
+    An answer over `MAX_VERIFY_CHARS` characters goes to the string fallback only (see the module notes)."""
     if predicted is None or not predicted.strip():
         return False
-    if math_verify_equal(predicted, gold, timeout_s):
+    if grader_for(predicted) == GRADER_VERIFY and math_verify_equal(predicted, gold, timeout_s):
         return True
     return fallback_equal(predicted, gold)
 
 
 def grade(text: str, gold: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Grade one completion: {"extracted": str | None, "has_box": bool, "correct": bool}.
+    """Grade one completion: {"extracted": str | None, "has_box": bool, "correct": bool, "grader": str}.
 
-    `has_box` means a complete, non-empty box was found in the answer region (the format criterion).
+    `has_box` means a complete, non-empty box was found in the answer region (the format criterion);
+    `grader` is `GRADER_VERIFY` or `GRADER_LONG` (an answer over `MAX_VERIFY_CHARS`: string fallback only).
     """
     extracted = extract_boxed(text)
     return {
         "extracted": extracted,
         "has_box": extracted is not None,
         "correct": is_correct(extracted, str(gold), timeout_s),
+        "grader": grader_for(extracted),
     }

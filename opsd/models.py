@@ -95,6 +95,66 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(p) if looks_local else name_or_path
 
 
+# Files of which a local model directory needs at least one for AutoTokenizer to load its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def check_model_source(name_or_path: str, revision: str = "main", *, fetch: bool = True) -> None:
+    """Refuse, before any model loads or anything is written, a model that cannot load: a local directory
+    without config.json or tokenizer files, or a hub id that is not in the cache and cannot be downloaded
+    (offline, unknown repository or revision). `fetch=False` (dry run) leaves hub ids unchecked, as it leaves
+    hub datasets unloaded: a plan for another machine must not depend on this one's cache. Raises
+    MissingPath."""
+    if name_or_path in ("", "embedded"):
+        return
+    path = Path(resolve_model_path(name_or_path))
+    if path.is_dir():
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise MissingPath(
+                f"model directory {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+                "save the tokenizer there too (tokenizer.save_pretrained) or pass the directory it came from"
+            )
+        return
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if not fetch:
+        logger.info("dry run: hub model %s is not checked", name_or_path)
+        return
+    offline = constants.HF_HUB_OFFLINE
+    local = "pass a local model directory with --model_name_or_path /path/to/model"
+    try:
+        hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline)
+    except HFValidationError as err:
+        raise MissingPath(
+            f"model {name_or_path!r} is neither a local model directory nor a valid hub id ({err}); {local}"
+        ) from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the Hub cannot be reached"
+        raise MissingPath(
+            f"model {name_or_path!r} (revision {revision!r}) is not a local directory and is not in the Hugging "
+            f"Face cache ({constants.HF_HUB_CACHE}), and {why} ({type(err).__name__}); download it where the "
+            f"Hub is reachable (hf download {name_or_path}) or unset HF_HUB_OFFLINE, or {local}"
+        ) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise MissingPath(
+            f"model {name_or_path!r}: the Hub has no such repository or revision {revision!r} "
+            f"({type(err).__name__}); check the name (hf auth login for a private one), or {local}"
+        ) from None
+    except HfHubHTTPError as err:
+        raise MissingPath(
+            f"model {name_or_path!r}: the Hub refused its config.json ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:200]}); check access to it, or {local}"
+        ) from None
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """`auto` is bfloat16 on a GPU and float32 on the CPU (bf16 matmuls are slow on most CPUs)."""
     if name == "auto":

@@ -23,7 +23,6 @@ so a bad recipe fails with one message naming every bad line instead of a traceb
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import functools
 import logging
@@ -39,6 +38,7 @@ from transformers.trainer_utils import SchedulerType
 
 from opsd.config import OPSDConfig
 from opsd.errors import DEBUG_ENV, InvalidValue
+from opsd.legacy import closest
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ def _shown(text: str) -> str:
 
 
 def _closest(word: str, candidates: typing.Iterable[str], cutoff: float = 0.6) -> str | None:
-    found = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=cutoff)
-    return found[0] if found else None
+    """The nearest candidate by edit distance if close enough to be a typo; any distance with cutoff=0."""
+    return closest(word, candidates, any_distance=cutoff <= 0)
 
 
 def _bad_char(text: str, *, allow_tab: bool = False) -> str | None:
@@ -265,6 +265,12 @@ def _unknown(field: str, name: str, candidates: typing.Iterable[str], prefix: st
     near = _closest(field, candidates)
     if near:
         return _Bad(f"{name} is not a config field", f"did you mean {prefix}{near.upper()}?")
+    anywhere = _closest(field, _specs())  # a field the user could mean that is not settable here
+    if anywhere:
+        where = "fixed by the capped harness" if anywhere in BUDGET_KEYS else "not tunable here"
+        return _Bad(
+            f"{name} is not a config field", f"did you mean {prefix}{anywhere.upper()}? it is {where}"
+        )
     nearest = _closest(field, candidates, cutoff=0.0)
     fix = f"no field is close; the nearest is {prefix}{nearest.upper()} (all fields: opsd/config.py)"
     return _Bad(f"{name} is not a config field", fix)
@@ -293,6 +299,16 @@ def _unquote(text: str) -> str:
     return body
 
 
+def _case_fix(field: str) -> str:
+    """The fix for a field written in lower case: its key, and whether recipe.env may set it at all."""
+    key = field.upper()
+    if field in CAPPED_KEYS:
+        return f"did you mean {key}? keys are upper case"
+    if field in BUDGET_KEYS:
+        return f"{key} is the key, and it is fixed by the capped harness (100 steps x 32 problems): remove it"
+    return f"{key} is the key, and it is not tunable in recipe.env: remove it"
+
+
 def _parse_line(line: str, *, seen: dict[str, int], lineno: int) -> tuple[str, str] | None:
     """(field, value) from one decoded line, None for blank and comment lines; raises _Bad."""
     bad = _bad_char(line, allow_tab=True)
@@ -313,7 +329,11 @@ def _parse_line(line: str, *, seen: dict[str, int], lineno: int) -> tuple[str, s
         raise _Bad("'export' is shell syntax", "drop 'export': this file is parsed, not sourced")
     field = (key[len(ENV_PREFIX) :] if key.startswith(ENV_PREFIX) else key).lower()
     if not _KEY.fullmatch(key):
-        near = _closest(field, CAPPED_KEYS)
+        upper = key.upper()
+        named = upper.removeprefix(ENV_PREFIX).lower()
+        if _KEY.fullmatch(upper) and named in _specs():  # a field name in the wrong case: name the field
+            raise _Bad(f"{_shown(key)} is not a valid key", _case_fix(named))
+        near = _closest(named, CAPPED_KEYS)
         hint = f"did you mean {near.upper()}? " if near else ""
         raise _Bad(
             f"{_shown(key)} is not a valid key", f"{hint}keys are upper-case ASCII letters, digits and _"
@@ -464,6 +484,27 @@ def resolve_overrides(
 
     Problems in the recipe and in the environment are reported together in one RecipeError.
     """
+    return resolve_with_replaced(recipe_path, environ, capped=capped)[0]
+
+
+def replaced_message(replaced: Override, by: Override) -> str:
+    """How the dry run lists a recipe line that an `OPSD_*` variable replaces."""
+    return f"{replaced.field}={replaced.value} ({replaced.source}) is replaced by {by.field}={by.value} ({by.source})"
+
+
+def name_source(message: str, overrides: typing.Iterable[Override]) -> str:
+    """A config error about a field that a recipe line or `OPSD_*` variable set, with that source named
+    (`top_p=1.5 is out of range: ... (from recipe.env:3)`); other messages are returned unchanged."""
+    for o in reversed(list(overrides)):
+        if message.startswith(f"{o.field}="):
+            return f"{message} (from {o.source})"
+    return message
+
+
+def resolve_with_replaced(
+    recipe_path: str | Path | None, environ: Mapping[str, str], *, capped: bool
+) -> tuple[list[Override], list[tuple[Override, Override]]]:
+    """`resolve_overrides`, and the (recipe override, env override replacing it) pairs."""
     recipe: list[Override] = []
     env: list[Override] = []
     problems: list[str] = []
@@ -480,12 +521,10 @@ def resolve_overrides(
         raise RecipeError("\n".join(problems))
     found = recipe + env
     final = {o.field: o for o in found}  # later sources replace earlier ones
-    for o in found:
-        if final[o.field] is not o:
-            logger.info(
-                "override %s=%s (%s) is replaced by %s", o.field, o.value, o.source, final[o.field].source
-            )
+    replaced = [(o, final[o.field]) for o in found if final[o.field] is not o]
+    for o, by in replaced:
+        logger.info("override %s=%s (%s) is replaced by %s", o.field, o.value, o.source, by.source)
     applied = [o for o in found if final[o.field] is o]
     for o in applied:
         logger.info("override %s=%s (%s)", o.field, o.value, o.source)
-    return applied
+    return applied, replaced

@@ -266,3 +266,105 @@ def test_eval_bad_data_is_one_line_and_debug_shows_the_traceback(tmp_path):
     one_line(run("eval_aime.py", args, tmp_path), "error:", "row 1 has None", str(data))
     res = run("eval_aime.py", [*args, "--debug"], tmp_path)
     assert res.returncode == 2 and "Traceback" in res.stderr and "row 1 has None" in res.stderr
+
+
+# -- no traceback for a user's mistake: paths, malformed data, hub ids offline, incomplete model dirs -----------
+
+
+def _train_refused(tmp_path: Path, args: list[str], *needles: str, env: dict | None = None) -> str:
+    out = tmp_path / "o"
+    res = run("opsd_train.py", ["--output_dir", str(out), *args], tmp_path, env)
+    one_line(res, "opsd_train.py: error:", *needles)
+    assert not out.exists()  # refused before anything is written to the output directory
+    return res.stderr.strip().splitlines()[-1]
+
+
+def test_over_long_and_unreadable_prompt_paths_are_one_line(tmp_path):
+    long_path = str(tmp_path / ("p" * 4000))
+    line = _train_refused(tmp_path, [], "prompt template file", "cannot be read",
+                          env={"OPSD_TEACHER_PROMPT_FILE": long_path})  # fmt: skip
+    assert len(line) < 600  # the 4,000-character path is shown cut
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    _train_refused(tmp_path, ["--student_prompt_file", str(folder)], str(folder), "cannot be read")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("{problem} caf\xe9".encode("latin-1"))
+    _train_refused(tmp_path, ["--student_prompt_file", str(latin1)], "is not UTF-8 text")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        (
+            "train.csv",
+            b'problem,solution,Answer,COT_Reason,generated_token_count\n"open quote,s,1,c,1\n',
+            "EOF inside string",
+        ),
+        (
+            "ragged.csv",
+            b"problem,solution,Answer,COT_Reason,generated_token_count\np,s,1,c,1\np,s,1,c,1,extra,more\n",
+            "Expected 5 fields",
+        ),
+        ("train.parquet", b"PAR1 this is not parquet at all", "cannot be read as parquet"),
+    ],
+)
+def test_malformed_data_files_are_one_line(tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_bytes(content)
+    message = refused(path)
+    assert str(path) in message and needle in message and "fix the file" in message
+    _train_refused(tmp_path, ["--dataset_name", str(path)], str(path), needle)
+
+
+def test_hub_model_id_offline_names_the_cache_and_the_way_out(tmp_path):
+    cache = tmp_path / "hub-cache"
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    line = _train_refused(tmp_path, ["--model_name_or_path", "someorg/some-model"], "'someorg/some-model'",
+                          "HF_HUB_OFFLINE", str(cache), "--model_name_or_path /path/to/model", env=env)  # fmt: skip
+    assert "is not in the Hugging Face cache" in line
+    # A dry run plans for any machine: it leaves hub ids unchecked, as it leaves hub datasets unloaded.
+    res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--model_name_or_path", "someorg/some-model",
+                                "--dry-run"], tmp_path, env)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_model_directory_without_tokenizer_is_one_line(tmp_path, tiny_model_dir):
+    import shutil
+
+    bare = tmp_path / "bare-model"
+    bare.mkdir()
+    shutil.copy(Path(tiny_model_dir) / "config.json", bare / "config.json")
+    _train_refused(tmp_path, ["--model_name_or_path", str(bare)], str(bare), "no tokenizer files")
+    from opsd.models import check_model_source
+
+    check_model_source(str(tiny_model_dir))  # a complete directory passes
+
+
+def test_hub_dataset_offline_and_missing_split(tmp_path, monkeypatch):
+    _train_refused(tmp_path, ["--dataset_name", "someorg/some-data"], "'someorg/some-data'", "HF_HUB_OFFLINE",
+                   "local .json/.jsonl/.csv/.parquet", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    import datasets
+
+    def no_split(name, split):
+        raise ValueError(f"Unknown split \"{split}\". Should be one of ['train'].")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_split)
+    message = refused("someorg/some-data", split="validation")
+    assert (
+        "has no split 'validation'" in message
+        and "one of ['train']" in message
+        and "--dataset_split" in message
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top_p", "1.5"], "top_p=1.5 is out of range: must be in (0, 1]"),
+        (["--lora_dropout", "1.5"], "lora_dropout=1.5 is out of range: must be in [0, 1)"),
+        (["--learning_rate=inf"], "learning_rate=inf is out of range: must be finite and > 0"),
+        (["--teacher_update_rate", "0.5"], "teacher_update_rate=0.5 is a TRL option that OPSD sets itself"),
+    ],
+)
+def test_train_out_of_range_values_are_one_line_before_anything_loads(tmp_path, args, message):
+    _train_refused(tmp_path, args, message)

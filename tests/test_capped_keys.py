@@ -2,6 +2,7 @@
 OPSD_* and flags after `--`, budget keys stay refused, and an explicit --num-gpus plans that many GPUs."""
 
 import json
+import os
 
 import pytest
 
@@ -152,4 +153,65 @@ def test_explicit_num_gpus_plans_gpu_processes_without_a_gpu(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     rc, _, err = dry_run("--debug", env={"OPSD_BETA": "2"}, tmp_path=tmp_path)
     assert rc == 2 and "Traceback" in err
-    assert err.strip().splitlines()[-1] == "train_capped: error: beta=2.0 is out of range: must be in [0, 1]"
+    assert (
+        err.strip().splitlines()[-1]
+        == "train_capped: error: beta=2.0 is out of range: must be in [0, 1] (from env OPSD_BETA)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("recipe_text", "env", "message"),
+    [
+        ("TOP_P=1.5\n", None, "top_p=1.5 is out of range: must be in (0, 1] (from {recipe}:1)"),
+        (
+            "LORA_DROPOUT=0.1\nWARMUP_STEPS=500\n",
+            None,
+            "warmup_steps=500.0 is out of range: must be below max_steps=100",
+        ),
+        (
+            "",
+            {"OPSD_VLLM_GPU_MEMORY_UTILIZATION": "5"},
+            "vllm_gpu_memory_utilization=5.0 is out of range: must be in (0, 1] (from env OPSD_VLLM_GPU_MEMORY_UTILIZATION)",
+        ),
+    ],
+)
+def test_dry_run_refuses_out_of_range_values_naming_the_source(tmp_path, recipe_text, env, message):
+    rc, out, err = dry_run(env=env, recipe_text=recipe_text, tmp_path=tmp_path)
+    assert rc == 2 and out == ""
+    assert message.format(recipe=tmp_path / "recipe.env") in one_error_line(err)
+
+
+def test_dry_run_lists_recipe_lines_that_env_values_replace(tmp_path):
+    rc, out, err = dry_run(env={"OPSD_BETA": "1"}, recipe_text="LORA_R=8\nBETA=0.5\n", tmp_path=tmp_path)
+    assert rc == 0, err[-3000:]
+    plan = json.loads(out)
+    recipe = tmp_path / "recipe.env"
+    assert plan["replaced"] == [f"beta=0.5 ({recipe}:2) is replaced by beta=1.0 (env OPSD_BETA)"]
+    assert plan["resolved"]["beta"] == 1.0 and "beta=1.0 (env OPSD_BETA)" in plan["overrides"]
+
+
+def test_dry_run_validates_in_one_interpreter(tmp_path, monkeypatch, capsys):
+    # The dry run used to start a second interpreter (opsd_train.py --dry-run) that imported torch,
+    # transformers and TRL again; it now runs training's checks in this one.
+    import subprocess
+
+    from opsd import capped
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"the dry run started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    for key in [k for k in os.environ if k.startswith("OPSD_") and k != "OPSD_CACHE_DIR"]:
+        monkeypatch.delenv(key)
+    rc = capped.main(["--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path), "--name", "x"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    plan = json.loads(out.out)
+    assert plan["resolved"]["max_steps"] == 100 and plan["data_rows"] > 0
+    monkeypatch.setenv("OPSD_TOP_P", "1.5")
+    rc = capped.main(["--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path), "--name", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and one_error_line(err).endswith(
+        "top_p=1.5 is out of range: must be in (0, 1] (from env OPSD_TOP_P)"
+    )

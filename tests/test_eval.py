@@ -158,6 +158,9 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
     assert summary["new_samples"] == 12 and summary["new_tokens"] == sum(s["n_tokens"] for s in samples)
     assert summary["config"]["n"] == 4 and summary["config"]["max_model_len_used"] == 512
     assert summary["versions"]["vllm"] and summary["versions"]["torch"]
+    # Every sample names its grader; none of these short answers went to the long-answer fallback.
+    assert {s["grader"] for s in samples} == {"math-verify"}
+    assert summary["grading"] == {"max_verify_chars": 1000, "string_fallback_long_answers": 0}
 
     with (out / "per_problem.csv").open() as f:
         table = list(csv.DictReader(f))

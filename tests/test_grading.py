@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -226,6 +227,61 @@ def test_is_correct_in_worker_thread() -> None:
     thread.start()
     thread.join()
     assert results == {"half": True, "wrong": False}
+
+
+# --- degenerate answers: bounded, quiet, and timed out on any thread --------------------------------------------
+
+
+def test_long_answer_is_graded_by_the_string_fallback_quickly() -> None:
+    import time
+
+    answer = "1+" * 100_000 + "1"  # 200k characters, as a degenerate completion writes it
+    start = time.perf_counter()
+    result = grade(rf"The answer is \boxed{{{answer}}}.", "7")
+    assert time.perf_counter() - start < 2.0  # math-verify took 5-6 s per such sample
+    assert result == {"extracted": answer, "has_box": True, "correct": False, "grader": grading.GRADER_LONG}
+    # The fallback still grades it: the same long string is equal to itself.
+    assert is_correct(answer, answer) is True
+    limit = "1" * grading.MAX_VERIFY_CHARS
+    assert grade(rf"\boxed{{{limit}}}", limit)["grader"] == grading.GRADER_VERIFY
+    assert grade(rf"\boxed{{{limit}1}}", "1")["grader"] == grading.GRADER_LONG
+    assert grade("no box", "1")["grader"] == grading.GRADER_VERIFY
+
+
+def test_math_verify_logs_no_expression(caplog: pytest.LogCaptureFixture) -> None:
+    tower = "9^{9^{9^{9}}}"  # math-verify times out on it and used to log it
+    with caplog.at_level(logging.DEBUG):
+        assert grading.math_verify_equal(tower, "1", timeout_s=1) is False
+    assert not [r for r in caplog.records if r.name.startswith(("math_verify", "latex2sympy"))]
+
+
+def test_timeout_holds_off_the_main_thread() -> None:
+    # SIGALRM cannot be armed off the main thread; the grade must still end (in a worker process).
+    import time
+
+    results: dict[str, bool] = {}
+
+    def work() -> None:
+        results["tower"] = grading.math_verify_equal("9^{9^{9^{9}}}", "1", timeout_s=1)
+        results["half"] = grading.math_verify_equal(r"\dfrac{1}{2}", "0.5", timeout_s=2)
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "math-verify hung in a thread"
+    assert results == {"tower": False, "half": True}
+    assert time.perf_counter() - start < 120
+
+
+def test_summary_counts_long_answers() -> None:
+    from opsd.evaluation.summary import grading_counts
+
+    rows = {"a": [{"grader": grading.GRADER_LONG}, {"grader": grading.GRADER_VERIFY}], "b": [{}]}
+    assert grading_counts(rows) == {
+        "max_verify_chars": grading.MAX_VERIFY_CHARS,
+        "string_fallback_long_answers": 1,
+    }
 
 
 # --- extraction is linear: adversarial completions against the quadratic reference it replaced ---------------

@@ -346,7 +346,7 @@ def test_to_argv_round_trips_through_the_real_parser(tmp_path):
         "MAX_COMPLETION_LENGTH=2048\nWARMUP_STEPS=0.1\nTEACHER_PROMPT_FILE='-odd name.txt'\n",
     )
     overrides = resolve_overrides(
-        recipe, {"OPSD_ADAM_BETA1": "0.8", "OPSD_WEIGHT_DECAY": "-0.01"}, capped=True
+        recipe, {"OPSD_ADAM_BETA1": "0.8", "OPSD_WEIGHT_DECAY": "0.01"}, capped=True
     )
     argv = to_argv(overrides)
     assert argv[0] == "--learning_rate=3e-06"
@@ -356,7 +356,12 @@ def test_to_argv_round_trips_through_the_real_parser(tmp_path):
     assert config.learning_rate == 3e-6
     assert config.fix_position_ids is False
     assert config.student_thinking is True
-    assert config.weight_decay == -0.01  # a leading '-' stays a value, not a flag
+    assert config.weight_decay == 0.01
+    # A leading '-' stays a value, not a flag: it reaches the field, whose range (>= 0, as torch's AdamW
+    # requires) refuses it, instead of argparse reading `-0.01` as an option.
+    negative = to_argv(resolve_overrides(None, {"OPSD_WEIGHT_DECAY": "-0.01"}, capped=True))
+    with pytest.raises(ValueError, match=r"weight_decay=-0\.01 is out of range: must be >= 0"):
+        parse_argv(tmp_path, negative)
     assert config.teacher_prompt_file == "-odd name.txt"
     assert config.max_completion_length == 2048
 

@@ -230,6 +230,7 @@ def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence
         "extracted": graded["extracted"],
         "correct": graded["correct"],
         "has_box": graded["has_box"],
+        "grader": graded["grader"],
         "n_tokens": len(token_ids),
         "truncated": truncated,
         "gold": r.problem["answer"],

@@ -32,6 +32,15 @@ def binomial_se(p: float, n: int) -> float:
     return math.sqrt(p * (1.0 - p) / n)
 
 
+def grading_counts(per_problem: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """How the samples were graded: answers over MAX_VERIFY_CHARS go to the string fallback only."""
+    from opsd.grading import GRADER_LONG, MAX_VERIFY_CHARS
+
+    samples = [s for rows in per_problem.values() for s in rows]
+    long = sum(s.get("grader") == GRADER_LONG for s in samples)
+    return {"max_verify_chars": MAX_VERIFY_CHARS, "string_fallback_long_answers": long}
+
+
 def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[str, Any]:
     """Summarize the in-scope problems from `samples.jsonl` into summary.json and per_problem.csv."""
     from opsd.metrics import summarize
@@ -57,6 +66,7 @@ def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[st
         **timings,
         "tokens_per_s": timings["new_tokens"] / gen_s if gen_s > 0 else None,
         "metrics": metrics,
+        "grading": grading_counts(per_problem),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     gold = {p["id"]: p["answer"] for p in job.problems}

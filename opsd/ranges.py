@@ -1,0 +1,173 @@
+"""The allowed range of every numeric `OPSDConfig` field a user sets, declared once (choices: `opsd.choices`).
+
+`OPSDConfig.__post_init__` checks every field of `RANGES` with `check_ranges`, so the CLI, a YAML config,
+`recipe.env`, `OPSD_*` variables and both dry runs (`opsd_train.py --dry-run`, `train_capped.sh --dry-run`)
+refuse the same values with the same message: `top_p=1.5 is out of range: must be in (0, 1]`. A value
+must also be finite (`--learning_rate inf` is refused). The bounds are those of the code that reads the
+value: torch's AdamW refuses betas outside [0, 1) and a negative weight decay or epsilon, peft's dropout
+is a probability below 1, vLLM takes a share of GPU memory in (0, 1], numpy seeds are 32-bit unsigned.
+Refusing here turns a crash after the model has loaded (or a silent no-op such as a run that is all
+warm-up) into one line before anything loads.
+
+Cross-field rules live in `check_cross_fields`: a warm-up of at least `max_steps` steps is refused, and
+one over half of the run is logged as a note. No dependencies, so any module can import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Range:
+    """[lo, hi] with open ends where `lo_open`/`hi_open`; None = unbounded. `optional`: None is allowed."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""
+    optional: bool = False
+
+    def contains(self, value: object) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def rule(self) -> str:
+        """`must be in (0, 1]`, `must be > 0 (0 = off)`, ... as the error message says it."""
+        if self.lo is not None and self.hi is not None:
+            text = f"must be in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}"
+            text += ")" if self.hi_open else "]"
+        elif self.lo is not None:
+            text = f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}"
+        elif self.hi is not None:
+            text = f"must be {'<' if self.hi_open else '<='} {_num(self.hi)}"
+        else:
+            text = "must be a finite number"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+OFF_AT_ZERO = Range(0, note="0 = off")
+PROBABILITY_OPEN_LOW = Range(0, 1, lo_open=True)  # (0, 1]
+SEED_MAX = 2**32 - 1
+
+# OPSDConfig field -> allowed range. Every numeric field of RECIPE_KEYS, OPERATIONAL_KEYS and BUDGET_KEYS
+# (opsd/recipe.py) is here, with OPSD's own fields and the TRL sampling options; tests walk the table.
+RANGES: dict[str, Range] = {
+    # optimiser and schedule
+    # 0 would spend the whole budget without moving a weight; the base model is that control.
+    "learning_rate": POSITIVE,
+    "warmup_steps": Range(0, note="a value below 1 is a fraction of max_steps"),
+    "weight_decay": NON_NEGATIVE,
+    "max_grad_norm": Range(0, note="0 = no clipping"),
+    "adam_beta1": Range(0, 1, hi_open=True),
+    "adam_beta2": Range(0, 1, hi_open=True),
+    "adam_epsilon": NON_NEGATIVE,
+    # budget
+    # TrainingArguments reads max_steps <= 0 as "train by epochs", which OPSD does not do.
+    "max_steps": Range(0, lo_open=True, note="OPSD trains for a number of optimizer steps"),
+    "per_device_train_batch_size": Range(1),
+    "gradient_accumulation_steps": Range(1),
+    "seed": Range(0, SEED_MAX),
+    "data_seed": Range(0, SEED_MAX, optional=True),
+    "probe_size": Range(0, note="0 = off"),
+    "save_steps": Range(0, lo_open=True, note="a value below 1 is a fraction of max_steps"),
+    # rollouts
+    "temperature": POSITIVE,
+    "top_p": PROBABILITY_OPEN_LOW,
+    "top_k": OFF_AT_ZERO,
+    "min_p": Range(0, 1, optional=True),
+    "repetition_penalty": POSITIVE,
+    "max_completion_length": Range(0, lo_open=True),
+    "vllm_gpu_memory_utilization": PROBABILITY_OPEN_LOW,
+    "vllm_max_num_seqs": Range(0, note="0 = TRL's sizing"),
+    "vllm_tensor_parallel_size": Range(1),
+    "vllm_max_model_length": Range(0, lo_open=True, optional=True),
+    "vllm_server_port": Range(1, 65535),
+    "vllm_server_timeout": POSITIVE,
+    "num_iterations": Range(1),
+    "dataloader_num_workers": NON_NEGATIVE,
+    # loss
+    "beta": Range(0, 1),
+    "loss_temperature": Range(0, note="0 = rollout temperature"),
+    "jsd_token_clip": Range(0, lo_open=True, note="use clip_mode=none to disable clipping"),
+    "top_k_loss": OFF_AT_ZERO,
+    "loss_chunk_size": POSITIVE,
+    "num_loss_tokens_to_skip": Range(0, note="0 = none"),
+    # LoRA
+    "lora_r": POSITIVE,
+    "lora_alpha": POSITIVE,
+    "lora_dropout": Range(0, 1, hi_open=True),
+    # teacher and data
+    "ema_decay": Range(0, 1, lo_open=True, hi_open=True),
+    "teacher_sync_steps": Range(1),
+    "teacher_ref_max_chars": Range(0, note="0 = no cut"),
+    "max_teacher_prompt_length": Range(0, note="0 = no cap"),
+    # budget helpers, probe, safety, logging
+    "wavg_last": OFF_AT_ZERO,
+    "probe_steps": OFF_AT_ZERO,
+    "max_nonfinite_steps": Range(1, note="1 = stop at the first"),
+    "completions_steps": OFF_AT_ZERO,
+    "completions_rows": POSITIVE,
+    "logging_steps": Range(0, lo_open=True, note="a value below 1 is a fraction of max_steps"),
+}
+# A warm-up over this share of max_steps is allowed, with a note: most of the run would be warm-up.
+WARMUP_NOTE_SHARE = 0.5
+
+
+def range_error(name: str, value: object) -> str | None:
+    """The message refusing `value` for field `name`, or None when it is allowed (or `name` has no range)."""
+    allowed = RANGES.get(name)
+    if allowed is None or allowed.contains(value):
+        return None
+    rule = allowed.rule()
+    if isinstance(value, float) and not math.isfinite(value):
+        rule = "must be finite and " + rule.removeprefix("must be ")
+    return f"{name}={value!r} is out of range: {rule}"
+
+
+def check_ranges(config: object) -> None:
+    """ValueError for the first field of `RANGES` whose value on `config` is out of range, then the
+    cross-field rules."""
+    for name in RANGES:
+        if hasattr(config, name):
+            message = range_error(name, getattr(config, name))
+            if message:
+                raise ValueError(message)
+    check_cross_fields(config)
+
+
+def warmup_fraction(warmup_steps: float, max_steps: int) -> float:
+    """The share of the run spent warming up (transformers reads a value below 1 as that share)."""
+    return warmup_steps if warmup_steps < 1 else warmup_steps / max_steps
+
+
+def check_cross_fields(config: object) -> None:
+    """Rules between fields: the warm-up must end before the last step (a note when it is over half)."""
+    warmup, steps = getattr(config, "warmup_steps", 0) or 0, getattr(config, "max_steps", 0)
+    if warmup >= 1 and warmup >= steps:
+        raise ValueError(
+            f"warmup_steps={warmup!r} is out of range: must be below max_steps={steps} (the whole run would "
+            "be warm-up); lower it, or give a fraction of the run below 1"
+        )
+    if steps > 0 and warmup_fraction(warmup, steps) > WARMUP_NOTE_SHARE:
+        logger.warning(
+            "note: warmup_steps=%r is over half of max_steps=%d: most of the run trains at a reduced learning rate",
+            warmup,
+            steps,
+        )

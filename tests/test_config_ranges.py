@@ -1,0 +1,422 @@
+"""The range table (opsd/ranges.py) through every entry path, TRL options OPSD derives itself, YAMLs written
+for transformers 4 / open-r1, and the hints of unknown keys."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import yaml
+
+from opsd.choices import CHOICES
+from opsd.errors import InvalidValue, UserError
+from opsd.ranges import RANGES, range_error
+from opsd.recipe import CAPPED_KEYS, RecipeError, parse_recipe
+
+# field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:
+# each edge and each refusal is the rule the code that reads the field needs.
+CASES: dict[str, tuple[object, object, object]] = {
+    "learning_rate": (1e-5, 1e-12, 0.0),
+    "warmup_steps": (10.0, 99.0, 100.0),  # below max_steps=100; 100 would be a run that is all warm-up
+    "weight_decay": (0.01, 0.0, -0.01),
+    "max_grad_norm": (1.0, 0.0, -0.1),
+    "adam_beta1": (0.9, 0.0, 1.0),
+    "adam_beta2": (0.999, 0.0, 1.0),
+    "adam_epsilon": (1e-8, 0.0, -1e-8),
+    "max_steps": (50, 1, 0),
+    "per_device_train_batch_size": (4, 1, 0),
+    "gradient_accumulation_steps": (2, 1, 0),
+    "seed": (42, 2**32 - 1, -1),
+    "data_seed": (7, 0, 2**32),
+    "probe_size": (16, 0, -1),
+    "save_steps": (10.0, 0.01, 0.0),
+    "temperature": (0.7, 1e-3, 0.0),
+    "top_p": (0.9, 1.0, 1.5),
+    "top_k": (20, 0, -1),
+    "min_p": (0.05, 1.0, 1.5),
+    "repetition_penalty": (1.1, 1e-3, 0.0),
+    "max_completion_length": (512, 1, 0),
+    "vllm_gpu_memory_utilization": (0.5, 1.0, 5.0),
+    "vllm_max_num_seqs": (8, 0, -1),
+    "vllm_tensor_parallel_size": (2, 1, 0),
+    "vllm_max_model_length": (1024, 1, 0),
+    "vllm_server_port": (8000, 65535, 65536),
+    "vllm_server_timeout": (240.0, 0.5, 0.0),
+    "num_iterations": (1, 1, 0),
+    "dataloader_num_workers": (2, 0, -1),
+    "beta": (0.5, 1.0, 1.5),
+    "loss_temperature": (1.0, 0.0, -1.0),
+    "jsd_token_clip": (0.05, 1e-6, 0.0),
+    "top_k_loss": (64, 0, -3),
+    "loss_chunk_size": (512, 1, 0),
+    "num_loss_tokens_to_skip": (1, 0, -1),
+    "lora_r": (16, 1, 0),
+    "lora_alpha": (32, 1, 0),
+    "lora_dropout": (0.1, 0.0, 1.0),
+    "ema_decay": (0.99, 0.999999, 1.0),
+    "teacher_sync_steps": (2, 1, 0),
+    "teacher_ref_max_chars": (100, 0, -1),
+    "max_teacher_prompt_length": (2048, 0, -1),
+    "wavg_last": (3, 0, -1),
+    "probe_steps": (5, 0, -1),
+    "max_nonfinite_steps": (3, 1, 0),
+    "completions_steps": (5, 0, -1),
+    "completions_rows": (2, 1, 0),
+    "logging_steps": (5.0, 0.5, 0.0),
+}
+
+
+# Refusals that come from a rule between fields (opsd.ranges.check_cross_fields), with max_steps=100.
+CROSS = {
+    "warmup_steps": "warmup_steps=100.0 is out of range: must be below max_steps=100 (the whole run would be "
+    "warm-up); lower it, or give a fraction of the run below 1"
+}
+
+
+def expected_refusal(name: str, value: object) -> str:
+    return CROSS[name] if name in CROSS else range_error(name, value)
+
+
+def test_cases_cover_the_table():
+    assert set(CASES) == set(RANGES)
+    for name, (inside, edge, outside) in CASES.items():
+        assert range_error(name, inside) is None and range_error(name, edge) is None, name
+        assert (range_error(name, outside) is not None) != (name in CROSS), name
+    assert (
+        range_error("warmup_steps", -1.0)
+        == "warmup_steps=-1.0 is out of range: must be >= 0 (a value below 1 is a fraction of max_steps)"
+    )
+
+
+def _text(value: object) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _via(path: str, name: str, value: object, tmp_path, data):
+    """Parse `name=value` through one entry path; returns the config (the dry run: its printed config)."""
+    from opsd_train import main, parse_config
+
+    out = ["--output_dir", str(tmp_path / "run")]
+    if path == "cli":
+        return parse_config([*out, f"--{name}={_text(value)}"], environ={})[0]
+    if path == "yaml":
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(yaml.safe_dump({name: value}))
+        return parse_config(["--config", str(cfg), *out], environ={})[0]
+    if path == "recipe":
+        recipe = tmp_path / "recipe.env"
+        recipe.write_text(f"{name.upper()}={_text(value)}\n")
+        return parse_config([*out, "--recipe", str(recipe)], environ={})[0]
+    if path == "env":
+        return parse_config(out, environ={f"OPSD_{name.upper()}": _text(value)})[0]
+    assert path == "dry-run"
+    main([*out, "--dataset_name", str(data), f"--{name}={_text(value)}", "--dry-run"])
+    return None
+
+
+PATHS = ("cli", "yaml", "recipe", "env", "dry-run")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    row = {"problem": "p", "solution": "s", "Answer": "1", "COT_Reason": "c", "generated_token_count": 3000}
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "problem": "q"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_range_through_every_entry_path(name, tmp_path, tiny_data, capsys, monkeypatch):
+    monkeypatch.delenv("OPSD_DEBUG", raising=False)
+    inside, edge, outside = CASES[name]
+    expected = expected_refusal(name, outside)
+    for path in PATHS:
+        if path == "recipe" and name not in CAPPED_KEYS:
+            # recipe.env takes only the tunable keys; the others are refused for that reason, not a range.
+            with pytest.raises(RecipeError):
+                _via(path, name, inside, tmp_path, tiny_data)
+            continue
+        for value in (inside, edge):
+            config = _via(path, name, value, tmp_path, tiny_data)
+            if config is not None:
+                got = getattr(config, name)
+                assert got == value or (isinstance(got, float) and math.isclose(got, value)), (path, value)
+            else:
+                printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["config"][name]
+                assert math.isclose(printed, value), (path, value)
+        with pytest.raises(UserError) as info:
+            _via(path, name, outside, tmp_path, tiny_data)
+        message = str(info.value)
+        if path == "recipe" and name == "max_completion_length":
+            # recipe.env caps rollouts tighter (1..4096, the harness's limit) and says so on the line.
+            assert "max_completion_length=0 is outside 1..4096" in message and ".env:1:" in message
+            continue
+        assert "\n" not in message and message.startswith(expected), (path, message)
+        if path in ("recipe", "env", "yaml"):  # the source is named: the recipe line, the variable, the file
+            source = {"recipe": f"{tmp_path / 'recipe.env'}:1", "env": f"env OPSD_{name.upper()}",
+                      "yaml": str(tmp_path / "c.yaml")}[path]  # fmt: skip
+            assert message == f"{expected} (from {source})", message
+
+
+@pytest.mark.parametrize("name", sorted(CHOICES))
+def test_every_choice_through_every_entry_path(name, tmp_path, tiny_data, capsys):
+    choices = CHOICES[name]
+    for path in PATHS:
+        if path == "recipe" and name not in CAPPED_KEYS:
+            continue
+        for value in (choices[0], choices[-1]):
+            config = _via(path, name, value, tmp_path, tiny_data)
+            if config is None:
+                capsys.readouterr()
+            elif name != "dtype":  # dtype may come back as the torch_dtype alias's value; it is the same
+                assert getattr(config, name) == value
+        with pytest.raises(UserError) as info:
+            _via(path, name, "nonesuch", tmp_path, tiny_data)
+        assert "'nonesuch'" in str(info.value) and "\n" not in str(info.value), (path, info.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
+    from opsd_train import parse_config
+
+    with pytest.raises(
+        InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and > 0"
+    ):
+        parse_config(["--output_dir", str(tmp_path), f"--learning_rate={value}"], environ={})
+
+
+def test_warmup_over_half_is_a_note(tmp_path, caplog):
+    from opsd_train import parse_config
+
+    with caplog.at_level(logging.WARNING, logger="opsd.ranges"):
+        parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
+    assert "warmup_steps=60.0 is over half of max_steps=100" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opsd.ranges"):
+        parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "0.1"], environ={})
+    assert "over half" not in caplog.text
+
+
+# -- TRL options that OPSD sets from its own switches ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--teacher_update_rate", "0.5"], "teacher_update_rate=0.5 is a TRL option that OPSD sets itself"),
+        (["--teacher_model_kind", "live"], "teacher_model_kind='live' is a TRL option that OPSD sets itself"),
+        (["--teacher_model_kind", "ema", "--teacher_mode", "dynamic"], "set the teacher with teacher_mode"),
+    ],
+)
+def test_trl_teacher_options_are_refused(args, message, tmp_path):
+    from opsd_train import parse_config
+
+    with pytest.raises(InvalidValue, match=message) as info:
+        parse_config(["--output_dir", str(tmp_path), *args], environ={})
+    assert "ema_decay" in str(info.value) or "teacher_mode" in str(info.value)
+
+
+def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
+    from opsd_train import parse_config
+
+    out = ["--output_dir", str(tmp_path)]
+    cfg, _ = parse_config([*out, "--teacher_mode", "dynamic", "--teacher_model_kind", "live"], environ={})
+    assert cfg.teacher_model_kind == "live"
+    cfg, _ = parse_config(
+        [*out, "--teacher_mode", "ema", "--ema_decay", "0.9", "--teacher_update_rate", "0.1"], environ={}
+    )
+    assert cfg.teacher_model_kind == "ema" and math.isclose(cfg.teacher_update_rate, 0.1)
+    # SDFTConfig's own defaults cannot be told from unset: they pass and are replaced by OPSD's values.
+    cfg, _ = parse_config([*out, "--teacher_update_rate", "0.05", "--teacher_model_kind", "base"], environ={})
+    assert cfg.teacher_model_kind == "base" and math.isclose(cfg.teacher_update_rate, 1 - 0.999)
+
+
+# -- YAML configs written for TRL / open-r1 ---------------------------------------------------------------------
+
+OPEN_R1_YAML = """\
+# Model arguments
+model_name_or_path: ""
+model_revision: main
+torch_dtype: float32
+attn_implementation: sdpa
+use_peft: true
+lora_r: 16
+lora_alpha: 32
+lora_dropout: 0.05
+lora_target_modules:
+- q_proj
+- k_proj
+- v_proj
+- o_proj
+
+# Data training arguments
+dataset_name: builtin
+dataset_split: train
+
+# Training arguments
+bf16: true
+do_eval: true
+eval_strategy: steps
+eval_steps: 100
+evaluation_strategy: steps
+gradient_accumulation_steps: 4
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+hub_model_id: Qwen3-OPSD
+hub_strategy: every_save
+learning_rate: 2.0e-05
+log_level: info
+logging_steps: 5
+logging_strategy: steps
+lr_scheduler_type: cosine
+max_steps: 200
+num_generations: 1
+output_dir: data/Qwen3-OPSD
+overwrite_output_dir: true
+per_device_train_batch_size: 2
+push_to_hub: false
+report_to:
+- none
+save_strategy: "no"
+seed: 42
+warmup_ratio: 0.1
+"""
+
+
+def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
+    from opsd_train import parse_config
+
+    cfg_path = tmp_path / "config_opsd.yaml"
+    cfg_path.write_text(OPEN_R1_YAML)
+    with caplog.at_level(logging.WARNING, logger="opsd.legacy"):
+        cfg, _ = parse_config(["--config", str(cfg_path)], environ={})
+    assert cfg.warmup_steps == 0.1 and cfg.get_warmup_steps(cfg.max_steps) == 20  # the fraction form
+    assert cfg.lr_scheduler_type.value == "cosine" and cfg.learning_rate == 2e-5 and cfg.max_steps == 200
+    assert cfg.dtype == "float32" and cfg.attn_implementation == "sdpa"
+    assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and cfg.lora_dropout == 0.05
+    assert cfg.report_to == []  # transformers reads a list holding "none" as no tracker
+    assert cfg.push_to_hub is False and cfg.eval_strategy.value == "no" and cfg.do_eval is False
+    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.legacy"]
+    assert len(notes) == 5, notes  # one per translated or ignored key
+    for key in ("warmup_ratio", "overwrite_output_dir", "evaluation_strategy", "eval_strategy", "do_eval"):
+        assert any(f"note: {key}=" in n for n in notes), key
+    assert all(str(cfg_path) in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learnin_rate: 1.0e-5\n", "learnin_rate is not a config field (did you mean learning_rate?)"),
+        ("per_gpu_train_batch_size: 8\n", "use per_device_train_batch_size"),
+        ("warmup_ratio: 0.1\nwarmup_steps: 5\n", "warmup_ratio and warmup_steps are both set"),
+        ("reward_funcs: [accuracy]\n", "reward_funcs is not a config field"),
+        ("beta: [unclosed\n", "is not valid YAML"),
+        ("warmup_ratio: 1.5\n", "warmup_steps=1.5 is out of range"),
+    ],
+)
+def test_yaml_mistakes_are_one_line(text, message, tmp_path):
+    from opsd_train import parse_config
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(text)
+    with pytest.raises(InvalidValue) as info:
+        parse_config(
+            ["--config", str(cfg_path), "--output_dir", str(tmp_path), "--max_steps", "1"], environ={}
+        )
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert "fail_with_unknown_args" not in str(info.value)
+
+
+# -- hints --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("max_steps=200", "MAX_STEPS is the key, and it is fixed by the capped harness"),
+        ("opsd_beta=0.5", "did you mean BETA? keys are upper case"),
+        ("learning_rate=1e-5", "did you mean LEARNING_RATE? keys are upper case"),
+        ("bf16=false", "BF16 is the key, and it is not tunable in recipe.env"),
+        ("MAX_STEP=200", "did you mean MAX_STEPS? it is fixed by the capped harness"),
+        ("LERNING_RATE=1e-5", "did you mean LEARNING_RATE?"),
+    ],
+)
+def test_recipe_hints_name_the_field_meant(tmp_path, line, expected):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text(line + "\n")
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(recipe)
+    assert expected in str(info.value)
+    assert "WARMUP_STEPS" not in str(info.value) and "ADAM_BETA2" not in str(info.value)
+
+
+def test_edit_distance():
+    from opsd.legacy import closest, edit_distance
+
+    assert edit_distance("kitten", "sitting") == 3
+    assert edit_distance("lerning_rate", "learning_rate") == 1
+    assert edit_distance("leanring_rate", "learning_rate") == 1  # a transposition is one edit
+    assert closest("max_steps", ["warmup_steps", "max_steps"]) == "max_steps"
+    assert closest("zzz", ["learning_rate"]) is None
+    assert closest("zzz", ["learning_rate"], any_distance=True) == "learning_rate"
+
+
+def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ENV
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, str(root / "opsd_train.py"), "--help"],
+        cwd=tmp_path, env={**ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    head = res.stdout.splitlines()[:80]
+    text = "\n".join(head)
+    assert head[0].startswith("usage: python opsd_train.py")
+    for flag in ("--config FILE", "--recipe FILE", "--dry-run", "--debug", "--allow-config-change"):
+        assert f"  {flag}" in text, flag
+    for field in ("--beta", "--clip_mode", "--teacher_mode", "--top_p"):
+        assert any(line.startswith(f"  {field} ") for line in head), field
+    assert "must be in (0, 1]" in text and "one of element|token|rescale|none" in text
+    assert "--adam_beta1" in res.stdout  # the inherited arguments follow
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--learnin_rate", "1e-5"], "--learnin_rate: did you mean --learning_rate?"),
+        (
+            ["--warmup_ratio", "0.1"],
+            "--warmup_ratio: transformers 5 removed it; use --warmup_steps with the same value",
+        ),
+        (
+            ["--eval_strategy", "steps"],
+            "eval_strategy='steps' needs an evaluation set, and OPSD trains on none",
+        ),
+    ],
+)
+def test_cli_mistakes_get_the_hint(args, message, tmp_path):
+    from opsd_train import parse_config
+
+    with pytest.raises(InvalidValue) as info:
+        parse_config(["--output_dir", str(tmp_path), *args], environ={})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_harness_passes_allow_config_change_to_training(tmp_path, monkeypatch, capsys):
+    from opsd import capped
+
+    for key in [k for k in __import__("os").environ if k.startswith("OPSD_") and k != "OPSD_CACHE_DIR"]:
+        monkeypatch.delenv(key)
+    argv = ["--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path), "--name", "x"]
+    assert capped.main(argv) == 0
+    assert "--allow-config-change" not in json.loads(capsys.readouterr().out)["command"]
+    assert capped.main([*argv, "--allow-config-change"]) == 0
+    assert json.loads(capsys.readouterr().out)["command"][-1] == "--allow-config-change"
