@@ -213,7 +213,7 @@ class Probe(TrainerCallback):
                     "student is moving AWAY from its teacher. With clip_mode=%s at learning rate %g this is "
                     "expected for clip_mode=element on a model far from its teacher (clamped entries get no "
                     "gradient, and the rest push the teacher's tokens down); clip_mode=none or rescale, or a "
-                    "lower learning rate, move it towards the teacher (README, Results).",
+                    "lower learning rate, move it towards the teacher (docs/results.md).",
                     self.first, div, step, self.trainer.args.clip_mode, self.trainer.args.learning_rate,
                 )  # fmt: skip
 

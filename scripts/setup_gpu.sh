@@ -4,7 +4,7 @@
 # with --flash-attn also flash-attn (compiled against the installed torch, can take a long time).
 # Usage: bash scripts/setup_gpu.sh [--flash-attn] [--dry-run]     (PYTHON=... chooses the interpreter)
 # Measured together on H200s: Python 3.12, torch 2.11.0+cu130, vllm 0.26.0, transformers 5.17.0, trl 1.16.0,
-# peft 0.21.0, deepspeed 0.19.8, accelerate 1.15.0 (README "Installing on a GPU machine").
+# peft 0.21.0, deepspeed 0.19.8, accelerate 1.15.0 (docs/training.md, "Installing on a GPU machine").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}

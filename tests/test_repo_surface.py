@@ -321,3 +321,18 @@ def test_the_package_import_graph_has_no_cycle():
     for name in graph:
         cycle = path_back(name, name, set())
         assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_configuration_doc_is_generated_from_the_config():
+    """docs/configuration.md's switch table is what OPSDConfig says (python -m opsd.config_docs rewrites it)."""
+    from opsd import config_docs
+    from opsd.config import OPSDConfig
+
+    text = config_docs.DOC.read_text(encoding="utf-8")
+    assert config_docs.replaced(text) == text, (
+        "docs/configuration.md is out of date: python -m opsd.config_docs"
+    )
+    table = config_docs.render()
+    for name in OPSDConfig.__dict__["__annotations__"]:
+        assert f"| `{name}` | `OPSD_{name.upper()}` |" in table
+    assert config_docs.main(["--check"]) == 0
