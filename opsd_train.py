@@ -15,7 +15,7 @@ Bad input (config values, recipe lines, prompt files, model paths, data files) i
 loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` adds the traceback.
 `--dry-run` runs exactly those checks, prints the resolved configuration as JSON, and loads no model.
 A rerun in an output directory with a complete checkpoint resumes it and refuses other method or budget
-settings than the run's `opsd_config.json` (opsd/rundir.py); `--allow-config-change` continues with them
+settings than the run's `opsd_config.json` (opsd/resume.py); `--allow-config-change` continues with them
 and records the change in the file's history. `--help` lists the entry flags and OPSD's fields first.
 """
 
@@ -179,21 +179,6 @@ def opsd_help(pre: argparse.ArgumentParser) -> str:
     return "\n".join(lines)
 
 
-def trim_metrics(path: Path, last_step: int) -> None:
-    """Drop records past the checkpoint being resumed (and a line cut by a kill), so steps stay continuous."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= last_step:
-            kept.append(line)
-    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-
-
 def build_dataset(config: OPSDConfig):
     from opsd.data import load_train_dataset
     from opsd.prompts import reference_text
@@ -262,9 +247,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
     from opsd import microbatch
     from opsd.models import resolve_model_path
-    from opsd.rundir import json_settings, resume_history
+    from opsd.resume import json_settings, resume_history
 
-    # A rerun in a run directory must keep its method and budget (opsd/rundir.py); refused before writing.
+    # A rerun in a run directory must keep its method and budget (opsd/resume.py); refused before writing.
     processes = {} if extra.dry_run else {"num_processes": state.num_processes}
     history = resume_history(
         Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
@@ -284,16 +269,20 @@ def main(argv: list[str] | None = None) -> Path | None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from opsd.callbacks import (
-        COMPLETE_MARK,
-        CompleteMark,
-        MetricsJSONL,
-        TailWeightAverage,
-        latest_complete_checkpoint,
-    )
+    from opsd.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype
     from opsd.probe import Probe, split_probe
     from opsd.provenance import provenance
+    from opsd.rundir import (
+        CONFIG_FILE,
+        STEP_LOGS,
+        checkpoint_dir,
+        checkpoint_step,
+        is_complete,
+        latest_complete_checkpoint,
+        mark_complete,
+        trim_step_log,
+    )
     from opsd_trainer import OPSDTrainer
 
     model_path = resolve_model_path(config.model_name_or_path)
@@ -317,10 +306,10 @@ def main(argv: list[str] | None = None) -> Path | None:
             **processes,
             "history": history,
         }
-        (out / "opsd_config.json").write_text(json.dumps(resolved, indent=2, default=str))
+        (out / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str))
         logger.info(
             "resolved config (also in %s):\n%s",
-            out / "opsd_config.json",
+            out / CONFIG_FILE,
             json.dumps(resolved, indent=1, default=str),
         )
 
@@ -364,16 +353,16 @@ def main(argv: list[str] | None = None) -> Path | None:
     if resume is not None:
         logger.info("resuming from %s", resume)
         if state.is_main_process:
-            for log in ("metrics.jsonl", "completions.jsonl"):
-                trim_metrics(out / log, int(resume.name.split("-")[1]))
+            for log in STEP_LOGS:
+                trim_step_log(out / log, checkpoint_step(resume))
         if wavg is not None:
             wavg.restore(resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    final = out / f"checkpoint-{trainer.state.global_step}"
-    if not (final / COMPLETE_MARK).is_file():
+    final = checkpoint_dir(out, trainer.state.global_step)
+    if not is_complete(final):
         trainer._save_checkpoint(trainer.model, trial=None)
         if state.is_main_process:
-            (final / COMPLETE_MARK).touch()
+            mark_complete(final)
     if wavg is not None:  # on every process: saving may be collective (DeepSpeed)
         wavg.save_average(trainer, trainer.state.global_step)
     if state.is_main_process:

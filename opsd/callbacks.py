@@ -14,27 +14,24 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
+from opsd.rundir import (  # noqa: F401  (latest_complete_checkpoint: where callers have always found it)
+    METRICS_FILE,
+    checkpoint_dir,
+    latest_complete_checkpoint,
+    mark_complete,
+    wavg_dir,
+)
+
 logger = logging.getLogger(__name__)
-COMPLETE_MARK = ".complete"
-
-
-def latest_complete_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest `checkpoint-N` that was fully written (a run killed while saving leaves no mark)."""
-    done = [
-        p
-        for p in Path(output_dir).glob("checkpoint-*")
-        if p.name[len("checkpoint-") :].isdigit() and (p / COMPLETE_MARK).is_file()
-    ]
-    return max(done, key=lambda p: int(p.name[len("checkpoint-") :]), default=None)
 
 
 class CompleteMark(TrainerCallback):
     """Marks a checkpoint complete once the trainer has finished writing it (added last, so it runs last)."""
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        ckpt = checkpoint_dir(args.output_dir, state.global_step)
         if state.is_world_process_zero and ckpt.is_dir():
-            (ckpt / COMPLETE_MARK).touch()
+            mark_complete(ckpt)
 
 
 class MetricsJSONL(TrainerCallback):
@@ -43,7 +40,7 @@ class MetricsJSONL(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        path = Path(args.output_dir) / "metrics.jsonl"
+        path = Path(args.output_dir) / METRICS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
@@ -160,7 +157,7 @@ class TailWeightAverage(TrainerCallback):
         self.count += 1
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        ckpt = checkpoint_dir(args.output_dir, state.global_step)
         if state.is_world_process_zero and ckpt.is_dir() and self.count:
             torch.save({"sum": self.sum, "count": self.count}, ckpt / "wavg_state.pt")
 
@@ -183,7 +180,7 @@ class TailWeightAverage(TrainerCallback):
         with torch.no_grad():
             for name, avg in self.averaged_state().items():
                 params[name].copy_(avg.to(params[name].dtype))
-        out = Path(trainer.args.output_dir) / f"checkpoint-{max_steps}-wavg{self.last_n}"
+        out = wavg_dir(trainer.args.output_dir, max_steps, self.last_n)
         trainer.save_model(str(out))
         with torch.no_grad():
             for name, value in final.items():

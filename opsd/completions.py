@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from opsd.loss import token_divergence
+from opsd.rundir import COMPLETIONS_FILE
 
 logger = logging.getLogger(__name__)
 
-FILENAME = "completions.jsonl"
+FILENAME = COMPLETIONS_FILE
 COLUMNS = (
     "step",
     "problem",

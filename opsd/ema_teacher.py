@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
+from opsd.rundir import EMA_TEACHER_FILE, checkpoint_dir
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,7 +29,7 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
     for which `step_skipped()` is true (non-finite, no update) leaves the teacher as it is.
     """
 
-    STATE_FILE = "ema_teacher.pt"
+    STATE_FILE = EMA_TEACHER_FILE
 
     def __init__(self, *args, step_skipped=lambda: False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -65,7 +67,7 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
         self._copy_to_teacher()
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        ckpt = checkpoint_dir(args.output_dir, state.global_step)
         if state.is_world_process_zero and ckpt.is_dir() and self._initialized:
             shadow = {k: v.cpu() for k, v in self.shadow_weights.items()}
             torch.save({"shadow": shadow, "update_rate": self.update_rate}, ckpt / self.STATE_FILE)

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from opsd.rundir import METRICS_FILE
+
 # (panel title, metric keys drawn in it). Keys are the names in metrics.jsonl.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss",)),
@@ -33,7 +35,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """{metric: [(step, value), ...]} from `<run_dir>/metrics.jsonl`, steps ascending, one value per step."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the output_dir of a training run")
     by_key: dict[str, dict[int, float]] = {}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from opsd.loss import pointwise_jsd_terms
+from opsd.rundir import PROBE_FILE
 from opsd.scoring import eval_mode, left_pad, right_pad
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROBE_FILE = "probe_set.json"
 PROBE_KEYS = ("probe/divergence", "probe/top1_agree", "probe/teacher_token_logp")
 # Warn when the probe divergence is this much above its step-0 value.
 RISE_WARN_RATIO = 1.1

@@ -1,161 +1,87 @@
-"""A run directory belongs to one configuration: resuming checks the settings against `opsd_config.json`.
+"""A run directory's layout, in one place: what training writes into `output_dir`, and how resume, the
+evaluation sweep and the plots find it.
 
-Rerunning a command in an output directory that holds a complete checkpoint resumes from it. Before that,
-the resolved settings are compared with the ones saved in `<output_dir>/opsd_config.json`:
+    <output_dir>/
+      opsd_config.json       the resolved settings of the latest segment and their history (opsd.resume)
+      metrics.jsonl          one JSON line per logging step, append-only (cut back to the checkpoint on resume)
+      completions.jsonl      the completions log (opsd.completions), cut back like metrics.jsonl
+      probe_set.json         the probe's frozen problems and rollouts (opsd.probe)
+      checkpoint-N/          the trainer's checkpoint at step N; `.complete` once it is fully written,
+                             `ema_teacher.pt` with an EMA teacher
+      checkpoint-N-wavgK/    the tail weight average over the last K steps (opsd.callbacks)
 
-- `MAY_CHANGE` keys may differ: operational settings (trackers, logging, memory, micro-batch: they change
-  neither the budget nor the arithmetic of the method), checkpoint cadence, and `max_steps` (continuing a
-  run for longer). Each change is logged and appended to the file's `history`.
-- Any other difference in a method or budget setting (`compared_keys`) is refused with one line naming
-  each changed key, saved and new value, and the two ways out: a new `--output_dir`, or
-  `--allow-config-change`, which continues the run with the new settings and records the change in
-  `history` too.
-
-`opsd_config.json` always holds the settings of the latest segment, and its `history` lists every change
-with the step it took effect at, so the first configuration can be read back from the file. A key missing
-on either side (a file written by an older release, the process count in a dry run) is not compared. An
-output directory without a complete checkpoint is a fresh start: nothing was trained, and the file is
-rewritten.
-
-`eval_aime.py` makes the same refusal for evaluation directories (`opsd/evaluation/samples.py`).
+Only checkpoints with the `.complete` mark are resumed from or swept; a save cut by a kill has none.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import json
-import logging
-from collections.abc import Mapping
+import re
 from pathlib import Path
-from typing import Any
-
-from opsd.errors import InvalidValue
-from opsd.recipe import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "opsd_config.json"
-HISTORY_KEY = "history"
-ALLOW_FLAG = "--allow-config-change"
-# How a process splits its problems per step into micro-batches (opsd/microbatch.py: memory, not method):
-# these may change on resume as long as PROBLEMS_PER_PROCESS, their product, does not.
-SPLIT_KEYS = frozenset({
-    "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
-})  # fmt: skip
-PROBLEMS_PER_PROCESS = "problems_per_process_per_step"
-# Settings that may change when a run resumes. `micro_batch_size` is operational (memory for time on the
-# same arithmetic), whether or not this release has the field.
-MAY_CHANGE = OPERATIONAL_KEYS | SPLIT_KEYS | {
-    "micro_batch_size", "max_steps", "save_steps", "save_strategy", "save_total_limit", "output_dir",
-    "resume_from_checkpoint", "logging_dir", "logging_strategy", "push_to_hub", "hub_model_id",
-    "hub_strategy", "hub_private_repo", "dataloader_num_workers", "dataloader_prefetch_factor",
-}  # fmt: skip
-# Inherited settings that change what is trained or how, beyond RECIPE_KEYS and BUDGET_KEYS.
-METHOD_KEYS = frozenset({
-    "bf16", "fp16", "tf32", "optim", "optim_args", "adam_epsilon", "lr_scheduler_kwargs",
-    "label_smoothing_factor", "neftune_noise_alpha", "min_p", "repetition_penalty", "generation_kwargs",
-    "teacher_sync_steps", "vllm_max_model_length", "max_prompt_length", "num_processes",
-})  # fmt: skip
-# Written into opsd_config.json beside the settings; never compared.
-NOT_SETTINGS = frozenset({"resolved_model_path", "recipe", "provenance", "micro_batch", HISTORY_KEY})
-SHOWN_CHARS = 60
+METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+PROBE_FILE = "probe_set.json"
+EMA_TEACHER_FILE = "ema_teacher.pt"
+COMPLETE_MARK = ".complete"
+# Append-only logs that a resume cuts back to the checkpoint's step.
+STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE)
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
-def compared_keys() -> frozenset[str]:
-    """Every setting whose change on resume is refused: the recipe, the budget, OPSD's own fields and the
-    inherited method settings, less what may change."""
-    from opsd.config import OPSDConfig
-
-    inherited = {f.name for f in dataclasses.fields(OPSDConfig.__mro__[1])}
-    own = {f.name for f in dataclasses.fields(OPSDConfig)} - inherited
-    # Fields OPSDConfig redeclares (published defaults for TRL arguments) are OPSD settings too.
-    own |= set(OPSDConfig.__dict__.get("__annotations__", {}))
-    return frozenset(
-        (RECIPE_KEYS | BUDGET_KEYS | own | METHOD_KEYS | {PROBLEMS_PER_PROCESS}) - MAY_CHANGE - NOT_SETTINGS
-    )
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
 
 
-def _with_problems_per_process(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """`settings` plus the product that the micro-batch split must keep (where both factors are there)."""
-    out = dict(settings)
-    batch, accumulation = out.get("per_device_train_batch_size"), out.get("gradient_accumulation_steps")
-    if isinstance(batch, int) and isinstance(accumulation, int):
-        out[PROBLEMS_PER_PROCESS] = batch * accumulation
-    return out
+def checkpoint_step(path: str | Path) -> int | None:
+    """N of a directory named exactly `checkpoint-N`, else None."""
+    m = _CHECKPOINT.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+def step_in_path(path: str | Path) -> int | None:
+    """N of the innermost `checkpoint-N` component of `path` (an adapter inside a run directory), else None."""
+    steps = [checkpoint_step(part) for part in Path(path).parts]
+    return next((s for s in reversed(steps) if s is not None), None)
 
 
-def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (saved, current)} for every setting present on both sides whose value differs."""
-    return {
-        k: (saved[k], current[k])
-        for k in sorted(set(saved) & set(current) - NOT_SETTINGS)
-        if saved[k] != current[k]
-    }
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Every `checkpoint-N` directory of a run, by N (complete or not)."""
+    found = [
+        p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None
+    ]
+    return sorted(found, key=checkpoint_step)
 
 
-def check_resume(
-    saved: Mapping[str, Any], current: Mapping[str, Any], *, allow: bool, where: str, at_step: int
-) -> list[dict[str, Any]]:
-    """The run's history with this resume's changes appended; raises InvalidValue for a refused change.
-
-    `saved` is the run's opsd_config.json, `current` the resolved settings of this command (JSON values),
-    `where` the output directory, `at_step` the step of the checkpoint being resumed.
-    """
-    history = list(saved.get(HISTORY_KEY) or [])
-    changes = config_changes(_with_problems_per_process(saved), _with_problems_per_process(current))
-    if not changes:
-        return history
-    compared = compared_keys()
-    refused = {k: v for k, v in changes.items() if k in compared}
-    if refused and not allow:
-        named = ", ".join(f"{k} {_shown(a)} -> {_shown(b)}" for k, (a, b) in refused.items())
-        raise InvalidValue(
-            f"{where} holds a run with other settings ({len(refused)} changed: {named}); a run directory "
-            f"belongs to one configuration: use a new --output_dir (train_capped.sh: a new --name), or rerun "
-            f"with {ALLOW_FLAG} to continue "
-            f"this run from step {at_step} with the new settings (recorded in {CONFIG_FILE}'s history)"
-        )
-    for k, (a, b) in changes.items():
-        how = f"allowed by {ALLOW_FLAG}" if k in refused else "allowed on resume"
-        logger.warning("resume at step %d: %s %s -> %s (%s; kept in the history)", at_step, k, _shown(a),
-                       _shown(b), how)  # fmt: skip
-    history.append({
-        "at_step": at_step,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "changed": {k: {"from": a, "to": b} for k, (a, b) in changes.items()},
-        "allowed_by": ALLOW_FLAG if refused else "operational or max_steps",
-    })  # fmt: skip
-    return history
+def is_complete(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / COMPLETE_MARK).is_file()
 
 
-def resume_history(out: Path, current: Mapping[str, Any], *, allow: bool) -> list[dict[str, Any]]:
-    """Check this command's settings against the run in `out` (when it holds a complete checkpoint) and
-    return the history to save with them. Reads only; raises InvalidValue for a refused change."""
-    from opsd.callbacks import latest_complete_checkpoint
-
-    cfg_path = out / CONFIG_FILE
-    resume = latest_complete_checkpoint(out)
-    if resume is None or not cfg_path.is_file():
-        return []
-    try:
-        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidValue(
-            f"{cfg_path} cannot be read ({err}), so this run's settings cannot be checked before resuming; "
-            "restore the file or use a new --output_dir"
-        ) from err
-    if not isinstance(saved, dict):
-        raise InvalidValue(f"{cfg_path} is not a JSON object; restore the file or use a new --output_dir")
-    at_step = int(resume.name.split("-")[1])
-    return check_resume(saved, current, allow=allow, where=str(out), at_step=at_step)
+def mark_complete(checkpoint: str | Path) -> None:
+    (Path(checkpoint) / COMPLETE_MARK).touch()
 
 
-def json_settings(config) -> dict[str, Any]:
-    """The config's settings as they are saved in opsd_config.json (JSON values, so they compare equal)."""
-    return json.loads(json.dumps(config.to_dict(), default=str))
+def latest_complete_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest `checkpoint-N` that was fully written (a run killed while saving leaves no mark)."""
+    done = [p for p in checkpoints(output_dir) if is_complete(p)]
+    return done[-1] if done else None
+
+
+def wavg_dir(output_dir: str | Path, step: int, last_n: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}-wavg{last_n}"
+
+
+def trim_step_log(path: Path, last_step: int) -> None:
+    """Drop records past the checkpoint being resumed (and a line cut by a kill), so steps stay continuous."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from opsd.errors import InvalidValue
-from opsd.rundir import ALLOW_FLAG, HISTORY_KEY, check_resume, compared_keys
+from opsd.resume import ALLOW_FLAG, HISTORY_KEY, check_resume, compared_keys
 from tests.test_bad_input import one_line
 from tests.test_train_cli import run_train, tiny_args
 

@@ -298,7 +298,7 @@ def test_expand_orders_complete_checkpoints_and_names_them_uniquely(tmp_path):
     entries = expand([str(tmp_path / "a"), str(tmp_path / "b" / "checkpoint-10"), str(tmp_path / "full"),
                       "org/adapter"], with_base=True)  # fmt: skip
     assert [(e.name, e.kind) for e in entries] == [
-        ("base", "base"), ("checkpoint-2", "lora"), ("checkpoint-10", "lora"), ("b-checkpoint-10", "lora"),
+        ("base", "base"), ("checkpoint-2", "lora"), ("a-checkpoint-10", "lora"), ("b-checkpoint-10", "lora"),
         ("full", "full"), ("org--adapter", "lora"),
     ]  # fmt: skip
     (tmp_path / "a" / "checkpoint-2" / ".complete").unlink()

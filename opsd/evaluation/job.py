@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 from opsd.evaluation.config import EvalConfig, UserError
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
 @dataclass
@@ -87,12 +84,9 @@ def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
 
 def checkpoint_step(*paths: str) -> int | None:
     """N of the last `checkpoint-N` path component among `paths` (first path that has one)."""
-    for p in paths:
-        for part in reversed(Path(p).parts if p else ()):
-            m = _CHECKPOINT.fullmatch(part)
-            if m:
-                return int(m.group(1))
-    return None
+    from opsd.rundir import step_in_path
+
+    return next((n for n in (step_in_path(p) for p in paths if p) if n is not None), None)
 
 
 def choose_engine(name: str) -> str:

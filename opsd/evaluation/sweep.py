@@ -11,7 +11,8 @@ directory (adapter_config.json), a full fine-tune of the base model (config.json
 or a Hub adapter id. The base model (`--model`) comes first unless `--no-base`.
 
 Each one is an ordinary evaluation into OUT/NAME (OUT/base, OUT/checkpoint-N; a Hub id `org/name` becomes
-`org--name`, and a name used twice gets its parent directory's name in front): samples.jsonl,
+`org--name`, and every checkpoint of a name used more than once gets its parent directory's name in front:
+run-a-checkpoint-100, run-b-checkpoint-100): samples.jsonl,
 eval_config.json, summary.json and per_problem.csv exactly as `--adapter CKPT --out OUT/NAME` (or `--model
 CKPT` for a full fine-tune) would write them, so --compare, --aggregate and --plot-steps read them, and a
 single evaluation can resume one. Sample seeds depend on (seed, problem, sample index) only, so a sweep
@@ -76,18 +77,12 @@ class Entry:
     kind: str  # base | lora | full
 
 
-def _checkpoint_n(p: Path) -> int | None:
-    suffix = p.name[len("checkpoint-") :]
-    return int(suffix) if p.name.startswith("checkpoint-") and suffix.isdigit() else None
-
-
 def _run_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoint-N of a run directory, by N (module docstring)."""
-    from opsd.callbacks import COMPLETE_MARK
+    from opsd.rundir import COMPLETE_MARK, checkpoints, is_complete
 
-    found = sorted((p for p in run_dir.iterdir() if p.is_dir() and _checkpoint_n(p) is not None),
-                   key=_checkpoint_n)  # fmt: skip
-    marked = [p for p in found if (p / COMPLETE_MARK).is_file()]
+    found = checkpoints(run_dir)
+    marked = [p for p in found if is_complete(p)]
     if marked:
         skipped = [p.name for p in found if p not in marked]
         if skipped:
@@ -136,15 +131,17 @@ def expand(args: list[str], with_base: bool) -> list[Entry]:
                 "or Hub adapter ids (org/name)"
             )
     entries = [Entry(BASE, "", "base")] if with_base else []
-    names = {BASE} if with_base else set()
     seen: set[str] = set()
-    for path, source, kind in found:
+    for path, source, _ in found:
         key = str(path.resolve()) if path is not None else source
         if key in seen:
             raise UserError(f"--checkpoints names {source} twice; list each checkpoint once")
         seen.add(key)
-        name = path.name if path is not None else source.replace("/", "--")
-        if name in names and path is not None:
+    short = [path.name if path is not None else source.replace("/", "--") for path, source, _ in found]
+    taken = [BASE] * with_base + short
+    names = {BASE} if with_base else set()
+    for (path, source, kind), name in zip(found, short, strict=True):
+        if taken.count(name) > 1 and path is not None:  # every one of a repeated name gets its parent's
             name = f"{path.resolve().parent.name}-{name}"
         if name in names:
             raise UserError(f"--checkpoints: two checkpoints share the result directory name {name}")
