@@ -1,4 +1,11 @@
-"""Shared fixtures: a tiny Qwen3 with a locally trained tokenizer, built once per test session."""
+"""Shared fixtures (a tiny Qwen3 with a locally trained tokenizer, built once per test session) and the tiers.
+
+Tests live in three folders, and each test gets its folder's marker:
+- `tests/unit`: no model (losses against a naive oracle, grading, metrics, recipes, prompts, data);
+- `tests/integration`: a tiny model in this process (scoring, the trainer's pieces, the probe);
+- `tests/e2e`: real engines, subprocess CLIs, the harness, several processes.
+`make test-fast` runs the first two; `bash scripts/test.sh` runs all three (what CI runs).
+"""
 
 import os
 import subprocess
@@ -12,6 +19,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest  # noqa: E402
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
+
 
 ENV = {
     k: os.environ[k]

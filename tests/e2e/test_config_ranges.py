@@ -371,7 +371,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
 
     from tests.conftest import ENV
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     res = subprocess.run(
         [sys.executable, str(root / "opsd_train.py"), "--help"],
         cwd=tmp_path, env={**ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300,

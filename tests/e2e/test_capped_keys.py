@@ -14,7 +14,7 @@ from opsd.recipe import (
     flag_overrides,
     parse_recipe,
 )
-from tests.test_capped import finish, harness
+from tests.e2e.test_capped import finish, harness
 
 # One value per operational key the harness used to refuse; each is checked in the resolved config.
 OPERATIONAL = {

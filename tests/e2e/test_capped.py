@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import ENV, make_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def harness(*args, env=None, **kw):

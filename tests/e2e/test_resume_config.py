@@ -9,8 +9,8 @@ import pytest
 
 from opsd.errors import InvalidValue
 from opsd.resume import ALLOW_FLAG, HISTORY_KEY, check_resume, compared_keys
-from tests.test_bad_input import one_line
-from tests.test_train_cli import run_train, tiny_args
+from tests.e2e.test_bad_input import one_line
+from tests.e2e.test_train_cli import run_train, tiny_args
 
 SAVED = {"beta": 0.0, "clip_mode": "element", "max_steps": 2, "report_to": [], "learning_rate": 5e-6,
          "micro_batch_size": "", "provenance": {"git": "a"}, "history": []}  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from tests.conftest import make_trainer
-from tests.test_trainer import _scoring_batch, _teacher_hidden
+from tests.e2e.test_trainer import _scoring_batch, _teacher_hidden
 
 
 def _adapters(trainer):

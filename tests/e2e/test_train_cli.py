@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import ENV, make_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_train(args, tmp_path, extra_env=None, timeout=900):

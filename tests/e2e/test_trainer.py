@@ -16,7 +16,7 @@ def _naive_positions(prompt_mask, completion_width):
 
 
 def test_positions_against_naive():
-    # fix_position_ids=False scores other rows (tests/test_positions_and_first_token.py).
+    # fix_position_ids=False scores other rows (tests/integration/test_positions_and_first_token.py).
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     assert torch.equal(positions(mask, 4), _naive_positions(mask, 4))
 

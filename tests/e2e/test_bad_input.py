@@ -13,7 +13,7 @@ from opsd.data import DataError, load_eval_dataset, load_table, load_train_datas
 from opsd.errors import UserError, split_debug
 from tests.conftest import ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def row(i: int, **changes) -> dict:

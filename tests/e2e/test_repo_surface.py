@@ -14,7 +14,7 @@ import yaml
 
 from tests.conftest import make_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- standing on its own -----------------------------------------------------------------------------------

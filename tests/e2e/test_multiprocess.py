@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

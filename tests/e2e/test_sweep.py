@@ -1,7 +1,7 @@
 """eval_aime.py --checkpoints (sweeps), Hub adapters and the progress line, with the real vLLM CPU engine.
 
 The run directory holds two LoRA checkpoints of one short training run on the tiny model: it learns to
-answer our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am not sure.` (as tests/test_eval.py's
+answer our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am not sure.` (as tests/e2e/test_eval.py's
 "boxer"), saved after 10 and 200 steps, so base, checkpoint-10 and checkpoint-200 sample differently and
 score differently. The reference for a sweep is three separate evaluations of the same settings; the
 table is recomputed here from samples.jsonl. Engine starts: 3 (references) + 1 (sweep) + 2 (killed sweep,
