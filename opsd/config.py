@@ -124,7 +124,11 @@ class OPSDConfig(SDFTConfig):
     )
     num_generations: int = field(default=1, metadata=_help("Rollouts per problem (OPSD: 1)."))
     max_prompt_length: int | None = field(
-        default=None, metadata=_help("Unused: prompts are never cut (see max_teacher_prompt_length).")
+        default=None,
+        metadata=_help(
+            "Ignored with a logged note (TRL/open-r1 recipes carry it): prompts are never cut; see "
+            "max_teacher_prompt_length."
+        ),
     )
     max_completion_length: int | None = field(default=1024, metadata=_help("Rollout length cap in tokens."))
     temperature: float = field(default=1.1, metadata=_help("Rollout sampling temperature."))
@@ -321,6 +325,12 @@ class OPSDConfig(SDFTConfig):
                     f"{name}={getattr(self, name)!r} is an SDFTTrainer option that OPSDTrainer ignores; {instead}"
                 )
         check_trl_teacher_options(self, sdft_defaults)
+        if self.max_prompt_length is not None:  # TRL/open-r1 recipes carry it; OPSD renders its own prompts
+            logger.warning(
+                "max_prompt_length=%s is ignored: OPSD never cuts a prompt (that would cut the problem); the "
+                "teacher prompt's cap is max_teacher_prompt_length",
+                self.max_prompt_length,
+            )
         evaluation = getattr(self.eval_strategy, "value", self.eval_strategy)
         if evaluation not in (None, "no"):  # Trainer refuses it once the model has loaded
             raise ValueError(

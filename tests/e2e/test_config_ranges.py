@@ -420,3 +420,20 @@ def test_harness_passes_allow_config_change_to_training(tmp_path, monkeypatch, c
     assert "--allow-config-change" not in json.loads(capsys.readouterr().out)["command"]
     assert capped.main([*argv, "--allow-config-change"]) == 0
     assert json.loads(capsys.readouterr().out)["command"][-1] == "--allow-config-change"
+
+
+def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
+    """TRL's SDFTTrainer would cut prompts from the left at max_prompt_length; OPSD renders its own prompts
+    and never cuts one, so a recipe's value is named as ignored instead of passing silently."""
+    import logging
+
+    from opsd_train import parse_config
+
+    with caplog.at_level(logging.WARNING, logger="opsd.config"):
+        cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})
+    assert cfg.max_prompt_length == 512
+    assert "max_prompt_length=512 is ignored" in caplog.text and "max_teacher_prompt_length" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opsd.config"):
+        parse_config(["--output_dir", str(tmp_path)], environ={})
+    assert "max_prompt_length" not in caplog.text
