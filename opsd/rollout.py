@@ -39,6 +39,17 @@ class SamplingConfig:
     logprobs: bool = False
     min_tokens: int = 0  # benchmarks force fixed-length completions with min_tokens == max_tokens
 
+    def vllm(self, n: int = 1, **overrides):
+        """These settings as vLLM `SamplingParams` for n samples (top_k 0 = off); the one place that builds
+        them for evaluation and benchmarks."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else -1, min_p=self.min_p, seed=self.seed,
+            logprobs=0 if self.logprobs else None, min_tokens=self.min_tokens, **overrides,
+        )  # fmt: skip
+
 
 # vLLM's distributed init binds to VLLM_HOST_IP, by default the host's outward address; where that address is
 # unreachable (an isolated or firewalled node) the engine waits forever after "Using V2 Model Runner". Every
@@ -105,25 +116,10 @@ class VLLMEngine:
         lora_path: str | None = None,
     ) -> list[list[Sample]]:
         """One batched call; `sampling` and `n` may be given per prompt (e.g. each with its own seed)."""
-        from vllm import SamplingParams
-
         count = len(prompt_ids)
         samplings = [sampling] * count if isinstance(sampling, SamplingConfig) else list(sampling)
         ns = [n] * count if isinstance(n, int) else list(n)
-        params = [
-            SamplingParams(
-                n=k,
-                max_tokens=sc.max_tokens,
-                temperature=sc.temperature,
-                top_p=sc.top_p,
-                top_k=sc.top_k if sc.top_k > 0 else -1,
-                min_p=sc.min_p,
-                seed=sc.seed,
-                logprobs=0 if sc.logprobs else None,
-                min_tokens=sc.min_tokens,
-            )
-            for sc, k in zip(samplings, ns, strict=True)
-        ]
+        params = [sc.vllm(k) for sc, k in zip(samplings, ns, strict=True)]
         lora = None
         if lora_path:
             from vllm.lora.request import LoRARequest

@@ -134,16 +134,21 @@ def prepare_prompts(job: Job, requests: Sequence[Request]) -> None:
 # --- vLLM: the streaming loop -------------------------------------------------------------------------------
 
 
+def request_sampling(config: EvalConfig, r: Request):
+    """The sampling settings of one request: the run's (temperature, top-p, top-k, min-p), its seed and cap."""
+    from opsd.rollout import SamplingConfig
+
+    return SamplingConfig(
+        max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        min_p=config.min_p, seed=r.seed,
+    )  # fmt: skip
+
+
 def vllm_params(config: EvalConfig, r: Request, **overrides: Any):
-    """vLLM sampling parameters of one request: the run's sampling settings, its seed, n and token cap."""
-    from vllm import SamplingParams
+    """vLLM sampling parameters of one request (`request_sampling`), n samples, final outputs only."""
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(
-        n=r.count, max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p,
-        top_k=config.top_k if config.top_k > 0 else -1, min_p=config.min_p, seed=r.seed,
-        output_kind=RequestOutputKind.FINAL_ONLY, **overrides,
-    )  # fmt: skip
+    return request_sampling(config, r).vllm(r.count, output_kind=RequestOutputKind.FINAL_ONLY, **overrides)
 
 
 def auto_window(llm, longest_prompt: int, cuda: bool) -> int:
@@ -363,7 +368,7 @@ def generate_missing(
         while batch := source.take(config.chunk_size):
             records = []
             for r in batch:
-                (samples,) = engine.generate([r.prompt_ids], _hf_sampling(config, r), n=r.count)
+                (samples,) = engine.generate([r.prompt_ids], request_sampling(config, r), n=r.count)
                 records += [
                     sample_record(job, r, r.start + j, s.text, s.token_ids, s.finish_reason == "length")
                     for j, s in enumerate(samples)
@@ -372,15 +377,6 @@ def generate_missing(
             source.finished(len(batch))
     progress.close()
     return {"engine_start_s": start_s, "generation_s": time.perf_counter() - t1, **totals}
-
-
-def _hf_sampling(config: EvalConfig, r: Request):
-    from opsd.rollout import SamplingConfig
-
-    return SamplingConfig(
-        max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        min_p=config.min_p, seed=r.seed,
-    )  # fmt: skip
 
 
 # --- the engine dying ---------------------------------------------------------------------------------------
