@@ -255,11 +255,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
     )
     if extra.dry_run:
-        local = Path(config.model_name_or_path).is_dir()
+        # No model path: a dry run reads no GPU memory (train_capped.sh runs it in its own long-lived process,
+        # which would keep a CUDA context on the first GPU through the whole run); a real run decides auto.
         config, plan = microbatch.resolve(
             config,
             dataset,
-            config.model_name_or_path if local else None,
+            None,
             colocated_engine=config.rollout_engine != "transformers" and config.vllm_mode == "colocate",
         )
         rows = None if dataset is None else len(dataset)

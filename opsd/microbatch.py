@@ -237,8 +237,8 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
 
     auto reads the GPU's free memory (the minimum over processes, so all agree on the accumulation), the
     model's config and, with `rows`, the longest prompts of a sample of them; without `rows` (a hub
-    dataset in a dry run) it assumes the teacher prompt cap for both roles. `model_path` None (a hub model
-    in a dry run, which reaches no hub) leaves the choice to the real run.
+    dataset in a dry run) it assumes the teacher prompt cap for both roles. `model_path` None (a dry run,
+    which reads neither the hub nor the GPU) leaves the choice to the real run.
     """
     import torch
 
@@ -251,9 +251,12 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
             per_process, config.per_device_train_batch_size, "auto: chosen when training starts"
         )
         return config, plan
-    free, total = torch.cuda.mem_get_info()
+    from accelerate import PartialState
+
+    device = PartialState().device  # this process's GPU, not the first one
+    free, total = torch.cuda.mem_get_info(device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor([free], device="cuda")
+        t = torch.tensor([free], device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         free = int(t.item())
     plan = gpu_plan(
