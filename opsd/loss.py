@@ -91,6 +91,17 @@ def _clip_terms(terms_NV: torch.Tensor, clip: float, clip_mode: str) -> tuple[to
     return total_N * scale_N, over_N.float()
 
 
+def _teacher_support(
+    s_NV: torch.Tensor, t_NV: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(student, teacher, indices) over the loss's support: the teacher's top-k entries when 0 < top_k < V
+    (indices (N, K)), else the whole vocabulary (K = V, indices None)."""
+    if 0 < top_k < s_NV.shape[-1]:
+        idx_NK = t_NV.topk(top_k, dim=-1).indices
+        return s_NV.gather(-1, idx_NK), t_NV.gather(-1, idx_NK), idx_NK
+    return s_NV, t_NV, None
+
+
 def _log_prob_at(
     scaled_logits_NV: torch.Tensor, support_NK: torch.Tensor, ids_N: torch.Tensor
 ) -> torch.Tensor:
@@ -141,10 +152,7 @@ def token_divergence(
     s_NV = student_logits_NV.float() / temperature
     t_NV = teacher_logits_NV.detach().float() / temperature
     top1_agree_N = (s_NV.argmax(-1) == t_NV.argmax(-1)).float()
-    s_NK, t_NK = s_NV, t_NV  # K = V without top-k
-    if 0 < top_k < s_NV.shape[-1]:
-        idx_NK = t_NV.topk(top_k, dim=-1).indices
-        s_NK, t_NK = s_NV.gather(-1, idx_NK), t_NV.gather(-1, idx_NK)
+    s_NK, t_NK, _ = _teacher_support(s_NV, t_NV, top_k)
 
     if loss_type == "jsd":
         terms_NK = pointwise_jsd_terms(F.log_softmax(s_NK, -1), F.log_softmax(t_NK, -1), beta)
@@ -233,11 +241,7 @@ def token_divergence_with_grad(
         x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
         xt_NV = teacher_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
         top1_agree_N = (x_NV.argmax(-1) == xt_NV.argmax(-1)).float()
-        idx_NK = None
-        x_NK, xt_NK = x_NV, xt_NV
-        if 0 < top_k < x_NV.shape[-1]:
-            idx_NK = xt_NV.topk(top_k, dim=-1).indices
-            x_NK, xt_NK = x_NV.gather(-1, idx_NK), xt_NV.gather(-1, idx_NK)
+        x_NK, xt_NK, idx_NK = _teacher_support(x_NV, xt_NV, top_k)
         logp_s_NK = F.log_softmax(x_NK, -1)
         logp_t_NK = F.log_softmax(xt_NK, -1)
         if loss_type == "sampled_token":
