@@ -50,7 +50,7 @@ def _ema_trainer(tiny_model_dir, out, *callbacks):
 
 
 def test_ema_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
-    from opsd.callbacks import latest_complete_checkpoint
+    from opsd.rundir import latest_complete_checkpoint
 
     whole = _ema_trainer(tiny_model_dir, tmp_path / "whole")
     whole.train()
@@ -247,7 +247,8 @@ def test_nonfinite_step_is_skipped(tiny_model_dir, tmp_path):
 def test_consecutive_nonfinite_steps_abort_keeping_the_last_checkpoint(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from opsd.callbacks import CompleteMark, latest_complete_checkpoint
+    from opsd.callbacks import CompleteMark
+    from opsd.rundir import latest_complete_checkpoint
 
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=6, save_strategy="steps", save_steps=2, max_nonfinite_steps=2
