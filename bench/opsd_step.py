@@ -8,7 +8,8 @@ random-weight Qwen3-1.7B (bf16), the same built-in problems and the same setting
 (per-device batch 4 x accumulation 8, as the capped harness plans one GPU), one rollout each of exactly
 LENGTH tokens (min_tokens = max_tokens), vLLM colocated at gpu_memory_utilization 0.6, LoRA r64, fixed
 teacher, beta 0, per-entry clip 0.05.
-- `project`: `opsd_train.py` with `micro_batch_size=MICRO` (auto = what `train_capped.sh` runs);
+- `project`: `opsd_train.py` with `micro_batch_size=MICRO` (auto = what `train_capped.sh` runs; with
+  `ckpt`, auto may still turn checkpointing off, and the row's `gradient_checkpointing` says what ran);
 - `reference`: `bench/reference_step.py` (both roles' logits over the whole vocabulary, TRL's rollout call
   and merged-LoRA sync) with per-device micro-batch MICRO.
 The first step (engine warm-up, compilation) is excluded; the rows hold medians over the remaining steps of
@@ -38,8 +39,8 @@ from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E
 
 # The reference's micro-batch 4 runs out of memory beside vLLM at 2048 on an H200; its micro-batch 2 runs.
 DEFAULT_VARIANTS = (
-    "reference:1024:4:ckpt,project:1024:auto:ckpt,project:1024:4:ckpt,"
-    "reference:2048:4:ckpt,reference:2048:2:ckpt,project:2048:auto:ckpt"
+    "reference:1024:4:ckpt,project:1024:auto:ckpt,project:1024:32:ckpt,project:1024:4:ckpt,"
+    "project:1024:4:nockpt,reference:2048:4:ckpt,reference:2048:2:ckpt,project:2048:auto:ckpt"
 )
 ENTRY = {"project": ROOT / "opsd_train.py", "reference": ROOT / "bench" / "reference_step.py"}
 GOAL_RATIO = 0.7
@@ -102,6 +103,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
         micro_batch=resolved["per_device_train_batch_size"],
         accumulation=resolved["gradient_accumulation_steps"],
         micro_batch_plan=resolved.get("micro_batch"),
+        gradient_checkpointing=resolved["gradient_checkpointing"],
         steps_measured=len(measured),
         per_step=[{k: r.get(k) for k in STEP_METRICS} for r in steps_logged],
         engine_log=[line for line in res.stderr.splitlines() if "Asynchronous scheduling" in line][:1],
@@ -147,8 +149,8 @@ BF16_DENSE_FLOPS = 989e12
 
 def bounds(row: dict) -> dict:
     """What limits a measured step: the decode step against reading the weights once, and the training part's
-    matrix FLOPs (student forward, recompute and activation backward with frozen base weights; teacher forward;
-    three lm_head products per completion token) against the bf16 peak. Token counts are the longest rows'
+    matrix FLOPs (student forward, its recompute when checkpointing, and activation backward with frozen base
+    weights; teacher forward; three lm_head products per completion token) against the bf16 peak. Token counts are the longest rows'
     (`micro_batch_plan`), so the FLOPs are an upper estimate."""
     out = {"decode_step_ms": round(1000 * row["time/rollout_s"] / row["length"], 3)}
     out["weight_read_ms"] = round(1000 * ALL_PARAMS * 2 / HBM_BYTES_PER_S, 3)
@@ -157,7 +159,8 @@ def bounds(row: dict) -> dict:
     if found and row.get("time/train_micro_s"):
         student, teacher = (32 * int(t) for t in found.groups())
         completion = 32 * row["length"]
-        flops = 2 * BODY_PARAMS * (3 * student + teacher) + 3 * 2 * 2048 * 151936 * completion
+        passes = 3 if row.get("gradient_checkpointing", True) else 2
+        flops = 2 * BODY_PARAMS * (passes * student + teacher) + 3 * 2 * 2048 * 151936 * completion
         out["train_tflop"] = round(flops / 1e12, 1)
         out["train_tflop_per_s"] = round(flops / row["time/train_micro_s"] / 1e12, 1)
         out["train_at_peak_s"] = round(flops / BF16_DENSE_FLOPS, 3)
