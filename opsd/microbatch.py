@@ -11,12 +11,6 @@ total changes nothing but the order of float sums; a larger m only costs memory 
 - "auto": on a GPU, the largest divisor whose estimated memory fits beside the colocated engine
   (`estimate_micro_batch_bytes`, from the model's shape and the step's sequence lengths) and whose student
   tokens stay under `AUTO_MAX_TOKENS`; without a GPU, the plan as given.
-
-Gradient checkpointing is memory, not method, too: it recomputes the student's forward in backward (a
-quarter of a LoRA step's matrix work: forward, recompute, activation backward, teacher forward). So with
-`gradient_checkpointing` on (the default), auto turns it off when the memory allows a micro-batch of at least
-`AUTO_MIN_TOKENS_WITHOUT_CHECKPOINTING` student tokens without it; `gradient_checkpointing=false` is kept as
-given. The plan records which it chose.
 """
 
 from __future__ import annotations
@@ -33,9 +27,6 @@ GIB = 1 << 30
 # Past this many student tokens per micro-batch the matrix products already fill an H200; larger micro-batches
 # only add memory (docs/performance.md).
 AUTO_MAX_TOKENS = 40 * 1024
-# Below this many student tokens per micro-batch a pass no longer fills the GPU, and the recompute that
-# checkpointing costs is cheaper than the smaller micro-batch that dropping it forces.
-AUTO_MIN_TOKENS_WITHOUT_CHECKPOINTING = 4096
 # Share of the memory left beside the engine that the estimate may fill: allocator fragmentation, the CUDA
 # context and NCCL buffers are not in it.
 AUTO_MEMORY_SHARE = 0.8
@@ -71,15 +62,11 @@ class MicroBatchPlan:
     reason: str
     estimate_gib: float | None = None  # estimated memory of one micro-batch beyond weights and engine
     budget_gib: float | None = None  # what auto allowed it
-    gradient_checkpointing: bool | None = None  # what auto chose; None: as configured
 
     def describe(self) -> str:
-        ckpt = "" if self.gradient_checkpointing is None else (
-            f", checkpointing {'on' if self.gradient_checkpointing else 'off'}"
-        )  # fmt: skip
         return (
             f"micro-batch {self.micro_batch} x {self.accumulation} accumulation = {self.problems_per_process} "
-            f"problems per process per step{ckpt} ({self.reason})"
+            f"problems per process per step ({self.reason})"
         )
 
 
@@ -133,16 +120,6 @@ def estimate_micro_batch_bytes(
     return micro_batch * (student + teacher + hidden) + loss
 
 
-def _largest_fit(problems_per_process, shape, budget, student_tokens, **kw) -> tuple[int, int]:
-    """(m, its estimate): the largest divisor that fits `budget` and the token cap; m = 1 if none does."""
-    chosen = None
-    for m in divisors(problems_per_process):
-        need = estimate_micro_batch_bytes(shape, m, student_tokens=student_tokens, **kw)
-        if chosen is None or (need <= budget and m * student_tokens <= AUTO_MAX_TOKENS):
-            chosen = (m, need)
-    return chosen
-
-
 def auto_micro_batch(
     problems_per_process: int,
     shape: ModelShape,
@@ -156,28 +133,25 @@ def auto_micro_batch(
 ) -> MicroBatchPlan:
     """The largest divisor of `problems_per_process` whose estimate fits in `free_bytes` (the memory that
     weights, optimizer and engine leave) within `AUTO_MEMORY_SHARE`, and whose student tokens stay under
-    `AUTO_MAX_TOKENS`; 1 if none does (the smallest split there is).
-
-    With `gradient_checkpointing` allowed, the plan without it is taken when it fits with at least
-    `AUTO_MIN_TOKENS_WITHOUT_CHECKPOINTING` student tokens per micro-batch; otherwise the checkpointed one.
-    """
+    `AUTO_MAX_TOKENS`; 1 if none does (the smallest split there is)."""
     budget = max(free_bytes - AUTO_RESERVE_BYTES, 0) * AUTO_MEMORY_SHARE
-    kw = dict(
-        teacher_tokens=teacher_tokens, completion_tokens=completion_tokens, chunk_size=chunk_size
-    )  # fmt: skip
-    ckpt = False
-    chosen, estimate = _largest_fit(
-        problems_per_process, shape, budget, student_tokens, gradient_checkpointing=False, **kw
-    )
-    fits = estimate <= budget and chosen * student_tokens >= AUTO_MIN_TOKENS_WITHOUT_CHECKPOINTING
-    if gradient_checkpointing and not fits:
-        ckpt = True
-        chosen, estimate = _largest_fit(
-            problems_per_process, shape, budget, student_tokens, gradient_checkpointing=True, **kw
+    chosen, estimate = 1, None
+    for m in divisors(problems_per_process):
+        need = estimate_micro_batch_bytes(
+            shape,
+            m,
+            student_tokens=student_tokens,
+            teacher_tokens=teacher_tokens,
+            completion_tokens=completion_tokens,
+            gradient_checkpointing=gradient_checkpointing,
+            chunk_size=chunk_size,
         )
+        if m == 1 or (need <= budget and m * student_tokens <= AUTO_MAX_TOKENS):
+            chosen, estimate = m, need
     reason = (
         f"auto: {free_bytes / GIB:.1f} GiB free beside the engine, {estimate / GIB:.1f} GiB estimated for "
-        f"{chosen} rows of {student_tokens} student / {teacher_tokens} teacher tokens"
+        f"{chosen} rows of {student_tokens} student / {teacher_tokens} teacher tokens, checkpointing "
+        f"{'on' if gradient_checkpointing else 'off'}"
     )
     return MicroBatchPlan(
         chosen,
@@ -186,7 +160,6 @@ def auto_micro_batch(
         reason,
         estimate_gib=round(estimate / GIB, 2),
         budget_gib=round(budget / GIB, 2),
-        gradient_checkpointing=ckpt,
     )
 
 
@@ -200,23 +173,16 @@ def fixed_plan(problems_per_process: int, micro_batch: int, reason: str) -> Micr
 
 
 def apply(config, plan: MicroBatchPlan):
-    """`config` with the plan's micro-batch, accumulation (TRL's generation window re-derived from them) and,
-    where auto chose it, gradient checkpointing."""
-    ckpt = (
-        config.gradient_checkpointing if plan.gradient_checkpointing is None else plan.gradient_checkpointing
-    )
-    now = (
-        config.per_device_train_batch_size,
-        config.gradient_accumulation_steps,
-        config.gradient_checkpointing,
-    )
-    if now == (plan.micro_batch, plan.accumulation, ckpt):
+    """`config` with the plan's micro-batch and accumulation (TRL's generation window re-derived from them)."""
+    if (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (
+        plan.micro_batch,
+        plan.accumulation,
+    ):
         return config
-    return dataclasses.replace(  # TRL derives its generation window again from the new split
+    return dataclasses.replace(
         config,
         per_device_train_batch_size=plan.micro_batch,
         gradient_accumulation_steps=plan.accumulation,
-        gradient_checkpointing=ckpt,
         generation_batch_size=None,
         steps_per_generation=None,
     )
