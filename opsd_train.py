@@ -153,7 +153,7 @@ def opsd_help(pre: argparse.ArgumentParser) -> str:
         "                            [--allow-config-change] [--FIELD VALUE ...]",
         "",
         (__doc__ or "").strip().splitlines()[0],
-        "Precedence, lowest first: defaults < --config YAML < flags < --recipe < OPSD_<FIELD> variables.",
+        "Which setting wins when several give a field: docs/configuration.md (Running and precedence).",
         "",
         "entry flags:",
         "  --config FILE          YAML config (TRL/open-r1 shape); flags given after it win",

@@ -1,8 +1,7 @@
 """Overrides from a `recipe.env` file and `OPSD_*` environment variables, validated into argv flags.
 
-Precedence, lowest first: defaults < YAML < CLI < `recipe.env` < `OPSD_*`. The entry point appends
-`to_argv(resolve_overrides(...))` after the user's CLI arguments, so these win (argparse keeps the last
-occurrence). Every value is checked against the type of its `OPSDConfig` field before it reaches argparse,
+The precedence is stated in `opsd.config`; it holds because the entry point appends
+`to_argv(resolve_overrides(...))` after the user's CLI arguments (argparse keeps the last occurrence). Every value is checked against the type of its `OPSDConfig` field before it reaches argparse,
 so a bad recipe fails with one message naming every bad line instead of a traceback mid-run.
 
 `recipe.env` format (it is parsed here, never sourced or executed by a shell):
