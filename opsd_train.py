@@ -180,7 +180,17 @@ def opsd_help(pre: argparse.ArgumentParser) -> str:
 
 
 def build_dataset(config: OPSDConfig):
+    """The trainer's table: `prompt` (the problem) and `privileged_context` (the reference its teacher reads)."""
+    return build_paired_dataset(config)[0]
+
+
+def build_paired_dataset(config: OPSDConfig):
+    """`build_dataset`'s table and the record of its teacher pairing (`opsd.pairing`; None unless shuffled).
+
+    The pairing is drawn here, over the whole filtered table, before the probe hold-out and before the
+    trainer splits rows over processes."""
     from opsd.data import load_train_dataset
+    from opsd.pairing import apply_pairing
     from opsd.prompts import reference_text
 
     ds = load_train_dataset(
@@ -194,13 +204,15 @@ def build_dataset(config: OPSDConfig):
             "privileged_context": reference_text(row, config.teacher_ref, config.teacher_ref_max_chars),
         }
 
-    return ds.map(to_trainer_row, remove_columns=ds.column_names)
+    table = ds.map(to_trainer_row, remove_columns=ds.column_names)
+    return apply_pairing(table, config.teacher_ref_pairing, seed=config.seed, answers=list(ds["Answer"]))
 
 
 def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
     """Everything a run reads besides the model weights, checked before any model loads: prompt files, a
-    local model directory, the data. Returns the training rows, or None for a hub dataset in a dry run
-    (which reaches no hub). Raises `UserError`."""
+    local model directory, the data. Returns the training rows and their teacher pairing record
+    (`build_paired_dataset`), or (None, None) for a hub dataset in a dry run (which reaches no hub).
+    Raises `UserError`."""
     from opsd.data import is_local
     from opsd.models import check_model_source
     from opsd.prompts import PromptBuilder
@@ -213,8 +225,8 @@ def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
     check_model_source(config.model_name_or_path, config.model_revision, fetch=not dry_run)
     if dry_run and not is_local(config.dataset_name):
         logger.info("dry run: hub dataset %s is not loaded", config.dataset_name)
-        return None
-    return build_dataset(config)
+        return None, None
+    return build_paired_dataset(config)
 
 
 def choose_rollout_engine(config: OPSDConfig) -> None:
@@ -244,16 +256,19 @@ def main(argv: list[str] | None = None) -> Path | None:
         level=logging.INFO if state.is_main_process else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    dataset = check_inputs(config, dry_run=extra.dry_run)  # before any model: bad input fails fast
-    from opsd import microbatch
+    # Before any model: bad input fails fast.
+    dataset, pairing_record = check_inputs(config, dry_run=extra.dry_run)
+    from opsd import microbatch, pairing
     from opsd.models import resolve_model_path
     from opsd.resume import json_settings, resume_history
 
-    # A rerun in a run directory must keep its method and budget (opsd/resume.py); refused before writing.
+    # A rerun in a run directory must keep its method and budget (opsd/resume.py) and its teacher pairing
+    # (opsd/pairing.py); refused before writing.
     processes = {} if extra.dry_run else {"num_processes": state.num_processes}
     history = resume_history(
         Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
     )
+    pairing.check_saved(Path(config.output_dir), pairing_record, allow=extra.allow_config_change)
     if extra.dry_run:
         # No model path: a dry run reads no GPU memory (train_capped.sh runs it in its own long-lived process,
         # which would keep a CUDA context on the first GPU through the whole run); a real run decides auto.
@@ -264,7 +279,8 @@ def main(argv: list[str] | None = None) -> Path | None:
             colocated_engine=config.rollout_engine != "transformers" and config.vllm_mode == "colocate",
         )
         rows = None if dataset is None else len(dataset)
-        out = {"config": config.to_dict(), "data_rows": rows, "micro_batch": dataclasses.asdict(plan)}
+        out = {"config": config.to_dict(), "data_rows": rows, "micro_batch": dataclasses.asdict(plan),
+               "teacher_pairing": pairing.summary(pairing_record)}  # fmt: skip
         print(json.dumps(out, default=str))
         return None
     from peft import LoraConfig
@@ -308,6 +324,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             "history": history,
         }
         (out / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str))
+        pairing.save(out, pairing_record)
         logger.info(
             "resolved config (also in %s):\n%s",
             out / CONFIG_FILE,

@@ -11,6 +11,7 @@ CLIP_MODES = ("element", "token", "rescale", "none")
 LOSS_TYPES = ("jsd", "sampled_token")
 TEACHER_MODES = ("fixed", "ema", "dynamic")
 TEACHER_REFS = ("solution", "cot")
+TEACHER_REF_PAIRINGS = ("matched", "shuffled", "empty")
 DATA_FILTERS = ("none", "numeric", "hard_numeric")
 ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -21,6 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss_type": LOSS_TYPES,
     "teacher_mode": TEACHER_MODES,
     "teacher_ref": TEACHER_REFS,
+    "teacher_ref_pairing": TEACHER_REF_PAIRINGS,
     "data_filter": DATA_FILTERS,
     "rollout_engine": ROLLOUT_ENGINES,
     "dtype": DTYPES,

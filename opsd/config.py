@@ -194,6 +194,15 @@ class OPSDConfig(SDFTConfig):
         default="solution",
         metadata=_choice("teacher_ref", "Privileged context: solution | cot (COT_Reason)."),
     )
+    teacher_ref_pairing: str = field(
+        default="matched",
+        metadata=_choice(
+            "teacher_ref_pairing",
+            "Whose reference a problem's teacher reads: matched (its own, published) | shuffled (another "
+            "problem's, a fixed derangement drawn from seed; teacher_pairing.json) | empty (an empty reference "
+            "block) (docs/method.md §1.8).",
+        ),
+    )
     teacher_ref_max_chars: int = field(
         default=8000, metadata=_help("Cut the reference to this many characters; 0 = no cut.")
     )

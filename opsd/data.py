@@ -26,6 +26,10 @@ lists the names). A training row's `solution` is its worked steps ending in `The
   percent of samples. 40 held-out problems (`easy-000`, ...) and 1,438 training rows: the rest of the
   ladder, in an order set by the seed. Held out means unseen text: 36 of the 40 held-out expressions are
   training rows under the other wording.
+* `builtin:easy-disjoint`: the same training rows as `builtin:easy`, and 100 held-out problems
+  (`easy-disjoint-000`, ...) held out by arithmetic: in the ladder's wordings, but no operation and
+  operands of theirs occur anywhere in the ladder (sums past 60 or of two two-digit terms, differences
+  from numbers past 20, a digit times 11 to 15; a + b and b + a count as the same arithmetic).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ EVAL_COLUMNS = ("problem", "answer")
 HARD_MIN_TOKENS = 2000
 BUILTIN = "builtin"
 EASY = "builtin:easy"
+EASY_DISJOINT = "builtin:easy-disjoint"
 
 _NUMERIC_ANSWER = re.compile(r"-?\d{1,6}")
 _LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -290,7 +295,7 @@ def load_train_dataset(
     name_or_path: str, *, split: str = "train", data_filter: str = "none", seed: int = 0,
     teacher_ref: str = "solution",
 ) -> Dataset:  # fmt: skip
-    """The training set: a built-in set by name (`builtin`, `builtin:easy`; empty = `builtin`), else a hub
+    """The training set: a built-in set by name (`BUILTIN_SETS`; empty = `builtin`), else a hub
     name, a file or a directory. `problem` and the reference column of `teacher_ref` must be non-empty text."""
     builtin = _builtin_set(name_or_path)
     if builtin is not None:
@@ -516,8 +521,55 @@ def easy_train_rows(n: int = 2000, seed: int = 0, exclude: set[str] | None = Non
             return rows
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `builtin:easy-disjoint`: held-out problems whose arithmetic is outside the `builtin:easy` ladder, in the
+# ladder's two wordings. The ladder adds one- or two-digit numbers up to 60 to a digit, subtracts a digit
+# from at most 20, and multiplies two digits; these go past each range, one level each.
+
+
+def _x_sum_high(rng: random.Random) -> tuple[int, str, int]:
+    return rng.randint(61, 99), "+", rng.randint(1, 9)  # a digit added to a number above 60
+
+
+def _x_sum_teens(rng: random.Random) -> tuple[int, str, int]:
+    return rng.randint(10, 19), "+", rng.randint(10, 19)  # two two-digit terms
+
+
+def _x_diff_high(rng: random.Random) -> tuple[int, str, int]:
+    return rng.randint(21, 50), "-", rng.randint(1, 9)  # a digit taken from a number above 20
+
+
+def _x_prod_teens(rng: random.Random) -> tuple[int, str, int]:
+    return rng.randint(2, 9), "*", rng.randint(11, 15)  # a digit times a number from 11 to 15
+
+
+_DISJOINT_LEVELS = (_x_sum_high, _x_sum_teens, _x_diff_high, _x_prod_teens)
+_EASY_WORDINGS = ("Evaluate ${e}$.", "Find ${e}$. Express your answer as a whole number.")
+EASY_DISJOINT_SIZE = 100
+
+
+def easy_disjoint_eval_rows(n: int = EASY_DISJOINT_SIZE, seed: int = 11) -> list[dict[str, str]]:
+    """`n` held-out problems (ids `easy-disjoint-000`, ...) whose operation and operands never occur in the
+    `builtin:easy` ladder, training or held-out (nor twice here: a + b and b + a count as one)."""
+    rows, seen = [], set()
+    rng = random.Random(seed)
+    while len(rows) < n:
+        a, op, b = rng.choice(_DISJOINT_LEVELS)(rng)
+        wording = rng.choice(_EASY_WORDINGS)
+        key = (op, min(a, b), max(a, b)) if op in "+*" else (op, a, b)
+        if key in seen:
+            continue
+        seen.add(key)
+        shown = {"+": f"{a}+{b}", "-": f"{a}-{b}", "*": f"{a} \\times {b}"}[op]
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        problem = wording.format(e=shown)
+        rows.append({"id": f"easy-disjoint-{len(rows):03d}", "problem": problem, "answer": str(answer)})
+    return rows
+
+
 # Built-in sets by name: (training rows, called with `seed=`; evaluation rows, called with no argument).
 BUILTIN_SETS = {
     BUILTIN: (builtin_train_rows, builtin_eval_rows),
     EASY: (easy_train_rows, easy_eval_rows),
+    EASY_DISJOINT: (easy_train_rows, easy_disjoint_eval_rows),
 }

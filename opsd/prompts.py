@@ -117,10 +117,16 @@ class PromptBuilder:
         return self._render(self.student_text(problem), self.student_thinking)
 
     def teacher_ids(self, problem: str, reference: str) -> TeacherPrompt:
-        """Teacher prompt ids; an over-long prompt is cut inside the reference, never in the problem."""
+        """Teacher prompt ids; an over-long prompt is cut inside the reference, never in the problem (an empty
+        reference leaves nothing to cut: the prompt is kept whole)."""
         ids = self._render(self.teacher_text(problem, reference), self.teacher_thinking)
         limit = self.max_teacher_prompt_tokens
         if not limit or len(ids) <= limit:
+            return TeacherPrompt(ids, False)
+        if not reference:  # an empty reference block (teacher_ref_pairing=empty): nothing to cut
+            logger.warning(
+                "teacher prompt has %d tokens with an empty reference (limit %d); kept whole", len(ids), limit
+            )
             return TeacherPrompt(ids, False)
         ref_ids = self.tokenizer(reference, add_special_tokens=False)["input_ids"]
         keep = max(len(ref_ids) - (len(ids) - limit), 0)

@@ -6,6 +6,8 @@ evaluation sweep and the plots find it.
       metrics.jsonl          one JSON line per logging step, append-only (cut back to the checkpoint on resume)
       completions.jsonl      the completions log (opsd.completions), cut back like metrics.jsonl
       probe_set.json         the probe's frozen problems and rollouts (opsd.probe)
+      teacher_pairing.json   which problem's reference each teacher reads, teacher_ref_pairing=shuffled
+                             only (opsd.pairing)
       checkpoint-N/          the trainer's checkpoint at step N; `.complete` once it is fully written,
                              `ema_teacher.pt` with an EMA teacher
       checkpoint-N-wavgK/    the tail weight average over the last K steps (opsd.callbacks)
@@ -23,6 +25,7 @@ CONFIG_FILE = "opsd_config.json"
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 PROBE_FILE = "probe_set.json"
+PAIRING_FILE = "teacher_pairing.json"
 EMA_TEACHER_FILE = "ema_teacher.pt"
 COMPLETE_MARK = ".complete"
 # Append-only logs that a resume cuts back to the checkpoint's step.

@@ -105,6 +105,28 @@ def test_two_processes_take_the_one_process_gradient_step(tiny_model_dir, tmp_pa
         assert probe[1][key] == pytest.approx(probe[0][key], rel=1e-4, abs=1e-6), key
 
 
+def test_two_processes_pair_references_as_one_does(tiny_model_dir, tmp_path):
+    # teacher_ref_pairing=shuffled is drawn over the whole table before the rows are split over processes:
+    # each rank's teachers read what one process's would, so the two runs take the same step again.
+    step = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0, lr_scheduler_type="constant",
+                seed=2, vllm_max_num_seqs=1, teacher_ref_pairing="shuffled", dataset_name="builtin:easy")  # fmt: skip
+    one = _train(
+        tiny_model_dir, tmp_path / "one", processes=1, launcher="", per_device_train_batch_size=8, **step
+    )
+    two = _train(
+        tiny_model_dir, tmp_path / "two", processes=2, launcher="ddp", per_device_train_batch_size=4, **step
+    )
+    pairings = [json.loads((tmp_path / d / "teacher_pairing.json").read_text()) for d in ("one", "two")]
+    assert pairings[0] == pairings[1] and pairings[0]["rows"] == 1438
+    # The probe set is gathered from both ranks: rank 1's half carries the references rank 1 paired.
+    frozen = [json.loads((tmp_path / d / "probe_set.json").read_text())["rows"] for d in ("one", "two")]
+    assert [r["reference"] for r in frozen[1]] == [r["reference"] for r in frozen[0]]
+    ref, got = _adapter(one), _adapter(two)
+    assert any(ref[k].abs().max() > 1e-5 for k in ref if "lora_B" in k)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-9, msg=k)
+
+
 def test_deepspeed_two_processes_resume_equals_uninterrupted(tiny_model_dir, tmp_path):
     run = dict(per_device_train_batch_size=2, save_steps=1, learning_rate=1e-2, lr_scheduler_type="constant",
                seed=11)  # fmt: skip

@@ -135,3 +135,57 @@ def test_rerun_with_other_settings_is_refused_and_the_flag_records_it(tiny_model
         "max_steps": {"from": 2, "to": 3},
         "run_name": {"from": "longer", "to": "again"},
     }
+
+
+def test_a_changed_teacher_pairing_is_refused_like_any_method_key():
+    assert "teacher_ref_pairing" in compared_keys()
+    saved = {**SAVED, "teacher_ref_pairing": "shuffled"}
+    with pytest.raises(InvalidValue, match=r'1 changed: teacher_ref_pairing "shuffled" -> "empty"'):
+        check_resume(saved, {**saved, "teacher_ref_pairing": "empty"}, allow=False, where="runs/x", at_step=1)
+
+
+def test_shuffled_run_resumes_with_its_saved_pairing(tiny_model_dir, tmp_path):
+    """A shuffled run stopped after step 1 and rerun to step 2: the same pairing, read by every teacher of both
+    segments; another pairing on resume is refused, and so is a pairing file that no longer matches."""
+    from opsd.data import load_train_dataset
+
+    out = tmp_path / "run"
+    yaml_config = tmp_path / "pairing.yaml"
+    yaml_config.write_text("teacher_ref_pairing: shuffled\ndataset_name: builtin:easy\n")
+    base = [*tiny_args(tiny_model_dir, out), "--config", str(yaml_config), "--rollout_engine", "transformers",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--completions_steps",
+            "1", "--completions_rows", "2", "--seed", "7"]  # fmt: skip
+    first = run_train([*base, "--max_steps", "1"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    pairing_file = out / "teacher_pairing.json"
+    saved = pairing_file.read_bytes()
+    res = run_train([*base, "--max_steps", "2"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "checkpoint-2" / ".complete").is_file() and pairing_file.read_bytes() == saved
+
+    # An independent view: the table by name, and the saved permutation over it.
+    record = json.loads(saved)
+    table = load_train_dataset("builtin:easy", seed=7)
+    assert record["rows"] == len(table) and record["seed"] == 7
+    perm = record["reference_of"]
+    assert sorted(perm) == list(range(len(table))) and all(table[j]["Answer"] != r["Answer"]
+                                                           for r, j in zip(table, perm, strict=True))  # fmt: skip
+    paired = {table[i]["problem"]: table[perm[i]]["solution"] for i in range(len(table))}
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    # Logged at the global step before the update: 0 by the first segment, 1 by the resumed one.
+    assert sorted(r["step"] for r in logged) == [0, 0, 1, 1]
+    for row in logged + json.loads((out / "probe_set.json").read_text())["rows"]:
+        assert row["reference"] == paired[row["problem"]], row["problem"]
+
+    # Another pairing on resume: refused by the config check, before anything is written.
+    res = run_train([*base, "--max_steps", "3", "--teacher_ref_pairing", "empty"], tmp_path)
+    one_line(res, "opsd_train.py: error:", 'teacher_ref_pairing "shuffled" -> "empty"', ALLOW_FLAG)
+    # The same settings but a pairing file that no longer matches (other data under the same name, say).
+    tampered = {**record, "reference_of": perm[1:] + perm[:1]}
+    tampered["reference_of_sha256"] = "0" * 64
+    pairing_file.write_text(json.dumps(tampered))
+    res = run_train([*base, "--max_steps", "3", "--dry-run"], tmp_path)
+    one_line(
+        res, "opsd_train.py: error:", "teacher_pairing.json differs from the pairing drawn now", ALLOW_FLAG
+    )
+    assert not (out / "checkpoint-3").exists()

@@ -12,8 +12,10 @@ from datasets import Dataset
 
 from opsd.data import (
     BUILTIN_SETS,
+    EASY_DISJOINT_SIZE,
     builtin_eval_rows,
     builtin_train_rows,
+    easy_disjoint_eval_rows,
     easy_eval_rows,
     easy_train_rows,
     filter_rows,
@@ -277,9 +279,70 @@ def test_easy_eval_disjoint_from_train(seed):
     assert not eval_problems & set(load_train_dataset("builtin:easy", seed=seed)["problem"])
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `builtin:easy-disjoint`: held out by arithmetic. An independent parser reads the operation and operands
+# back out of every text, of these rows and of the whole `builtin:easy` ladder.
+
+
+def arithmetic(problem: str) -> tuple[str, int, int]:
+    """(operation, operands) of a problem in the ladder's wordings; a + b is b + a, a x b is b x a."""
+    m = EASY_RX.fullmatch(problem)
+    assert m, f"not in the ladder's wording: {problem!r}"
+    a, op, b = (int(m["a"] or m["a2"]), m["op"] or m["op2"], int(m["b"] or m["b2"]))
+    return (op, *sorted((a, b))) if op in ("+", "\\times") else (op, a, b)
+
+
+def disjoint_level(op: str, a: int, b: int) -> str:
+    if op == "-":
+        assert 21 <= a <= 50 and 1 <= b <= 9
+        return "difference past 20"
+    if op == "\\times":
+        assert 2 <= a <= 9 and 11 <= b <= 15
+        return "digit times 11-15"
+    if a >= 10:
+        assert 10 <= a <= b <= 19
+        return "two two-digit terms"
+    assert 1 <= a <= 9 and 61 <= b <= 99
+    return "sum past 60"
+
+
+def test_easy_disjoint_rows_schema_answers_ids_and_digest():
+    rows = easy_disjoint_eval_rows()
+    assert len(rows) == EASY_DISJOINT_SIZE == 100
+    assert [r["id"] for r in rows] == [f"easy-disjoint-{i:03d}" for i in range(100)]
+    keys = [arithmetic(r["problem"]) for r in rows]
+    assert len(set(keys)) == 100  # no arithmetic twice, in either wording or order
+    for r, (op, a, b) in zip(rows, keys, strict=True):
+        assert set(r) == {"id", "problem", "answer"}
+        assert r["answer"] == str(EASY_OPS[op](a, b))
+    levels = {disjoint_level(*k) for k in keys}
+    assert levels == {"difference past 20", "digit times 11-15", "two two-digit terms", "sum past 60"}
+    assert {r["problem"].split()[0] for r in rows} == {"Evaluate", "Find"}
+    assert easy_disjoint_eval_rows() == rows
+    # Pinned, as the other built-in sets: results on it are on exactly these problems.
+    assert rows[0] == {"id": "easy-disjoint-000", "problem": "Evaluate $9 \\times 14$.", "answer": "126"}
+    assert _digest(rows) == "b722fc1356bc15e9d011dc44808ad3684859ece484139fb7f4c962ef82f54da4"
+
+
+@pytest.mark.parametrize("seed", [0, 42, 43])
+def test_easy_disjoint_shares_no_arithmetic_with_the_ladder(seed):
+    ladder = [r["problem"] for r in easy_train_rows(seed=seed)] + [r["problem"] for r in easy_eval_rows()]
+    seen = {arithmetic(p) for p in ladder}
+    # The whole ladder, orders merged: 45 one-digit sums, 459 with a two-digit term, 135 differences, 36 products.
+    assert len(seen) == 45 + 459 + 135 + 36
+    assert not {arithmetic(r["problem"]) for r in load_eval_dataset("builtin:easy-disjoint")} & seen
+    # The check has teeth: `builtin:easy`'s own held-out set is held out by wording only (36 of its 40
+    # expressions are training rows under the other wording, and 2 more, 2 x 5, as 5 x 2).
+    train = {arithmetic(r["problem"]) for r in easy_train_rows(seed=seed)}
+    assert sum(arithmetic(r["problem"]) in train for r in easy_eval_rows()) == 38
+    # Training under this name is training on `builtin:easy`.
+    assert load_train_dataset("builtin:easy-disjoint", seed=seed).to_list() == easy_train_rows(seed=seed)
+
+
 def test_builtin_sets_table_selects_by_name():
-    assert list(BUILTIN_SETS) == ["builtin", "builtin:easy"]
+    assert list(BUILTIN_SETS) == ["builtin", "builtin:easy", "builtin:easy-disjoint"]
     assert load_eval_dataset("builtin:easy") == easy_eval_rows()
+    assert load_eval_dataset("builtin:easy-disjoint") == easy_disjoint_eval_rows()
     assert load_train_dataset("builtin:easy", seed=5).to_list() == easy_train_rows(seed=5)
     assert not {r["problem"] for r in easy_eval_rows()} & {r["problem"] for r in builtin_eval_rows()}
     # Filters apply as to any other table: one-step rows are never `hard_numeric`.

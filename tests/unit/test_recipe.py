@@ -19,6 +19,7 @@ from opsd.recipe import (
     RecipeError,
     _specs,
     env_overrides,
+    flag_overrides,
     parse_recipe,
     resolve_overrides,
     to_argv,
@@ -369,3 +370,21 @@ def test_to_argv_round_trips_through_the_real_parser(tmp_path):
 def test_overrides_win_over_earlier_cli_flags(tmp_path):
     argv = ["--beta", "0.2"] + to_argv([Override("beta", "0.7", "test")])
     assert parse_argv(tmp_path, argv).beta == 0.7
+
+
+def test_teacher_ref_pairing_is_a_method_key_everywhere(tmp_path):
+    assert OPSDConfig(output_dir=str(tmp_path)).teacher_ref_pairing == "matched"
+    assert "teacher_ref_pairing" in RECIPE_KEYS and "teacher_ref_pairing" not in BUDGET_KEYS
+    recipe = write(tmp_path, "TEACHER_REF_PAIRING=shuffled\n")
+    assert [(o.field, o.value) for o in parse_recipe(recipe)] == [("teacher_ref_pairing", "shuffled")]
+    env = {"OPSD_TEACHER_REF_PAIRING": "empty"}
+    overrides = resolve_overrides(recipe, env, capped=True)  # the harness's whitelist takes it; env wins
+    assert [(o.field, o.value) for o in overrides] == [("teacher_ref_pairing", "empty")]
+    assert parse_argv(
+        tmp_path, ["--teacher_ref_pairing", "shuffled", *to_argv(overrides)]
+    ).teacher_ref_pairing == ("empty")
+    with pytest.raises(RecipeError, match="did you mean shuffled"):
+        env_overrides({"OPSD_TEACHER_REF_PAIRING": "shufled"})
+    # The harness's pass-through flags take operational keys only: the recipe records the method.
+    with pytest.raises(RecipeError, match="--teacher_ref_pairing changes the method"):
+        flag_overrides(["--teacher_ref_pairing", "empty"])

@@ -1,0 +1,174 @@
+"""Whose reference each problem's teacher reads: `teacher_ref_pairing` (docs/method.md §1.8).
+
+- `matched` (published): its own. The training table is left exactly as it is.
+- `shuffled`: another problem's, by a fixed derangement of the training table drawn from the run's `seed`
+  (`derangement`): no row keeps its own reference, and no row gets the reference of a row with the same
+  `Answer`, so no teacher is handed its own problem's answer. It is drawn once, over the whole training
+  table after the data filter and before the probe hold-out and any split over processes, so it depends on
+  (seed, table) only: every process and every resume of a run draws the same one.
+- `empty`: an empty reference. The teacher prompt keeps its instruction and the BEGIN/END markers, so it
+  differs from the student prompt only in that framing.
+
+The rewrite is one column of the trainer's table (`privileged_context`), made at load time: the trainer,
+the probe and the completions log read it as they read a matched reference.
+
+A shuffled run saves its pairing as `<output_dir>/teacher_pairing.json`: `reference_of[i]` is the row whose
+reference row i's teacher reads (rows of the training table after the data filter, in order), with digests
+of the problems and of the permutation. A resume draws the pairing again and refuses one that differs from
+the saved file (other data under the same name, say).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opsd.choices import check_choice
+from opsd.errors import InvalidValue
+from opsd.rundir import PAIRING_FILE
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+# Random draws tried for a repair swap before scanning every position (one always exists).
+_RANDOM_TRIES = 64
+RULE = (
+    "row i's teacher reads the reference of row reference_of[i]; rows are the training table after the data "
+    "filter, in order, before the probe hold-out; a derangement that never pairs two rows with the same "
+    "Answer, drawn by opsd.pairing.derangement(rows, seed, answers)"
+)
+
+
+def derangement(n: int, seed: int, groups: Sequence[Any] | None = None) -> list[int]:
+    """A permutation `p` of range(n) with p[i] != i, and groups[p[i]] != groups[i] when `groups` is given.
+
+    Deterministic in (n, seed, groups). A shuffle drawn from `seed`, then each row in order that breaks the
+    rule swaps its entry with another row's such that both keep to it. Such a row exists whenever no group
+    holds more than half the rows (with n - 2|G| + 1 >= 1 choices), so this never fails then.
+    """
+    if n < 2:
+        raise InvalidValue(
+            f"teacher_ref_pairing=shuffled needs at least 2 training rows to pair each with another (got {n}); "
+            "add rows or use teacher_ref_pairing=empty"
+        )
+    key = list(range(n)) if groups is None else list(groups)
+    if len(key) != n:
+        raise ValueError(f"derangement: {len(key)} groups for {n} rows")
+    group, size = Counter(key).most_common(1)[0]
+    if 2 * size > n:
+        raise InvalidValue(
+            f"teacher_ref_pairing=shuffled cannot give every problem the reference of a problem with another "
+            f"answer: answer {str(group)[:40]!r} is shared by {size} of {n} training rows, more than half; "
+            "use other data, a data_filter, or teacher_ref_pairing=empty"
+        )
+    rng = random.Random(f"teacher_ref_pairing:{seed}")
+    perm = list(range(n))
+    rng.shuffle(perm)
+    for i in range(n):
+        if key[perm[i]] != key[i]:
+            continue
+        j = next(j for j in _candidates(rng, n) if key[perm[j]] != key[i] and key[perm[i]] != key[j])
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def _candidates(rng: random.Random, n: int):
+    """Positions to try for a repair swap: a few random ones, then every position in a random order."""
+    for _ in range(_RANDOM_TRIES):
+        yield rng.randrange(n)
+    yield from rng.sample(range(n), n)
+
+
+def answer_groups(answers: Sequence[Any]) -> list[Any]:
+    """The pairing's group of each row: its answer as text, or the row alone (a tuple) when it has none."""
+    keys: list[Any] = []
+    for i, answer in enumerate(answers):
+        text = "" if answer is None else str(answer).strip()
+        keys.append(text if text else ("row", i))
+    return keys
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def apply_pairing(
+    ds: Dataset, pairing: str, *, seed: int, answers: Sequence[Any]
+) -> tuple[Dataset, dict[str, Any] | None]:
+    """The trainer's table (`prompt`, `privileged_context`) with the references `pairing` gives, and the
+    record to save for a shuffled run (None otherwise). `answers` are the rows' `Answer` values, in order."""
+    check_choice("teacher_ref_pairing", pairing)
+    if pairing == "matched":
+        return ds, None
+    if pairing == "empty":
+        references = [""] * len(ds)
+        record = None
+    else:
+        perm = derangement(len(ds), seed, answer_groups(answers))
+        own = list(ds["privileged_context"])
+        references = [own[j] for j in perm]
+        record = {
+            "teacher_ref_pairing": pairing,
+            "seed": seed,
+            "rows": len(ds),
+            "rule": RULE,
+            "problems_sha256": _digest(list(ds["prompt"])),
+            "reference_of_sha256": _digest(perm),
+            "reference_of": perm,
+        }
+    paired = ds.remove_columns("privileged_context").add_column("privileged_context", references)
+    return paired, record
+
+
+def summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record without its permutation (what the dry run prints)."""
+    return None if record is None else {k: v for k, v in record.items() if k != "reference_of"}
+
+
+def check_saved(out: Path, record: dict[str, Any] | None, *, allow: bool) -> None:
+    """Refuse to resume a run in `out` whose saved pairing differs from `record` (reads only).
+
+    Checked only when `out` holds a complete checkpoint (a resume) and a saved pairing; `allow`
+    (--allow-config-change) lets the run continue with the new one, which is then saved.
+    """
+    from opsd.resume import ALLOW_FLAG
+    from opsd.rundir import latest_complete_checkpoint
+
+    path = out / PAIRING_FILE
+    if record is None or latest_complete_checkpoint(out) is None or not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidValue(
+            f"{path} cannot be read ({err}), so this run's teacher pairing cannot be checked before resuming; "
+            "restore the file or use a new --output_dir"
+        ) from err
+    keys = ("problems_sha256", "reference_of_sha256")
+    if not isinstance(saved, dict) or any(saved.get(k) != record[k] for k in keys):
+        if allow:
+            return
+        raise InvalidValue(
+            f"{out} holds a run whose teachers read other references ({path} differs from the pairing drawn "
+            "now: the training table or the pairing changed); use a new --output_dir, or rerun with "
+            f"{ALLOW_FLAG} to continue with the new pairing"
+        )
+
+
+def save(out: Path, record: dict[str, Any] | None) -> None:
+    """Write the pairing of a shuffled run to `out`; remove a stale one when the run has none."""
+    path = out / PAIRING_FILE
+    if record is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".json.partial")
+    # The header one field a line, the permutation on one line.
+    head = json.dumps({**record, "reference_of": None}, indent=1)
+    body = head.replace('"reference_of": null', f'"reference_of": {json.dumps(record["reference_of"])}')
+    tmp.write_text(body + "\n", encoding="utf-8")
+    tmp.replace(path)
