@@ -155,7 +155,8 @@ def plan_requests(
 
 
 def request_sampling(settings: EvalSettings | EvalConfig, r: Request):
-    """The sampling settings of one request: the run's (temperature, top-p, top-k, min-p), its seed and cap."""
+    """The sampling settings of one request: the run's temperature, top-p, top-k and min-p (`settings`, or
+    the flags themselves), the request's seed and cap."""
     from opsd.evaluation.sampling import SamplingConfig
 
     return SamplingConfig(

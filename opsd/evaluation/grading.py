@@ -24,10 +24,10 @@ times out on. Assignments such as ``x = 5`` therefore count as the value on the 
 
 Degenerate answers stay cheap and quiet. An answer longer than `MAX_VERIFY_CHARS` (no AIME answer is;
 math-verify is slow on a huge expression and logs it whole: docs/decisions.md) is graded by the string
-fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts them). math-verify's own log lines, which quote the expression, are silenced. Its timeout uses SIGALRM,
-which only the main thread can arm: elsewhere (a grading thread) math-verify runs in a worker process
-with the same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}`` cannot hang a
-thread.
+fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts them).
+math-verify's own log lines, which quote the expression, are silenced. Its timeout uses SIGALRM, which
+only the main thread can arm: elsewhere (a grading thread) math-verify runs in a worker process with the
+same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}`` cannot hang a thread.
 """
 
 from __future__ import annotations

@@ -46,11 +46,10 @@ def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[st
     from opsd.evaluation.metrics import summarize
 
     out, settings = job.out, job.settings
-    n = settings.n
     have = index_samples(read_samples(out / SAMPLES_FILE))
     per_problem = {}
     for p in job.problems:
-        samples = [have.get((p["id"], i)) for i in range(n)]
+        samples = [have.get((p["id"], i)) for i in range(settings.n)]
         missing = [i for i, s in enumerate(samples) if s is None]
         if missing:
             raise RunFailed(f"problem {p['id']!r} lacks samples {missing}; rerun the same command to finish")

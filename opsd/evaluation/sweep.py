@@ -34,9 +34,9 @@ summary.json exists (nothing is rewritten), continues a partial one from its sam
 the engine only if some sample is missing.
 
 Outputs at OUT: sweep.json (one row per evaluation: avg@n, format and truncation rates with SEs, the
-paired difference in accuracy against the base with its 95% CI (`opsd.evaluation.metrics.paired_compare`); the
-engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the curve
-of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
+paired difference in accuracy against the base with its 95% CI (`opsd.evaluation.metrics.paired_compare`);
+the engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the
+curve of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
 """
 
 from __future__ import annotations
