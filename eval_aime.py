@@ -34,7 +34,7 @@ evaluation into OUT/base, OUT/checkpoint-N as a single run would, plus a table a
 `--adapter` and `--checkpoints` also take Hub adapter ids (org/name).
 
 A LoRA checkpoint is served by vLLM's LoRA support on a GPU and merged with peft first on vLLM's CPU
-backend (LoRA serving there is ~10x slower and can crash); `--merge-adapter` / `--no-merge-adapter`
+backend (LoRA serving there is slow and can crash); `--merge-adapter` / `--no-merge-adapter`
 force either path; the transformers engine loads it with peft. vLLM streams: every missing sample is
 submitted at once (at most `--max-in-flight` in the engine) and saved the moment it finishes; with
 `--num-gpus N` the workers pull samples from a shared queue as they free up. Results go to `--out`:

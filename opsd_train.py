@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 
 # Colocated vLLM must run in this process (the trainer pushes weights into it), binds to loopback and, on a
-# CPU, needs a bounded KV cache (opsd.rollout.SINGLE_NODE_ENGINE_ENV); users can still override each.
+# CPU, needs a bounded KV cache (opsd.engine_env.SINGLE_NODE_ENGINE_ENV); users can still override each.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from opsd.rollout import single_node_engine_env  # noqa: E402
+from opsd.engine_env import single_node_engine_env  # noqa: E402
 
 single_node_engine_env()
 

@@ -44,7 +44,6 @@ from bench.common import machine, write  # noqa: E402
 from opsd.evaluation.config import EvalConfig  # noqa: E402
 from opsd.evaluation.generate import (  # noqa: E402
     ListSource,
-    Request,
     auto_window,
     plan_requests,
     stream,
@@ -84,7 +83,7 @@ def start_engine(a, path: Path, max_len: int):
     import torch
     from vllm import LLM
 
-    from opsd.rollout import single_node_engine_env
+    from opsd.engine_env import single_node_engine_env
 
     single_node_engine_env()
     kwargs = dict(model=str(path), tokenizer=str(path), load_format="dummy", max_model_len=max_len, seed=0)
@@ -102,14 +101,14 @@ def token(i: int, vocab: int) -> int:
 
 def fixed(llm, batch: int, tokens: int) -> float:
     """Tokens per second of `batch` sequences of exactly `tokens` new tokens."""
-    from vllm import SamplingParams
+    from opsd.evaluation.sampling import SamplingConfig
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
 
     prompts = [
         {"prompt_token_ids": [token(i * 7 + j, vocab) for j in range(PROMPT_LEN)]} for i in range(batch)
     ]
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=0)
+    params = SamplingConfig(max_tokens=tokens, temperature=1.0, seed=0).vllm(ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -131,19 +130,19 @@ def make_prompts(llm, problems) -> dict[str, list[int]]:
     return {p["id"]: [token(p["index"] * 31 + j * 17, vocab) for j in range(PROMPT_LEN)] for p in problems}
 
 
-def prepared(requests: list[Request], prompts, lengths) -> list[Request]:
-    for r in requests:
-        r.prompt_ids, r.max_tokens = prompts[r.problem["id"]], lengths[(r.problem["index"], r.start)]
-    return requests
+def prompt_of(prompts, lengths):
+    """The benchmark's `PromptOf`: a problem's random prompt, each sample's drawn length as its cap."""
+    return lambda problem, start: (prompts[problem["id"]], lengths[(problem["index"], start)])
 
 
-def run_mode(llm, mode: str, a, config, problems, prompts, lengths, window: int, source=None) -> dict:
+def run_mode(llm, mode: str, a, config, problems, prompt, window: int, source=None) -> dict:
     """One pass over the workload through eval_aime.py's loop; returns wall time and tokens."""
-    requests = prepared(
-        plan_requests(problems, set(), a.n, config.seed, per_sample=True, sample_major=mode != "chunked"),
-        prompts,
-        lengths,
-    )
+    if source is None:  # else a claim queue, which builds its own requests
+        source = ListSource(
+            plan_requests(
+                problems, set(), a.n, config.seed, prompt, per_sample=True, sample_major=mode != "chunked"
+            )
+        )
     got = {"tokens": 0, "samples": 0}
 
     def on_finished(done):
@@ -156,11 +155,6 @@ def run_mode(llm, mode: str, a, config, problems, prompts, lengths, window: int,
     kwargs = dict(
         window=window, params=lambda r: vllm_params(config, r, ignore_eos=True), on_finished=on_finished
     )
-    if source is None:
-        source = ListSource(requests)
-    else:  # a claim queue hands out its own copies of the requests
-        for r in source.requests:
-            r.prompt_ids, r.max_tokens = prompts[r.problem["id"]], lengths[(r.problem["index"], r.start)]
     t0 = time.perf_counter()
     if mode == "chunked":
         stream_chunked(llm, source, chunk=a.chunk_size * a.n, **kwargs)
@@ -198,7 +192,7 @@ def single_gpu(a) -> dict:
         prior = {}
     rows = {r["mode"]: r for r in prior.get("rows", [])}
     for mode in a.modes:
-        row = run_mode(llm, mode, a, config, problems, prompts, lengths, window)
+        row = run_mode(llm, mode, a, config, problems, prompt_of(prompts, lengths), window)
         row.pop("t0"), row.pop("t1")
         rows[mode] = {**row, "max_in_flight": window, "speeds": speeds, "engine_start_s": start_s}
         print(json.dumps(rows[mode]), flush=True)
@@ -291,7 +285,7 @@ def worker(a) -> None:
     work = Path(a.work) / "balance"
     config, problems, lengths, cap = workload(a)
     llm = start_engine(a, model_dir(a.model_config, Path(a.work)), PROMPT_LEN + cap + 16)
-    prompts = make_prompts(llm, problems)
+    prompt = prompt_of(make_prompts(llm, problems), lengths)
     import torch
 
     window = a.max_in_flight or auto_window(llm, PROMPT_LEN, torch.cuda.is_available())
@@ -303,10 +297,10 @@ def worker(a) -> None:
             write_queue(work / "queue", requests, world)
         barrier(work, f"ready-{balance}", rank, world)
         if balance == "dynamic":
-            source = ClaimQueue(work / "queue", rank, problems, config.seed)
-            row = run_mode(llm, "streaming", a, config, problems, prompts, lengths, window, source=source)
+            source = ClaimQueue(work / "queue", rank, problems, config.seed, prompt)
+            row = run_mode(llm, "streaming", a, config, problems, prompt, window, source=source)
         else:
-            row = run_mode(llm, "streaming", a, config, problems[rank::world], prompts, lengths, window)
+            row = run_mode(llm, "streaming", a, config, problems[rank::world], prompt, window)
         rows.append({**row, "balance": balance, "rank": rank})
         barrier(work, f"done-{balance}", rank, world)
     (work / f"rows-r{rank}.json").write_text(json.dumps({"rows": rows, "speeds": speeds}))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -57,15 +58,14 @@ def prompts(n: int = 32, seed: int = 0) -> list[list[int]]:
 
 
 def sampling(variant: str, length: int, n: int):
-    from vllm import SamplingParams
+    """The variant's sampling parameters (`SamplingConfig.vllm`): one for the batch, or one seed per row."""
+    from opsd.evaluation.sampling import SamplingConfig
 
-    base = dict(
-        temperature=1.1, top_p=0.95, top_k=20, max_tokens=length, min_tokens=length, ignore_eos=True,
-        detokenize=VARIANTS[variant]["detokenize"],
-    )  # fmt: skip
+    config = SamplingConfig(max_tokens=length, temperature=1.1, top_p=0.95, top_k=20, min_tokens=length)
+    extra = dict(ignore_eos=True, detokenize=VARIANTS[variant]["detokenize"])
     if VARIANTS[variant]["seeds"]:
-        return [SamplingParams(**base, seed=1000 + i) for i in range(n)]
-    return SamplingParams(**base)
+        return [dataclasses.replace(config, seed=1000 + i).vllm(**extra) for i in range(n)]
+    return config.vllm(seed=None, **extra)  # no seed, as TRL sends it
 
 
 def timed(llm, variant: str, length: int, rows: list[list[int]]) -> float:

@@ -149,7 +149,7 @@ def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
     model (config values, recipe and `OPSD_*`, prompt files, local model and data). Returns its JSON.
 
     It runs in this interpreter (`opsd_train.main`), so the training stack is imported once, not a second
-    time in a child process (docs/performance.md: the dry run took half the time). Its log and progress
+    time in a child process (docs/performance.md h). Its log and progress
     output is kept out of the plan's terminal, as the child's was; under `--debug` it is shown."""
     import contextlib
     import io

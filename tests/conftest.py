@@ -81,7 +81,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_tiny(tiny_model_dir):
     """One real vLLM engine on the tiny model, shared by the engine tests."""
-    from opsd.rollout import VLLMEngine
+    from opsd.evaluation.sampling import VLLMEngine
 
     return VLLMEngine(str(tiny_model_dir), max_model_len=512, dtype="float32")
 

@@ -2,12 +2,19 @@ r"""AIME-style evaluation (docs/method.md §4): sample n completions per problem
 
 Modules, in the order a run uses them (each imports only those before it):
 
-* `config`: `EvalConfig` (eval_aime.py's flags), `parse_config`, the errors the entry point reports;
+* `grading`: a completion's answer (the last complete \boxed{}) and whether it is correct;
+* `metrics`: avg@n, pass@k, maj@n with standard errors, paired comparisons and aggregates across runs;
+* `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
+* `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
+  one builder of vLLM `SamplingParams`;
+* `config`: `EvalConfig` (eval_aime.py's flags), `parse_config`, `EvalSettings` (one evaluation's resolved
+  settings, saved as eval_config.json), the errors the entry point reports;
 * `samples`: the result directory's files: samples.jsonl (read, repaired, appended), shard merging,
   eval_config.json and the resume check, per-sample seeds;
-* `job`: the inputs checked before any engine starts (`resolve` → `Job`);
+* `job`: the inputs checked before any engine starts (`resolve` → `Job`, which holds the `EvalSettings`);
 * `engines`: the vLLM or transformers engine, the adapter served, merged or loaded with peft;
-* `generate`: the missing samples, streamed through vLLM and saved as they finish;
+* `generate`: requests built whole (seed, prompt, token cap), the missing samples streamed through vLLM and
+  saved as they finish;
 * `workers`: data parallel over GPUs, workers pulling from a shared claim queue;
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
 * `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;
@@ -21,11 +28,12 @@ Output directory (`--out DIR`):
   ``request_seed`` (the seed of the engine request that drew it), ``text``, ``extracted`` (the graded
   answer or null), ``correct``, ``has_box``, ``n_tokens``, ``truncated`` (stopped by the length cap) and
   ``gold``; sample 0 of a problem also holds ``prompt`` (the rendered prompt, special tokens included).
-* ``eval_config.json``: the resolved settings; a rerun into DIR must match it in `RESUME_KEYS`. Its
-  ``adapter_mode`` says how an adapter was applied: ``merged`` (peft merge, then plain vLLM or
-  transformers), ``vllm-lora`` (vLLM's LoRA support), ``peft`` (transformers with a PeftModel), or null.
-* ``summary.json``: config, versions, engine, timing and `opsd.metrics.summarize` under ``metrics``;
-  ``per_problem.csv``: the per-problem table; ``per_problem.png`` with ``--plot``.
+* ``eval_config.json``: the resolved settings (`EvalSettings`, one key per field); a rerun into DIR must
+  match it in `RESUME_KEYS`. Its ``adapter_mode`` says how an adapter was applied: ``merged`` (peft merge,
+  then plain vLLM or transformers), ``vllm-lora`` (vLLM's LoRA support), ``peft`` (transformers with a
+  PeftModel), or null.
+* ``summary.json``: config (as in eval_config.json), versions, engine, timing and `metrics.summarize`
+  under ``metrics``; ``per_problem.csv``: the per-problem table; ``per_problem.png`` with ``--plot``.
 
 Resume. A rerun with the same ``--out`` drops a trailing partial line (a run killed mid-write), keeps
 every complete line byte for byte, and generates only the samples (problem id, sample index) that are
@@ -38,12 +46,12 @@ no seed.
 
 Adapters (``--merge-adapter auto|true|false``, ``--merge-adapter`` = true, ``--no-merge-adapter`` = false).
 auto, the default, merges the adapter on vLLM's CPU backend (vLLM chosen, no CUDA GPU) and serves it with
-vLLM's LoRA support on a GPU; the transformers engine loads it with peft. On the CPU backend (SmolLM2-135M,
-2 cores), LoRA serving took 60-90 s per problem against ~8 s merged (vLLM turns torch.compile off for LoRA
-there) and died after 12 min: vLLM rewinds a seeded request's generator when it drops a partially
-prefilled step, which a CPU generator cannot do. The resolved ``adapter_mode`` is a resume key: merged
-and LoRA samples differ numerically, so a rerun that would switch paths (e.g. a GPU run resumed on a CPU)
-is refused with the flag that matches.
+vLLM's LoRA support on a GPU; the transformers engine loads it with peft. LoRA serving on the CPU backend is
+slow (vLLM turns torch.compile off for LoRA there) and fails on seeded requests: vLLM rewinds a seeded
+request's generator when it drops a partially prefilled step, which a CPU generator cannot do
+(docs/decisions.md, Evaluation). The resolved ``adapter_mode`` is a resume key: merged and LoRA samples
+differ numerically, so a rerun that would switch paths (e.g. a GPU run resumed on a CPU) is refused with
+the flag that matches.
 
 Engine failures. An exception out of vLLM's engine loop (EngineDeadError, a sampler RuntimeError, ...)
 ends the run with `EngineDied` (one line, exit 2); the samples finished before it are in ``samples.jsonl``

@@ -1,11 +1,12 @@
-"""eval_aime.py's flags (`EvalConfig`), their parsing, and the errors the entry point reports."""
+"""eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
+eval_config.json), and the errors the entry point reports."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from opsd import errors
@@ -198,3 +199,63 @@ def parse_config(argv: Sequence[str]) -> EvalConfig:
     except ValueError as e:
         raise UserError(str(e)) from None
     return config
+
+
+# EvalConfig's fields that choose another mode or the members of a sweep, not settings of one evaluation.
+MODE_FIELDS = ("compare", "aggregate", "plot_steps", "checkpoints", "base")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """One evaluation's settings once its inputs are checked (`opsd.evaluation.job.resolve`): its flags
+    (`EvalConfig` but `MODE_FIELDS`) and what was resolved from them. Saved as eval_config.json, whose keys
+    are these fields in this order; a resumed run must match it in `opsd.evaluation.samples.RESUME_KEYS`."""
+
+    # The flags, as given (merge_adapter canonical: auto | true | false)
+    model: str
+    adapter: str
+    merge_adapter: str
+    dataset: str
+    split: str
+    limit: int
+    n: int
+    k: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    max_model_len: int
+    thinking: bool
+    prompt_file: str
+    seed: int
+    engine: str
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    num_gpus: int
+    stream: bool
+    max_in_flight: int
+    chunk_size: int
+    out: str
+    plot: bool
+    shard: str
+    # Resolved
+    model_path: str  # a local model directory made absolute, or what `opsd.models.resolve_model_path` gave
+    adapter_path: str  # the adapter directory, absolute; "" without an adapter
+    adapter_rank: int | None  # the adapter's LoRA rank r (adapter_config.json)
+    adapter_mode: str | None  # merged | vllm-lora | peft; None without an adapter
+    engine_used: str  # vllm | transformers
+    dataset_source: str  # --dataset, a local file made absolute
+    student_template: str  # the prompt template the problems are rendered with
+    max_model_len_used: int  # --max-model-len, lowered to the model's max_position_embeddings
+    step: int | None  # N of a checkpoint-N in the adapter or model path; None without one
+
+    @classmethod
+    def of(cls, config: EvalConfig, **resolved: Any) -> EvalSettings:
+        """`config`'s flags (but `MODE_FIELDS`) and the `resolved` values."""
+        flags = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in MODE_FIELDS}
+        return cls(**flags, **resolved)
+
+    def to_json(self) -> dict[str, Any]:
+        """The contents of eval_config.json (and summary.json's ``config``)."""
+        return asdict(self)

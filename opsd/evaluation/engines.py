@@ -41,31 +41,31 @@ def _merge(model_path: str, adapter_path: str):
 
 
 def build_engine(job: Job, scratch: Path):
-    """(engine, lora_path for generate); the adapter is served, merged or loaded as `job.resolved` says."""
-    config, resolved, tokenizer = job.config, job.resolved, job.tokenizer
-    model_path, adapter_path = resolved["model_path"], resolved["adapter_path"]
-    if resolved["engine_used"] == "vllm":
-        from opsd.rollout import VLLMEngine
+    """(engine, lora_path for generate); the adapter is served, merged or loaded as `job.settings` says."""
+    settings, tokenizer = job.settings, job.tokenizer
+    model_path, adapter_path = settings.model_path, settings.adapter_path
+    if settings.engine_used == "vllm":
+        from opsd.evaluation.sampling import VLLMEngine
 
         load_path, enable_lora, rank = model_path, False, 16
-        if resolved["adapter_mode"] == "merged":
+        if settings.adapter_mode == "merged":
             load_path = str(scratch)
             logger.info("merging %s into %s for vLLM", adapter_path, scratch)
             _merge(model_path, adapter_path).save_pretrained(load_path)
             tokenizer.save_pretrained(load_path)
         elif adapter_path:
-            if not resolved["adapter_rank"]:
+            if not settings.adapter_rank:
                 raise UserError(
                     f"{adapter_path}/adapter_config.json names no LoRA rank r; use --merge-adapter"
                 )
-            enable_lora, rank = True, _vllm_lora_rank(int(resolved["adapter_rank"]))
+            enable_lora, rank = True, _vllm_lora_rank(int(settings.adapter_rank))
         try:
             engine = VLLMEngine(
                 load_path,
-                max_model_len=resolved["max_model_len_used"],
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                tensor_parallel_size=config.tensor_parallel_size,
-                seed=config.seed,
+                max_model_len=settings.max_model_len_used,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                seed=settings.seed,
                 enable_lora=enable_lora,
                 max_lora_rank=rank,
             )
@@ -77,10 +77,10 @@ def build_engine(job: Job, scratch: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from opsd.evaluation.sampling import HFEngine
     from opsd.models import resolve_dtype
-    from opsd.rollout import HFEngine
 
-    if resolved["adapter_mode"] == "merged":
+    if settings.adapter_mode == "merged":
         model = _merge(model_path, adapter_path)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype("auto"))

@@ -14,13 +14,15 @@ number of prompts that prefill together in one scheduler step: a seeded request 
 over steps makes the CPU engine rewind its generator, which it cannot do ("CPU Generator does not use
 offset").
 
-`--no-stream` keeps the previous schedule (chunks of `chunk_size` problems, each drained before the
-next starts) through the same loop; it is there to measure what streaming gains (bench/eval_throughput.py).
+`--no-stream` runs chunks of `chunk_size` problems through the same loop, each drained before the next
+starts; bench/eval_throughput.py compares the two schedules.
 The transformers engine always works in chunks: one `generate` call per request (a run of a problem's
 consecutive missing samples, seeded with its first sample's seed), records saved after each chunk.
 
-Work comes from a source with `take(k)` (at most k requests) and `finished(count)`: a list here
-(`ListSource`), a claim queue shared by the data-parallel workers (`opsd.evaluation.workers`).
+Requests are built whole (`make_request`): the problem, its first sample and count, the seed, the rendered
+prompt and the token cap (`Prompts`). Work comes from a source with `take(k)` (at most k requests) and
+`finished(count)`: a list here (`ListSource`), a claim queue shared by the data-parallel workers
+(`opsd.evaluation.workers`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from opsd.evaluation.config import EngineDied, EvalConfig, UserError
+from opsd.evaluation.config import EngineDied, EvalConfig, EvalSettings, UserError
 from opsd.evaluation.engines import build_engine
 from opsd.evaluation.job import Job, cuda_available
 from opsd.evaluation.samples import ENGINE_ERROR_LOG, append_samples, read_samples, sample_seed
@@ -48,14 +50,52 @@ _REQUEST_IDS = itertools.count()
 
 @dataclass
 class Request:
-    """`count` consecutive samples of a problem from index `start`; vLLM's j-th sample gets `seed + j`."""
+    """`count` consecutive samples of a problem from index `start`, as the engine takes them: the rendered
+    prompt and the new-token cap; vLLM's j-th sample gets `seed + j`."""
 
     problem: dict[str, Any]
     start: int  # first sample index
     count: int
     seed: int
-    prompt_ids: list[int] = field(default_factory=list)
-    max_tokens: int = 0
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+# The prompt ids and token cap of the request for `problem` from sample `start` (a job's: `Prompts`).
+PromptOf = Callable[[dict[str, Any], int], tuple[list[int], int]]
+
+
+def make_request(
+    problem: dict[str, Any], start: int, count: int, seed: int, prompt: PromptOf | None = None
+) -> Request:
+    """The request for `count` samples of `problem` from `start`, seeded with `sample_seed(seed, problem's
+    dataset index, start)`, its prompt and cap from `prompt`. Without `prompt` it carries none (no ids, cap
+    0): enough to plan which samples to draw, as the claim queue's file does, not to send."""
+    ids, cap = prompt(problem, start) if prompt is not None else ([], 0)
+    return Request(problem, start, count, sample_seed(seed, problem["index"], start), ids, cap)
+
+
+class Prompts:
+    """A job's prompt of each problem, rendered once, and its token cap: --max-tokens, cut to fit under
+    max_model_len with the prompt (a `UserError` where the prompt leaves no room). A `PromptOf`."""
+
+    def __init__(self, job: Job):
+        self.builder = job.builder
+        self.max_tokens, self.max_len = job.settings.max_tokens, job.settings.max_model_len_used
+        self._rendered: dict[str, tuple[list[int], int]] = {}
+
+    def __call__(self, problem: dict[str, Any], start: int = 0) -> tuple[list[int], int]:
+        pid = problem["id"]
+        if pid not in self._rendered:
+            ids = self.builder.student_ids(problem["problem"])
+            cap = min(self.max_tokens, self.max_len - len(ids))
+            if cap < 1:
+                raise UserError(
+                    f"problem {pid!r}: its prompt has {len(ids)} tokens, no room left under "
+                    f"max_model_len {self.max_len}; raise --max-model-len"
+                )
+            self._rendered[pid] = ids, cap
+        return self._rendered[pid]
 
 
 class Source(Protocol):
@@ -85,11 +125,12 @@ def plan_requests(
     have: set[tuple[str, int]],
     n: int,
     seed: int,
+    prompt: PromptOf | None = None,
     *,
     per_sample: bool = False,
     sample_major: bool = False,
 ) -> list[Request]:
-    """The requests for the samples missing from `have`.
+    """The requests for the samples missing from `have`, each built whole (`make_request`).
 
     `per_sample`: one request per sample (vLLM streaming), else one per run of consecutive missing
     indices of a problem. `sample_major`: sample 0 of every problem first, then sample 1, ...: any
@@ -104,51 +145,31 @@ def plan_requests(
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        requests += [Request(p, run[0], len(run), sample_seed(seed, p["index"], run[0])) for run in runs]
+        requests += [make_request(p, run[0], len(run), seed, prompt) for run in runs]
     if sample_major:
         requests.sort(key=lambda r: r.start)  # stable: problems keep their order within an index
     return requests
 
 
-def prepare_prompts(job: Job, requests: Sequence[Request]) -> None:
-    """Render each problem's prompt once and cut each request's token cap to fit max_model_len."""
-    config, max_len = job.config, job.resolved["max_model_len_used"]
-    prompts: dict[str, list[int]] = {}
-    cut = 0
-    for r in requests:
-        pid = r.problem["id"]
-        if pid not in prompts:
-            prompts[pid] = job.builder.student_ids(r.problem["problem"])
-        r.prompt_ids = prompts[pid]
-        r.max_tokens = min(config.max_tokens, max_len - len(r.prompt_ids))
-        cut += r.max_tokens < config.max_tokens
-        if r.max_tokens < 1:
-            raise UserError(
-                f"problem {pid!r}: its prompt has {len(r.prompt_ids)} tokens, no room left under "
-                f"max_model_len {max_len}; raise --max-model-len"
-            )
-    if cut:
-        logger.warning("max_tokens cut to fit max_model_len %d for %d request(s)", max_len, cut)
-
-
 # --- vLLM: the streaming loop -------------------------------------------------------------------------------
 
 
-def request_sampling(config: EvalConfig, r: Request):
-    """The sampling settings of one request: the run's (temperature, top-p, top-k, min-p), its seed and cap."""
-    from opsd.rollout import SamplingConfig
+def request_sampling(settings: EvalSettings | EvalConfig, r: Request):
+    """The sampling settings of one request: the run's temperature, top-p, top-k and min-p (`settings`, or
+    the flags themselves), the request's seed and cap."""
+    from opsd.evaluation.sampling import SamplingConfig
 
     return SamplingConfig(
-        max_tokens=r.max_tokens, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        min_p=config.min_p, seed=r.seed,
+        max_tokens=r.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
+        top_k=settings.top_k, min_p=settings.min_p, seed=r.seed,
     )  # fmt: skip
 
 
-def vllm_params(config: EvalConfig, r: Request, **overrides: Any):
+def vllm_params(settings: EvalSettings | EvalConfig, r: Request, **overrides: Any):
     """vLLM sampling parameters of one request (`request_sampling`), n samples, final outputs only."""
     from vllm.sampling_params import RequestOutputKind
 
-    return request_sampling(config, r).vllm(r.count, output_kind=RequestOutputKind.FINAL_ONLY, **overrides)
+    return request_sampling(settings, r).vllm(r.count, output_kind=RequestOutputKind.FINAL_ONLY, **overrides)
 
 
 def auto_window(llm, longest_prompt: int, cuda: bool) -> int:
@@ -209,7 +230,7 @@ def stream(
 def stream_chunked(
     llm, source: Source, *, chunk: int, window: int, params, on_finished, lora_request: Any = None
 ) -> None:
-    """The previous schedule through the same loop: take `chunk` requests, drain them, repeat."""
+    """The chunked schedule (--no-stream) through the same loop: take `chunk` requests, drain them, repeat."""
     while batch := source.take(chunk):
         stream(llm, ListSource(batch), window=window, params=params, on_finished=on_finished,
                lora_request=lora_request)  # fmt: skip
@@ -221,7 +242,7 @@ def stream_chunked(
 
 def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence[int], truncated: bool):
     """One line of samples.jsonl, graded."""
-    from opsd.grading import grade
+    from opsd.evaluation.grading import grade
 
     graded = grade(text, r.problem["answer"])
     prompt = {"prompt": job.tokenizer.decode(r.prompt_ids)} if idx == 0 else {}
@@ -243,8 +264,8 @@ def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence
 
 
 def window_size(job: Job, llm, requests: Sequence[Request]) -> int:
-    if job.config.max_in_flight:
-        return job.config.max_in_flight
+    if job.settings.max_in_flight:
+        return job.settings.max_in_flight
     longest = max((len(r.prompt_ids) for r in requests), default=1)
     window = auto_window(llm, longest, cuda_available())
     logger.info("at most %d samples in flight (--max-in-flight)", window)
@@ -319,8 +340,7 @@ def generate_missing(
 
     `served`: (a running `VLLMEngine` that already holds the job's weights, its `LoRARequest` or None),
     for a sweep; by default the engine is started here (`build_engine`)."""
-    config = job.config
-    prepare_prompts(job, requests)
+    settings = job.settings
     t0 = time.perf_counter()
     lora = None
     if served is not None:
@@ -344,7 +364,7 @@ def generate_missing(
         progress.update(len(records), tokens)
 
     t1 = time.perf_counter()
-    if job.resolved["engine_used"] == "vllm":
+    if settings.engine_used == "vllm":
 
         def on_finished(done):
             save([
@@ -354,21 +374,21 @@ def generate_missing(
             ])  # fmt: skip
 
         window = window_size(job, engine.llm, requests)
-        kwargs = dict(window=window, params=lambda r: vllm_params(config, r), on_finished=on_finished,
+        kwargs = dict(window=window, params=lambda r: vllm_params(settings, r), on_finished=on_finished,
                       lora_request=lora)  # fmt: skip
         try:
-            if config.stream:
+            if settings.stream:
                 stream(engine.llm, source, **kwargs)
             else:
-                stream_chunked(engine.llm, source, chunk=config.chunk_size * config.n, **kwargs)
+                stream_chunked(engine.llm, source, chunk=settings.chunk_size * settings.n, **kwargs)
         except Exception as e:  # the engine is dead whatever vLLM raised; the finished samples are saved
             progress.close()
             raise EngineDied(_engine_died_message(job, e, samples_path)) from e
     else:
-        while batch := source.take(config.chunk_size):
+        while batch := source.take(settings.chunk_size):
             records = []
             for r in batch:
-                (samples,) = engine.generate([r.prompt_ids], request_sampling(config, r), n=r.count)
+                (samples,) = engine.generate([r.prompt_ids], request_sampling(settings, r), n=r.count)
                 records += [
                     sample_record(job, r, r.start + j, s.text, s.token_ids, s.finish_reason == "length")
                     for j, s in enumerate(samples)
@@ -407,7 +427,7 @@ def _engine_died_message(job: Job, e: Exception, samples_path: Path) -> str:
     except OSError:
         where = ""
     kept = len(read_samples(samples_path, repair=False))
-    mode = job.resolved["adapter_mode"]
+    mode = job.settings.adapter_mode
     if mode == "vllm-lora" and not cuda_available():
         advice = "on a CPU, serve adapters merged (the default): drop --no-merge-adapter and use a new --out"
     elif mode == "vllm-lora":

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EvalConfig, UserError
+from opsd.evaluation.config import EvalConfig, EvalSettings, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +17,7 @@ logger = logging.getLogger(__name__)
 class Job:
     """Everything a run needs once its inputs are checked (`resolve`)."""
 
-    config: EvalConfig
-    resolved: dict[str, Any]  # eval_config.json: the config plus resolved paths, engine, template, step
+    settings: EvalSettings  # saved as eval_config.json
     problems: list[dict[str, Any]]  # in scope, each with its dataset `index`
     tokenizer: Any
     builder: Any  # opsd.prompts.PromptBuilder
@@ -92,7 +90,7 @@ def checkpoint_step(*paths: str) -> int | None:
 def choose_engine(name: str) -> str:
     if name == "transformers":
         return name
-    from opsd.rollout import vllm_available
+    from opsd.evaluation.sampling import vllm_available
 
     if vllm_available():
         return "vllm"
@@ -176,20 +174,16 @@ def resolve(config: EvalConfig) -> Job:
             "serving the adapter as a vLLM LoRA: its samples are not reproducible run to run on a GPU "
             "(vLLM's LoRA kernels); --merge-adapter gives byte-identical reruns"
         )
-    resolved = {
-        **{
-            k: v
-            for k, v in dataclasses.asdict(config).items()
-            if k not in ("compare", "aggregate", "plot_steps", "checkpoints", "base")
-        },
-        "model_path": model_path,
-        "adapter_path": adapter_path,
-        "adapter_rank": adapter_cfg.get("r"),
-        "adapter_mode": adapter_mode,
-        "engine_used": engine,
-        "dataset_source": dataset,
-        "student_template": builder.student_template,
-        "max_model_len_used": effective_max_len(model_path, config.max_model_len),
-        "step": checkpoint_step(config.adapter, config.model),
-    }
-    return Job(config, resolved, problems, tokenizer, builder, Path(config.out).expanduser())
+    settings = EvalSettings.of(
+        config,
+        model_path=model_path,
+        adapter_path=adapter_path,
+        adapter_rank=adapter_cfg.get("r"),
+        adapter_mode=adapter_mode,
+        engine_used=engine,
+        dataset_source=dataset,
+        student_template=builder.student_template,
+        max_model_len_used=effective_max_len(model_path, config.max_model_len),
+        step=checkpoint_step(config.adapter, config.model),
+    )
+    return Job(settings, problems, tokenizer, builder, Path(config.out).expanduser())

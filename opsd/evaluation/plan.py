@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+
 from opsd.evaluation.config import UserError
-from opsd.evaluation.generate import Request, plan_requests
+from opsd.evaluation.generate import Prompts, Request, plan_requests
 from opsd.evaluation.job import Job
 from opsd.evaluation.samples import (
     SAMPLES_FILE,
@@ -16,11 +18,14 @@ from opsd.evaluation.samples import (
 )
 from opsd.evaluation.summary import binomial_se, write_summary
 
+logger = logging.getLogger(__name__)
+
 
 def missing_requests(job: Job) -> list[Request]:
-    """Check `job.out` against the saved settings (`check_resume`) and plan the samples it lacks."""
-    config, out = job.config, job.out
-    check_resume(out, job.resolved)
+    """Check `job.out` against the saved settings (`check_resume`) and plan the samples it lacks, each
+    request with its prompt and token cap (`Prompts`)."""
+    settings, out = job.settings, job.out
+    check_resume(out, settings)
     merge_shards(out)  # leftovers of a killed --num-gpus run
     records = index_samples(read_samples(out / SAMPLES_FILE))
     gold = {p["id"]: p["answer"] for p in job.problems}
@@ -30,17 +35,23 @@ def missing_requests(job: Job) -> list[Request]:
                         f"{changed[:5]}; the dataset file changed: use a new --out")  # fmt: skip
     # vLLM draws every sample as its own request; streamed, sample 0 of every problem comes first, so any
     # stretch of the queue mixes problems (opsd.evaluation.workers).
-    vllm = job.resolved["engine_used"] == "vllm"
-    return plan_requests(job.problems, set(records), config.n, config.seed, per_sample=vllm,
-                         sample_major=vllm and config.stream)  # fmt: skip
+    vllm = settings.engine_used == "vllm"
+    requests = plan_requests(job.problems, set(records), settings.n, settings.seed, Prompts(job),
+                             per_sample=vllm, sample_major=vllm and settings.stream)  # fmt: skip
+    cut = sum(r.max_tokens < settings.max_tokens for r in requests)
+    if cut:
+        logger.warning(
+            "max_tokens cut to fit max_model_len %d for %d request(s)", settings.max_model_len_used, cut
+        )
+    return requests
 
 
 def report_lines(job: Job, timings: dict[str, float], wall_s: float) -> list[str]:
     """Write summary.json and per_problem.csv (and per_problem.png with --plot); the lines to print."""
-    config, out = job.config, job.out
+    out = job.out
     summary = write_summary(job, timings, wall_s)
     metrics = summary["metrics"]
-    from opsd.metrics import format_summary
+    from opsd.evaluation.metrics import format_summary
 
     adapter = f", adapter: {summary['adapter_mode']}" if summary["adapter_mode"] else ""
     lines = [
@@ -50,8 +61,8 @@ def report_lines(job: Job, timings: dict[str, float], wall_s: float) -> list[str
         f"summary: {out / SUMMARY_FILE}",
         f"per-problem: {out / 'per_problem.csv'}",
     ]
-    if config.plot:
-        from opsd.plots import per_problem_accuracy
+    if job.settings.plot:
+        from opsd.evaluation.figures import per_problem_accuracy
 
         rows = metrics["problems"]
         se = [binomial_se(r["accuracy"], r["n"]) for r in rows]

@@ -30,7 +30,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def run_compare(config: EvalConfig) -> list[str]:
-    from opsd.metrics import paired_compare, per_problem_accuracy, per_problem_format_rate
+    from opsd.evaluation.metrics import paired_compare, per_problem_accuracy, per_problem_format_rate
 
     a_dir, b_dir = config.compare
     a, b = load_summary(a_dir), load_summary(b_dir)
@@ -77,7 +77,7 @@ AGGREGATE_METRICS = ("avg", "pass_at_k", "maj", "format_rate")
 
 
 def run_aggregate(config: EvalConfig) -> list[str]:
-    from opsd.metrics import aggregate_runs
+    from opsd.evaluation.metrics import aggregate_runs
 
     summaries = [load_summary(d) for d in config.aggregate]
     labels = {json.dumps(s["metrics"]["labels"], sort_keys=True) for s in summaries}
@@ -110,7 +110,7 @@ def step_point(run: str, summary: dict[str, Any]) -> dict[str, Any]:
 
 def write_step_plot(points: list[dict[str, Any]], out: Path) -> Path:
     """accuracy_vs_step.png and .json under `out`."""
-    from opsd.plots import accuracy_vs_step
+    from opsd.evaluation.figures import accuracy_vs_step
 
     out.mkdir(parents=True, exist_ok=True)
     png = accuracy_vs_step(points, out / "accuracy_vs_step.png")

@@ -24,7 +24,7 @@ def run_eval(config: EvalConfig, argv: Sequence[str], script: str) -> list[str]:
     t0 = time.perf_counter()
     job = resolve(config)
     if config.shard_rank is not None:
-        run_shard(job)
+        run_shard(job, *config.shard_rank)
         return []
     out = job.out
     requests = missing_requests(job)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import UserError
+from opsd.evaluation.config import EvalSettings, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,8 @@ SUMMARY_FILE = "summary.json"
 SHARD_DIR = "shards"
 ENGINE_ERROR_LOG = "engine_error.log"
 SEED_STRIDE = 1 << 16  # seeds of one problem's samples; n above this would reuse a seed
-# Settings that change what is sampled or how it is graded; a resumed run must match all of them.
+# Settings (`EvalSettings` fields) that change what is sampled or how it is graded; a resumed run must match
+# all of them.
 RESUME_KEYS = (
     "model_path", "adapter_path", "adapter_mode", "engine_used", "dataset_source", "split", "n",
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_model_len_used", "thinking",
@@ -98,16 +99,17 @@ def merge_shards(out: Path) -> int:
     return len(new)
 
 
-def check_resume(out: Path, resolved: dict[str, Any]) -> None:
+def check_resume(out: Path, settings: EvalSettings) -> None:
     """Refuse a DIR whose saved config differs in a `RESUME_KEYS` setting; write the config if new."""
     cfg_path = out / CONFIG_FILE
     if cfg_path.is_file():
         saved = json.loads(cfg_path.read_text())
-        diff = [k for k in RESUME_KEYS if saved.get(k, "<missing>") != resolved[k]]
+        now = {k: getattr(settings, k) for k in RESUME_KEYS}
+        diff = [k for k in RESUME_KEYS if saved.get(k, "<missing>") != now[k]]
         if diff:
-            detail = "; ".join(f"{k}: saved {saved.get(k, '<missing>')!r}, now {resolved[k]!r}" for k in diff)
+            detail = "; ".join(f"{k}: saved {saved.get(k, '<missing>')!r}, now {now[k]!r}" for k in diff)
             hint = ""
-            if "adapter_mode" in diff and saved.get("adapter_mode") and resolved["adapter_mode"]:
+            if "adapter_mode" in diff and saved.get("adapter_mode") and settings.adapter_mode:
                 flag = "--merge-adapter" if saved["adapter_mode"] == "merged" else "--no-merge-adapter"
                 hint = f" (the saved run applied the adapter {saved['adapter_mode']}: {flag} resumes it)"
             raise UserError(
@@ -121,4 +123,4 @@ def check_resume(out: Path, resolved: dict[str, Any]) -> None:
         )
     out.mkdir(parents=True, exist_ok=True)
     # Rewritten each run: the other settings (limit, num_gpus, ...) may change between runs.
-    cfg_path.write_text(json.dumps(resolved, indent=2) + "\n")
+    cfg_path.write_text(json.dumps(settings.to_json(), indent=2) + "\n")

@@ -34,7 +34,7 @@ def binomial_se(p: float, n: int) -> float:
 
 def grading_counts(per_problem: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """How the samples were graded: answers over MAX_VERIFY_CHARS go to the string fallback only."""
-    from opsd.grading import GRADER_LONG, MAX_VERIFY_CHARS
+    from opsd.evaluation.grading import GRADER_LONG, MAX_VERIFY_CHARS
 
     samples = [s for rows in per_problem.values() for s in rows]
     long = sum(s.get("grader") == GRADER_LONG for s in samples)
@@ -43,25 +43,25 @@ def grading_counts(per_problem: dict[str, list[dict[str, Any]]]) -> dict[str, An
 
 def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[str, Any]:
     """Summarize the in-scope problems from `samples.jsonl` into summary.json and per_problem.csv."""
-    from opsd.metrics import summarize
+    from opsd.evaluation.metrics import summarize
 
-    out, n, resolved = job.out, job.config.n, job.resolved
+    out, settings = job.out, job.settings
     have = index_samples(read_samples(out / SAMPLES_FILE))
     per_problem = {}
     for p in job.problems:
-        samples = [have.get((p["id"], i)) for i in range(n)]
+        samples = [have.get((p["id"], i)) for i in range(settings.n)]
         missing = [i for i, s in enumerate(samples) if s is None]
         if missing:
             raise RunFailed(f"problem {p['id']!r} lacks samples {missing}; rerun the same command to finish")
         per_problem[p["id"]] = samples
-    metrics = summarize(per_problem, k=job.config.k)
+    metrics = summarize(per_problem, k=settings.k)
     gen_s = timings["generation_s"]
     summary = {
-        "config": resolved,
+        "config": settings.to_json(),
         "versions": versions(),
-        "engine": resolved["engine_used"],
-        "adapter_mode": resolved["adapter_mode"],
-        "step": resolved["step"],
+        "engine": settings.engine_used,
+        "adapter_mode": settings.adapter_mode,
+        "step": settings.step,
         "wall_time_s": wall_s,
         **timings,
         "tokens_per_s": timings["new_tokens"] / gen_s if gen_s > 0 else None,

@@ -34,9 +34,9 @@ summary.json exists (nothing is rewritten), continues a partial one from its sam
 the engine only if some sample is missing.
 
 Outputs at OUT: sweep.json (one row per evaluation: avg@n, format and truncation rates with SEs, the
-paired difference in accuracy against the base with its 95% CI (`opsd.metrics.paired_compare`); the
-engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the curve
-of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
+paired difference in accuracy against the base with its 95% CI (`opsd.evaluation.metrics.paired_compare`);
+the engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the
+curve of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
 """
 
 from __future__ import annotations
@@ -167,11 +167,11 @@ def _check_full_fine_tune(job: Job, base_path: str) -> None:
     from transformers import AutoConfig
 
     base = AutoConfig.from_pretrained(base_path).to_dict()
-    mine = AutoConfig.from_pretrained(job.resolved["model_path"]).to_dict()
+    mine = AutoConfig.from_pretrained(job.settings.model_path).to_dict()
     diff = [k for k in _SHAPE_KEYS if base.get(k) != mine.get(k)]
     if diff:
         raise UserError(
-            f"{job.resolved['model_path']} differs from the base model {base_path} in {', '.join(diff)}; "
+            f"{job.settings.model_path} differs from the base model {base_path} in {', '.join(diff)}; "
             "a sweep reloads checkpoints of the base model only: evaluate it on its own with --model"
         )
 
@@ -183,14 +183,12 @@ class SweepEngine:
     def __init__(self, config: EvalConfig, base_path: str, jobs: list[Job]):
         """`jobs`: the evaluations that will be served, which fix the engine's LoRA settings."""
         self.config, self.base_path = config, base_path
-        ranks = [
-            int(j.resolved["adapter_rank"] or 0) for j in jobs if j.resolved["adapter_mode"] == "vllm-lora"
-        ]
+        ranks = [int(j.settings.adapter_rank or 0) for j in jobs if j.settings.adapter_mode == "vllm-lora"]
         self.enable_lora, self.max_rank = bool(ranks), max(ranks, default=0)
         # Merged weights go to the engine as tensors and a tied lm_head is rebuilt by a function: both
         # need the engine in this process (vLLM's multiprocess engine would have to serialize them).
         self.in_process = any(
-            j.resolved["adapter_mode"] == "merged" or j.resolved["model_path"] != base_path for j in jobs
+            j.settings.adapter_mode == "merged" or j.settings.model_path != base_path for j in jobs
         )
         self.engine = None
         self.weights: tuple[str, str] = ("base", base_path)  # what the engine holds
@@ -200,7 +198,7 @@ class SweepEngine:
 
     def _start(self, max_model_len: int) -> None:
         from opsd.evaluation.engines import _vllm_lora_rank
-        from opsd.rollout import VLLMEngine
+        from opsd.evaluation.sampling import VLLMEngine
 
         if self.in_process:
             import os
@@ -227,14 +225,14 @@ class SweepEngine:
         """Start the engine if needed and put `job`'s weights in it; returns (engine, LoRARequest or None)."""
         from opsd.weights import merged_named_weights, push_weights
 
-        resolved = job.resolved
-        mode, adapter = resolved["adapter_mode"], resolved["adapter_path"]
+        settings = job.settings
+        mode, adapter = settings.adapter_mode, settings.adapter_path
         if self.engine is None:
-            self._start(resolved["max_model_len_used"])
+            self._start(settings.max_model_len_used)
         if mode == "merged":
             want = ("merged", adapter)
-        elif resolved["model_path"] != self.base_path:
-            want = ("full", resolved["model_path"])
+        elif settings.model_path != self.base_path:
+            want = ("full", settings.model_path)
         else:
             want = ("base", self.base_path)  # the base model, or a LoRA served on top of it
         if want != self.weights:
@@ -263,7 +261,7 @@ class SweepEngine:
 
 
 def _summary_row(entry: Entry, summary: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    from opsd.metrics import paired_compare, per_problem_accuracy
+    from opsd.evaluation.metrics import paired_compare, per_problem_accuracy
 
     m = summary["metrics"]
     row: dict[str, Any] = {"name": entry.name, "step": summary.get("step"), "source": entry.source or None,
@@ -330,7 +328,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
     todo = [(e, j) for e, j, p in zip(entries, jobs, plans, strict=True) if p]
     logger.info("sweep of %d evaluation(s) into %s: %d to sample (%s)", len(entries), out, len(todo),
                 ", ".join(e.name for e, _ in todo) or "none")  # fmt: skip
-    vllm = jobs[0].resolved["engine_used"] == "vllm"
+    vllm = jobs[0].settings.engine_used == "vllm"
     served = SweepEngine(config, base_path, [j for _, j in todo]) if vllm else None
     lines: list[str] = []
     engine_start_s = 0.0
@@ -343,7 +341,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
         if requests:
             missing = sum(r.count for r in requests)
             logger.info("sweep %d/%d: %s (%s): %d missing samples into %s", i, len(entries), entry.name,
-                        job.resolved["adapter_mode"] or entry.kind, missing, job.out)  # fmt: skip
+                        job.settings.adapter_mode or entry.kind, missing, job.out)  # fmt: skip
             engine = None
             if served is not None:
                 t_load = time.perf_counter()
@@ -365,7 +363,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
     base_summary = summaries[0] if config.base else None
     rows = [_summary_row(e, s, base_summary) for e, s in zip(entries, summaries, strict=True)]
     extra = {
-        "engine": jobs[0].resolved["engine_used"],
+        "engine": jobs[0].settings.engine_used,
         "engine_starts": served.starts if served is not None else sum(1 for p in plans if p),
         "weight_loads": served.loads if served is not None else 0,
         "engine_start_s": engine_start_s,

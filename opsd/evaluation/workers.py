@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from opsd.evaluation.config import EvalConfig, RunFailed, UserError
-from opsd.evaluation.generate import NO_TIMINGS, Request, generate_missing
+from opsd.evaluation.generate import NO_TIMINGS, PromptOf, Prompts, Request, generate_missing, make_request
 from opsd.evaluation.job import Job
-from opsd.evaluation.samples import SAMPLES_FILE, SHARD_DIR, merge_shards, sample_seed
+from opsd.evaluation.samples import SAMPLES_FILE, SHARD_DIR, merge_shards
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ LOCK_FILE = "queue.lock"
 
 
 def write_queue(shard_dir: Path, requests: Sequence[Request], world: int) -> None:
-    """The work of a data-parallel run: (problem id, first sample, count) of every request, in order."""
+    """The work of a data-parallel run: (problem id, first sample, count) of every request, in order (each
+    worker builds the requests whole again: `ClaimQueue`)."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     units = [[r.problem["id"], r.start, r.count] for r in requests]
     (shard_dir / QUEUE_FILE).write_text(json.dumps({"world": world, "requests": units}))
@@ -51,16 +52,23 @@ def write_queue(shard_dir: Path, requests: Sequence[Request], world: int) -> Non
 
 class ClaimQueue:
     """Worker `rank`'s view of the shared queue: `take(k)` claims up to k requests, `finished(count)`
-    gives back `count` requests' places."""
+    gives back `count` requests' places. The queue's requests are built whole with the run's `seed` and
+    `prompt` (`make_request`; a worker's own `Prompts`)."""
 
-    def __init__(self, shard_dir: Path, rank: int, problems: Sequence[dict[str, Any]], seed: int):
+    def __init__(
+        self,
+        shard_dir: Path,
+        rank: int,
+        problems: Sequence[dict[str, Any]],
+        seed: int,
+        prompt: PromptOf | None = None,
+    ):
         self.dir, self.rank = shard_dir, rank
         queue = json.loads((shard_dir / QUEUE_FILE).read_text())
         self.world = queue["world"]
         by_id = {p["id"]: p for p in problems}
         self.requests = [
-            Request(by_id[pid], start, count, sample_seed(seed, by_id[pid]["index"], start))
-            for pid, start, count in queue["requests"]
+            make_request(by_id[pid], start, count, seed, prompt) for pid, start, count in queue["requests"]
         ]
         self._may_claim = True  # False once a claim was refused, until one of ours finishes
 
@@ -156,11 +164,11 @@ def run_workers(
     return totals
 
 
-def run_shard(job: Job) -> None:
-    """A --num-gpus worker: sample what it claims into its own file and leave its timings for the parent."""
-    rank, world = job.config.shard_rank
+def run_shard(job: Job, rank: int, world: int) -> None:
+    """Worker `rank` of `world` (--num-gpus): sample what it claims into its own file and leave its timings
+    for the parent."""
     shard_dir = job.out / SHARD_DIR
-    queue = ClaimQueue(shard_dir, rank, job.problems, job.config.seed)
+    queue = ClaimQueue(shard_dir, rank, job.problems, job.settings.seed, Prompts(job))
     if queue.world != world:
         raise RunFailed(f"{shard_dir / QUEUE_FILE} was written for {queue.world} workers, not {world}")
     timings = generate_missing(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opsd.rollout import HFEngine, SamplingConfig
+from opsd.evaluation.sampling import HFEngine, SamplingConfig
 
 
 def _prompts(tokenizer):

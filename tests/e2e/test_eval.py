@@ -6,7 +6,7 @@ that answers any of our three problems with `\\boxed{7}`, `\\boxed{8}` or `I am 
 a third of the time. Sampled at temperature 1 this gives right, wrong and missing answers in one run,
 and since only the adapter can produce a box, boxes in the output also show that the adapter was applied
 (served as a LoRA with --no-merge-adapter, merged by default on the CPU).
-The metrics are then recomputed from samples.jsonl with code written here, not opsd.metrics.
+The metrics are then recomputed from samples.jsonl with code written here, not opsd.evaluation.metrics.
 """
 
 from __future__ import annotations

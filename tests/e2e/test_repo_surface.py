@@ -244,7 +244,7 @@ def _metrics_file(run, records):
 
 
 def test_plot_draws_the_panels_a_run_has(tmp_path):
-    from opsd.plot import main, read_metrics
+    from opsd.curves import main, read_metrics
 
     run = tmp_path / "run"
     records = [
@@ -259,14 +259,14 @@ def test_plot_draws_the_panels_a_run_has(tmp_path):
     assert main([str(run)]) == 0
     png = run / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from opsd.plot import training_curves
+    from opsd.curves import training_curves
 
     titles = training_curves({"run": metrics}, tmp_path / "x.png")
     assert titles == ["loss", "divergence D_β (per token)", "seconds per step", "gradient norm"]
 
 
 def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
-    from opsd.plot import main
+    from opsd.curves import main
 
     assert main([str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests for opsd.metrics, with expected numbers worked out by hand in the comments."""
+"""Tests for opsd.evaluation.metrics, with expected numbers worked out by hand in the comments."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from math import comb
 
 import pytest
 
-from opsd.metrics import (
+from opsd.evaluation.metrics import (
     _t975_fallback,
     aggregate_runs,
     format_summary,
@@ -107,7 +107,7 @@ def test_majority_ignores_missing_answers() -> None:
 
 def test_majority_warns_when_group_disagrees(caplog: pytest.LogCaptureFixture) -> None:
     samples = [sample(True, "5"), sample(False, "05")]
-    with caplog.at_level(logging.WARNING, logger="opsd.metrics"):
+    with caplog.at_level(logging.WARNING, logger="opsd.evaluation.metrics"):
         assert majority_correct(samples) is True
     assert "graded differently" in caplog.text
 
@@ -220,11 +220,11 @@ def test_summarize_errors() -> None:
 
 
 def test_paired_compare_hand_computed(caplog: pytest.LogCaptureFixture) -> None:
-    from opsd.metrics import paired_compare
+    from opsd.evaluation.metrics import paired_compare
 
     a = {"p1": 0.5, "p2": 0.25, "p3": 1.0, "p4": 0.0}
     b = {"p1": 0.75, "p2": 0.25, "p3": 0.75, "p4": 0.5, "p5": 1.0}  # p5 only in b: warned, ignored
-    with caplog.at_level(logging.WARNING, logger="opsd.metrics"):
+    with caplog.at_level(logging.WARNING, logger="opsd.evaluation.metrics"):
         r = paired_compare(a, b)
     assert "problem sets differ" in caplog.text
     # Differences (points): 25, 0, -25, 50 -> mean 12.5. Deviations 12.5, -12.5, -37.5, 37.5;
@@ -242,7 +242,7 @@ def test_paired_compare_hand_computed(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_paired_compare_errors_and_single_problem() -> None:
-    from opsd.metrics import paired_compare
+    from opsd.evaluation.metrics import paired_compare
 
     with pytest.raises(ValueError, match="share no problem"):
         paired_compare({"a": 0.5}, {"b": 0.5})

@@ -1,7 +1,7 @@
 """Evaluation plots (PNG, matplotlib's Agg backend, so no display is needed).
 
 Both take plain numbers: per-problem accuracies are fractions in [0, 1] and are drawn in percent;
-run-level accuracies (avg@n) and their SEs are already in percent, as `opsd.metrics` reports them.
+run-level accuracies (avg@n) and their SEs are already in percent, as `opsd.evaluation.metrics` reports them.
 """
 
 from __future__ import annotations

@@ -3,18 +3,19 @@
 Training rollouts go through TRL's `VLLMGeneration` inside the trainer; this module serves the scripts
 that only sample (`eval_aime.py`, `bench/`). Both engines take token ids (the caller renders prompts) and
 return, per prompt, `n` `Sample`s with the completion ids, text, finish reason and, on request, the
-log-probability of each sampled token.
+log-probability of each sampled token. `SamplingConfig.vllm` is the one place that turns sampling settings
+into vLLM `SamplingParams`; evaluation's streaming loop (`opsd.evaluation.generate`) uses it too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from opsd.engine_env import single_node_engine_env
 from opsd.scoring import left_pad
 
 logger = logging.getLogger(__name__)
@@ -40,27 +41,17 @@ class SamplingConfig:
     min_tokens: int = 0  # benchmarks force fixed-length completions with min_tokens == max_tokens
 
     def vllm(self, n: int = 1, **overrides):
-        """These settings as vLLM `SamplingParams` for n samples (top_k 0 = off); the one place that builds
-        them for evaluation and benchmarks."""
+        """These settings as vLLM `SamplingParams` for n samples (top_k 0 = off), `overrides` (any
+        `SamplingParams` field, these settings' included) on top; the one builder of `SamplingParams` for
+        evaluation and benchmarks."""
         from vllm import SamplingParams
 
-        return SamplingParams(
+        params = dict(
             n=n, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else -1, min_p=self.min_p, seed=self.seed,
-            logprobs=0 if self.logprobs else None, min_tokens=self.min_tokens, **overrides,
+            logprobs=0 if self.logprobs else None, min_tokens=self.min_tokens,
         )  # fmt: skip
-
-
-# vLLM's distributed init binds to VLLM_HOST_IP, by default the host's outward address; where that address is
-# unreachable (an isolated or firewalled node) the engine waits forever after "Using V2 Model Runner". Every
-# engine of this repo is single-node, so loopback is always right; a user's own setting wins.
-SINGLE_NODE_ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-
-
-def single_node_engine_env(environ=os.environ) -> None:
-    """Fill in the engine settings above that the environment does not set already."""
-    for name, value in SINGLE_NODE_ENGINE_ENV.items():
-        environ.setdefault(name, value)
+        return SamplingParams(**{**params, **overrides})
 
 
 def vllm_available() -> bool:
@@ -90,7 +81,7 @@ class VLLMEngine:
         from vllm import LLM
 
         if dtype is None:
-            # vLLM's CPU backend turns float32 checkpoints into bf16 by default, which is ~3x slower there.
+            # vLLM's CPU backend would cast a float32 checkpoint to bf16 (slower there: docs/decisions.md).
             dtype = "auto" if torch.cuda.is_available() else "float32"
         kwargs = dict(
             model=model,

@@ -1,7 +1,7 @@
 """Training curves of a run as one PNG, from its `metrics.jsonl`.
 
-    python -m opsd.plot runs/opsd                       # writes runs/opsd/curves.png
-    python -m opsd.plot runs/a runs/b --out cmp.png     # several runs, one line each
+    python -m opsd.curves runs/opsd                     # writes runs/opsd/curves.png
+    python -m opsd.curves runs/a runs/b --out cmp.png   # several runs, one line each
 
 One panel per group of metrics that the run logged (loss, divergence, agreement, the probe, rollout
 lengths, time per step); groups without data are left out, so the same command serves runs with and
@@ -89,7 +89,7 @@ def training_curves(runs: dict[str, dict[str, list[tuple[int, float]]]], path: s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m opsd.plot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m opsd.curves", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="output_dir(s) of training runs (each holds metrics.jsonl)")
     ap.add_argument("--out", default="", help="PNG path (default: <first run>/curves.png)")
     args = ap.parse_args(argv)

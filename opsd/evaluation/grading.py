@@ -22,13 +22,12 @@ Correctness (`is_correct`): math-verify first (symbolic and numeric equivalence,
 match), then a string/number fallback on `normalize_answer` for what math-verify cannot parse or
 times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side.
 
-Degenerate answers stay cheap and quiet. An answer longer than `MAX_VERIFY_CHARS` (no AIME answer is:
-``\boxed{1+1+...}`` of 200k characters took math-verify 5-6 s and logged the whole expression) is graded
-by the string fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts
-them). math-verify's own log lines, which quote the expression, are silenced. Its timeout uses SIGALRM,
-which only the main thread can arm: elsewhere (a grading thread) math-verify runs in a worker process
-with the same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}`` cannot hang a
-thread.
+Degenerate answers stay cheap and quiet. An answer longer than `MAX_VERIFY_CHARS` (no AIME answer is;
+math-verify is slow on a huge expression and logs it whole: docs/decisions.md) is graded by the string
+fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts them).
+math-verify's own log lines, which quote the expression, are silenced. Its timeout uses SIGALRM, which
+only the main thread can arm: elsewhere (a grading thread) math-verify runs in a worker process with the
+same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}`` cannot hang a thread.
 """
 
 from __future__ import annotations
