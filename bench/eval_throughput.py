@@ -293,7 +293,9 @@ def worker(a) -> None:
     rows = []
     for balance in ("dynamic", "static"):
         if balance == "dynamic" and rank == 0:
-            requests = plan_requests(problems, set(), a.n, config.seed, per_sample=True, sample_major=True)
+            requests = plan_requests(
+                problems, set(), a.n, config.seed, prompt, per_sample=True, sample_major=True
+            )
             write_queue(work / "queue", requests, world)
         barrier(work, f"ready-{balance}", rank, world)
         if balance == "dynamic":

@@ -48,7 +48,7 @@ NO_TIMINGS = {"engine_start_s": 0.0, "generation_s": 0.0, "new_samples": 0, "new
 _REQUEST_IDS = itertools.count()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
     """`count` consecutive samples of a problem from index `start`, as the engine takes them: the rendered
     prompt and the new-token cap; vLLM's j-th sample gets `seed + j`."""
@@ -65,13 +65,10 @@ class Request:
 PromptOf = Callable[[dict[str, Any], int], tuple[list[int], int]]
 
 
-def make_request(
-    problem: dict[str, Any], start: int, count: int, seed: int, prompt: PromptOf | None = None
-) -> Request:
+def make_request(problem: dict[str, Any], start: int, count: int, seed: int, prompt: PromptOf) -> Request:
     """The request for `count` samples of `problem` from `start`, seeded with `sample_seed(seed, problem's
-    dataset index, start)`, its prompt and cap from `prompt`. Without `prompt` it carries none (no ids, cap
-    0): enough to plan which samples to draw, as the claim queue's file does, not to send."""
-    ids, cap = prompt(problem, start) if prompt is not None else ([], 0)
+    dataset index, start)`, its prompt and cap from `prompt`."""
+    ids, cap = prompt(problem, start)
     return Request(problem, start, count, sample_seed(seed, problem["index"], start), ids, cap)
 
 
@@ -125,7 +122,7 @@ def plan_requests(
     have: set[tuple[str, int]],
     n: int,
     seed: int,
-    prompt: PromptOf | None = None,
+    prompt: PromptOf,
     *,
     per_sample: bool = False,
     sample_major: bool = False,

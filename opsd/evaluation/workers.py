@@ -61,7 +61,7 @@ class ClaimQueue:
         rank: int,
         problems: Sequence[dict[str, Any]],
         seed: int,
-        prompt: PromptOf | None = None,
+        prompt: PromptOf,
     ):
         self.dir, self.rank = shard_dir, rank
         queue = json.loads((shard_dir / QUEUE_FILE).read_text())

@@ -46,9 +46,11 @@ def test_stream_window_bounds_requests_in_flight_and_matches_batched_generate(vl
     problems = [{"id": f"q{i}", "index": i, "problem": t} for i, t in enumerate(texts)]
     prompts = [tok(t).input_ids for t in texts]
     config = EvalConfig(out="unused", n=4, max_tokens=12, seed=5)
-    requests = plan_requests(problems, set(), config.n, config.seed, per_sample=True, sample_major=True)
-    for r in requests:
-        r.prompt_ids, r.max_tokens = prompts[r.problem["index"]], config.max_tokens
+    requests = plan_requests(
+        problems, set(), config.n, config.seed, lambda p, _start: (prompts[p["index"]], config.max_tokens),
+        per_sample=True, sample_major=True,
+    )  # fmt: skip
+    assert all(r.prompt_ids == prompts[r.problem["index"]] and r.max_tokens == 12 for r in requests)
     assert len(requests) == 12 and [r.problem["id"] for r in requests[:4]] == ["q0", "q1", "q2", "q0"]
 
     counting = CountingEngine(vllm_tiny.llm.llm_engine)
@@ -84,10 +86,14 @@ def test_claim_queue_fair_share_and_a_dead_worker(tmp_path):
     from opsd.evaluation.workers import ClaimQueue, write_queue
 
     problems = [{"id": f"q{i}", "index": i} for i in range(5)]
-    requests = plan_requests(problems, {("q0", 1)}, 2, 7, per_sample=True, sample_major=True)
+
+    def prompt(p, _start):
+        return [p["index"]], 3
+
+    requests = plan_requests(problems, {("q0", 1)}, 2, 7, prompt, per_sample=True, sample_major=True)
     assert len(requests) == 9
     write_queue(tmp_path, requests, world=2)
-    a, b = (ClaimQueue(tmp_path, r, problems, 7) for r in (0, 1))
+    a, b = (ClaimQueue(tmp_path, r, problems, 7, prompt) for r in (0, 1))
 
     def keys(rs):
         return [(r.problem["id"], r.start) for r in rs]
@@ -111,12 +117,14 @@ def test_claim_queue_fair_share_and_a_dead_worker(tmp_path):
 
     # A worker that never starts leaves its share to the other one.
     write_queue(tmp_path, requests, world=2)
-    alone = ClaimQueue(tmp_path, 0, problems, 7)
+    alone = ClaimQueue(tmp_path, 0, problems, 7, prompt)
     taken = []
     while batch := alone.take(100):
         taken += keys(batch)
         alone.finished(len(batch))
     assert taken == keys(requests)
+    # each worker rebuilt the requests whole: the same prompt ids, caps and seeds as planned
+    assert ClaimQueue(tmp_path, 1, problems, 7, prompt).requests == requests
 
 
 @pytest.mark.slow
