@@ -20,7 +20,8 @@ Presets (`--preset`; every flag below still overrides them):
   `--horizon-every` (100) steps. Evaluated on `builtin:easy-disjoint` (held out by arithmetic) in sweeps
   (`--eval-mode sweep`: one engine start for the base model and every checkpoint, adapters merged): one
   as soon as every control has its checkpoint-100, one for the horizon checkpoints once they exist, into
-  the same directory (the base model and shared checkpoints are scored once). Every checkpoint is paired
+  the same directory (it lists the first one's checkpoints too, so that names agree; what is scored already
+  is skipped). Every checkpoint is paired
   against the base model and, for shuffled and empty, against the matched arm of the same mode, seed and
   step. Output: `bench/results/controls_h200.json` and `docs/controls.png`.
 - `horizon`: the horizon part of `controls` alone.
@@ -30,7 +31,8 @@ engine a fixed KV cache (`--kv-gib`; the sweeps `--sweep-kv-gib`) so that engine
 vLLM's start-up memory profile. The first arm starts alone (it fills the compile cache the others reuse). A
 failed process is retried (`--retries`); training resumes from its last checkpoint and evaluation from its
 samples, so a rerun of the whole command also continues where it stopped (a run planned for more steps
-continues from its last checkpoint). The JSON is rewritten as stages finish.
+continues from its last checkpoint). The JSON is rewritten as stages finish. `--compare-only` trains and
+samples nothing: it makes the missing comparisons, the JSON and the figures from the evaluations on disk.
 
 Output: `{"machine", "config", "rows": [one per run], "arms": [mean over seeds], "wall_s", "failed"}`. A row
 holds the run's settings, probe curves and training summary, and its evaluations by step (`evals`: avg and
@@ -268,12 +270,14 @@ class Runner:
             for arm in arms:
                 self.eval_dirs[(arm.name, arm.steps)] = self.work / "evals" / arm.name
         else:
-            # The horizon sweep lists its runs' earlier checkpoints too; those the first sweep scored are
-            # found complete in the shared directory and skipped.
+            # The horizon sweep lists every checkpoint of the first sweep too, so each checkpoint gets the same
+            # result name in both (a sweep makes a name unique against the others it scores); those the first
+            # sweep scored are found complete in the shared directory and skipped.
             main = [
                 (arm, s) for arm in arms if "main" in arm.parts for s in arm.eval_steps if s <= self.a.steps
             ]
             horizon = [(arm, s) for arm in arms if "horizon" in arm.parts for s in arm.eval_steps]
+            horizon = main + [ck for ck in horizon if ck not in main] if horizon else []
             self.sweeps = [(label, cks) for label, cks in (("main", main), ("horizon", horizon)) if cks]
         # Horizon runs first: they are the longest.
         for arm in sorted(arms, key=lambda x: -x.steps):
@@ -330,13 +334,14 @@ class Runner:
         return job
 
     def read_sweep(self, ready: list[tuple[Arm, int]]) -> None:
-        """Where the sweep put each checkpoint's evaluation (its sweep.json names them)."""
-        path = self.work / "evals" / SWEEP_DIR / "sweep.json"
-        if not path.is_file():
-            return
-        table = json.loads(path.read_text())
-        dirs = {row["source"]: Path(ev["dir"]) for row, ev in zip(table["rows"], table["evaluations"], strict=True)
-                if row.get("source")}  # fmt: skip
+        """Where the sweeps put each checkpoint's evaluation. Every evaluation directory names the checkpoint it
+        scored (`adapter` in its eval_config.json), whichever sweep wrote it: sweep.json lists only the last
+        sweep's."""
+        dirs = {}
+        for cfg in sorted((self.work / "evals" / SWEEP_DIR).glob("*/eval_config.json")):
+            adapter = json.loads(cfg.read_text()).get("adapter")
+            if adapter:
+                dirs.setdefault(adapter, cfg.parent)
         for arm, s in ready:
             found = dirs.get(str(self.checkpoint(arm, s)))
             if found is not None:
@@ -650,7 +655,7 @@ def plot_controls(result: dict, out_dir: Path, plt) -> Path:
             names.append(f"{r['clip_mode']} {r['teacher_ref_pairing']}, seed {r['seed']}")
         ax.axvline(0, color="grey", lw=1)
         ax.set_yticks(ys, names, fontsize=7)
-        ax.set_xlabel(f"{title} at step {main_step}, points (95% CI): − base (filled), − matched (open)")
+        ax.set_xlabel(f"{title} at step {main_step}, points (95% CI)")
     ax = axes[1][0]
     for r in rows:
         if r["probe_divergence"]:
@@ -677,7 +682,8 @@ def plot_controls(result: dict, out_dir: Path, plt) -> Path:
     ax.set_ylabel("trained - base, points (95% CI)")
     ax.legend(fontsize=8)
     dataset = result["config"].get("eval_dataset") or result["config"].get("dataset")
-    fig.suptitle(f"Reference controls, held-out {dataset}, paired over problems")
+    fig.suptitle(f"Reference controls, held-out {dataset}, paired over problems; "
+                 "top: trained − base (filled), − matched arm (open)")  # fmt: skip
     fig.tight_layout()
     path = out_dir / "controls.png"
     fig.savefig(path, dpi=120)
@@ -735,6 +741,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rollout-engine", default="vllm")
     p.add_argument("--eval-engine", default="vllm")
     p.add_argument("--poll", type=float, default=2.0, help="Seconds between looks at the processes.")
+    p.add_argument(
+        "--compare-only", action="store_true",
+        help="Train and evaluate nothing: make the missing paired comparisons, then the JSON and the figures, "
+        "from the evaluations in --workdir (say, one copied off the GPU machine at the same path). The JSON "
+        "keeps the machine and wall time of the --out it updates and names this host under compared_on.",
+    )  # fmt: skip
     a = p.parse_args(argv)
     preset = PRESETS[a.preset]
     for key in ("out", "workdir", "arms", "seeds", "horizon_arms", "eval_dataset", "eval_mode"):
@@ -755,15 +767,26 @@ def main(argv: list[str] | None = None) -> int:
     arms = plan_arms(a)
     runner = Runner(a)
     runner.plan(arms)
-    config = {k: v for k, v in vars(a).items() if k not in ("plot",)}
+    config = {k: v for k, v in vars(a).items() if k not in ("plot", "compare_only")}
+    earlier = {}
+    if a.compare_only:
+        runner.queue, runner.training = [], set()
+        if a.eval_mode == "sweep":
+            runner.sweeps = []
+            runner.read_sweep([(arm, s) for arm in arms for s in arm.eval_steps])
+        if Path(a.out).is_file():
+            earlier = json.loads(Path(a.out).read_text())
+            config = earlier.get("config", config)
 
     def collect() -> dict:
         rows = [arm_row(runner.work, arm, runner.eval_dirs, runner.base_dir) for arm in arms]
         result = {
-            "machine": machine(), "config": config, "rows": rows,
+            "machine": earlier.get("machine") or machine(), "config": config, "rows": rows,
             "arms": arm_means(rows, a.steps if a.figure == "controls" else None),
-            "wall_s": time.time() - t0, "failed": runner.failed,
+            "wall_s": earlier.get("wall_s", time.time() - t0), "failed": runner.failed,
         }  # fmt: skip
+        if a.compare_only:
+            result["compared_on"] = machine()
         if a.figure == "controls":
             result["horizon"] = [m for s in range(a.horizon_every, a.horizon_steps + 1, a.horizon_every or 1)
                                  for m in arm_means([r for r in rows if "horizon" in r["parts"]], s)]  # fmt: skip

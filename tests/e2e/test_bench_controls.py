@@ -1,6 +1,7 @@
 """bench/learning.py --preset controls end to end on the tiny model and the CPU: two runs of 2 steps (matched
 and shuffled), the matched one continued to 4 steps as the horizon, two sweeps on builtin:easy-disjoint,
-the paired comparisons, the JSON and the figure; a rerun trains and compares nothing again."""
+the paired comparisons, the JSON and the figure; a rerun trains and compares nothing again, and
+--compare-only remakes a missing comparison from the evaluations on disk."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def bench(model_dir: Path, root: Path) -> subprocess.CompletedProcess:
+def bench(model_dir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, str(ROOT / "bench" / "learning.py"), "--preset", "controls", "--model", str(model_dir),
             "--arms", "rescale:0:1e-4:matched,rescale:0:1e-4:shuffled", "--seeds", "42", "--steps", "2",
             "--problems", "4", "--horizon-arms", "rescale:0:1e-4", "--horizon-steps", "4", "--horizon-every", "2",
             "--max-tokens", "8", "--probe-steps", "2", "--eval-n", "2", "--eval-limit", "3", "--parallel", "2",
             "--stagger", "0", "--warmup", "0", "--kv-gib", "0", "--sweep-kv-gib", "0", "--rollout-engine",
             "transformers", "--eval-engine", "transformers", "--poll", "0.5", "--workdir", str(root / "work"),
-            "--out", str(root / "controls.json"), "--plot-dir", str(root / "plots")]  # fmt: skip
+            "--out", str(root / "controls.json"), "--plot-dir", str(root / "plots"), *extra]  # fmt: skip
     env = {k: v for k, v in EVAL_ENV.items() if not k.startswith("OPSD_")}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,3 +78,15 @@ def test_controls_preset_on_the_tiny_model(tiny_model_dir, tmp_path):
     again = bench(tiny_model_dir, tmp_path)
     assert "start train-" not in again.stdout and "start compare" not in again.stdout
     assert json.loads((tmp_path / "controls.json").read_text())["rows"] == result["rows"]
+
+    # --compare-only finishes what a cut run left: a missing comparison is made again from the evaluations on
+    # disk (sweep.json, which lists only the last sweep's, is not needed); nothing trains or samples.
+    [against_matched] = (work / "evals" / "sweep").glob("*/compare-matched/compare.json")  # shuffled's only
+    against_matched.unlink()
+    (work / "evals" / "sweep" / "sweep.json").unlink()
+    finish = bench(tiny_model_dir, tmp_path, "--compare-only")
+    assert "start train-" not in finish.stdout and "start sweep" not in finish.stdout
+    assert finish.stdout.count("start compare") == 1, finish.stdout
+    finished = json.loads((tmp_path / "controls.json").read_text())
+    assert finished["rows"] == result["rows"] and finished["machine"] == result["machine"]
+    assert "compared_on" in finished

@@ -65,8 +65,10 @@ def test_commands_and_sweeps_of_the_controls_preset(tmp_path):
     runner.plan(arms)
     (main, main_cks), (horizon, horizon_cks) = runner.sweeps
     assert (main, len(main_cks), {s for _, s in main_cks}) == ("main", 12, {100})
-    assert horizon == "horizon" and sorted((x.clip_mode, s) for x, s in horizon_cks) == sorted(
-        (m, s) for m in ("rescale", "element") for s in (100, 200, 300)
+    # The horizon sweep lists the first sweep's checkpoints too, so that each keeps its result name.
+    assert horizon == "horizon" and horizon_cks[:12] == main_cks
+    assert sorted((x.clip_mode, x.seed, s) for x, s in horizon_cks[12:]) == sorted(
+        (m, 42, s) for m in ("rescale", "element") for s in (200, 300)
     )
     # Longest first: the horizon runs start before the others.
     assert [j.name for j in runner.queue[:2]] == [
