@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,23 @@ def _steps(run_dir):
 @pytest.mark.slow
 def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
     common = ("--profile", "smoke", "--model", str(tiny_model_dir), "--recipe", str(ROOT / "recipe.env"))
-    # An uninterrupted run: 100 steps, the final checkpoint's path printed last.
-    rc, out, err = finish(harness(*common, "--name", "whole", "--runs-dir", str(tmp_path)))
+    # The uninterrupted run and the run to be cut are independent processes: they run side by side (a
+    # thread reads the uninterrupted run's output meanwhile).
+    with ThreadPoolExecutor(1) as pool:
+        whole_run = pool.submit(finish, harness(*common, "--name", "whole", "--runs-dir", str(tmp_path)))
+        one = {"OPSD_MICRO_BATCH_SIZE": "1"}
+        proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one, start_new_session=True)
+        cut = tmp_path / "cut" / "capped_seed42"
+        deadline = time.time() + 600
+        while not (cut / "checkpoint-30" / ".complete").exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before checkpoint-30"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        assert not (cut / "checkpoint-100").exists()
+        # An uninterrupted run: 100 steps, the final checkpoint's path printed last.
+        rc, out, err = whole_run.result()
     assert rc == 0, err[-3000:]
     whole = tmp_path / "whole" / "capped_seed42"
     assert out.strip().splitlines()[-1] == str(whole / "checkpoint-100")
@@ -108,18 +124,7 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
     )
 
     # The same budget split into micro-batches of 1 (1 x 2 instead of 2 x 1: memory, not method), killed
-    # mid-way, then rerun: it resumes, still stops at exactly 100 and ends with the same weights.
-    one = {"OPSD_MICRO_BATCH_SIZE": "1"}
-    proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one, start_new_session=True)
-    cut = tmp_path / "cut" / "capped_seed42"
-    deadline = time.time() + 600
-    while not (cut / "checkpoint-30" / ".complete").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before checkpoint-30"
-        time.sleep(0.2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert not (cut / "checkpoint-100").exists()
+    # mid-way (above), then rerun: it resumes, still stops at exactly 100 and ends with the same weights.
     rc, out, err = finish(harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one))
     assert rc == 0, err[-3000:]
     assert "resuming from" in err and "micro-batch 1 x 2 accumulation" in err
