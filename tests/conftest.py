@@ -85,6 +85,19 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def embedded_cache_dir(tmp_path_factory):
+    """An OPSD_CACHE_DIR holding the embedded model, converted from its GGUF once per session: the conversion
+    test checks it against the GGUF, the CLI run on the embedded model reads it (never the user's cache)."""
+    from opsd import models
+
+    root = tmp_path_factory.mktemp("opsd-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPSD_CACHE_DIR", str(root))
+        models.resolve_model_path("")
+    return root
+
+
+@pytest.fixture(scope="session")
 def vllm_tiny(tiny_model_dir):
     """One real vLLM engine on the tiny model, shared by the engine tests."""
     from opsd.evaluation.sampling import VLLMEngine

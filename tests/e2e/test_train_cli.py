@@ -109,7 +109,7 @@ def test_cli_transformers_fallback(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_embedded_model_two_steps(tmp_path):
+def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     out = tmp_path / "run"
     res = run_train(
         [
@@ -131,10 +131,11 @@ def test_cli_embedded_model_two_steps(tmp_path):
             "1024",
         ],
         tmp_path,
+        {"OPSD_CACHE_DIR": str(embedded_cache_dir)},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     cfg, _ = check_run(out, 2)
-    assert cfg["resolved_model_path"].endswith("smollm2-135m-instruct")
+    assert cfg["resolved_model_path"] == str(embedded_cache_dir / "smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize(
