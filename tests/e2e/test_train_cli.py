@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ENV, make_trainer
+from tests.conftest import ENV, free_port, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_train(args, tmp_path, extra_env=None, timeout=900):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
     env.update(ENV, OPSD_CACHE_DIR=os.environ.get("OPSD_CACHE_DIR", str(Path.home() / ".cache" / "opsd")))
+    env["MASTER_PORT"] = str(free_port())
     env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, str(ROOT / "opsd_train.py"), *args],
