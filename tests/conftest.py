@@ -8,6 +8,7 @@ Tests live in three folders, and each test gets its folder's marker:
 """
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# vLLM's own switch for CPU test runs: the model is traced once and run eagerly, the warmup pass is skipped,
+# instead of an inductor compile at every engine start (~80 s for the embedded model on 2 cores: vLLM 0.32's
+# compile cache fails to load on the CPU, so every start pays it). A test can set it to "0" to compile.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 import pytest  # noqa: E402
 
@@ -37,6 +42,7 @@ ENV = {
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_ENABLE_V1_MULTIPROCESSING",
         "TRL_EXPERIMENTAL_SILENCE",
+        "VLLM_CPU_CI_ENV",
     )
 }
 
@@ -50,9 +56,19 @@ EVAL_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TRL_EXPERIMENTAL_SILENCE": "1",
+    "VLLM_CPU_CI_ENV": os.environ["VLLM_CPU_CI_ENV"],
     "OMP_NUM_THREADS": "1",
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def free_port() -> int:
+    """A TCP port free now, for the torch.distributed rendezvous (MASTER_PORT) of one training process. TRL's
+    colocated vLLM engine otherwise takes 29500 whenever it looks free: two runs started together both take
+    it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def eval_argv(*args) -> list[str]:
@@ -76,6 +92,25 @@ def tiny_model_dir(tmp_path_factory):
     from opsd.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def embedded_cache_dir(tmp_path_factory):
+    """An OPSD_CACHE_DIR holding the embedded model, converted from its GGUF once per session: the conversion
+    test checks it against the GGUF, the CLI run on the embedded model reads it (never the user's cache)."""
+    from filelock import FileLock
+
+    from opsd import models
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # one conversion for all the workers of a pytest-xdist run
+    root = base / "opsd-cache"
+    with FileLock(f"{root}.lock"), pytest.MonkeyPatch.context() as patch:
+        root.mkdir(exist_ok=True)
+        patch.setenv("OPSD_CACHE_DIR", str(root))
+        models.resolve_model_path("")
+    return root
 
 
 @pytest.fixture(scope="session")

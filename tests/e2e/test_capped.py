@@ -6,20 +6,21 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, make_trainer
+from tests.conftest import ENV, free_port, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def harness(*args, env=None, **kw):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
-    full_env.update(ENV, **(env or {}))
+    full_env.update(ENV, MASTER_PORT=str(free_port()), **(env or {}))
     return subprocess.Popen(
         ["bash", str(ROOT / "train_capped.sh"), *args],
         env=full_env,
@@ -118,10 +119,21 @@ def _kill_when(proc, done, what, limit=600):
 @pytest.mark.slow
 def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
     common = ("--profile", "smoke", "--model", str(tiny_model_dir), "--recipe", str(ROOT / "recipe.env"))
-    # An uninterrupted run in micro-batches of 1 (1 x 2 instead of the planned 2 x 1: memory, not method):
-    # 100 steps, the final checkpoint's path printed last.
+    # An uninterrupted run in micro-batches of 1 (1 x 2 instead of the planned 2 x 1: memory, not method),
+    # beside the same command killed mid-way and the planned split killed after its first step (independent
+    # processes; a thread reads the uninterrupted run's output meanwhile).
     one = {"OPSD_MICRO_BATCH_SIZE": "1"}
-    rc, out, err = finish(harness(*common, "--name", "whole", "--runs-dir", str(tmp_path), env=one))
+    cut, split = tmp_path / "cut" / "capped_seed42", tmp_path / "split" / "capped_seed42"
+    with ThreadPoolExecutor(1) as pool:
+        whole_run = pool.submit(
+            finish, harness(*common, "--name", "whole", "--runs-dir", str(tmp_path), env=one)
+        )
+        proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one, start_new_session=True)
+        _kill_when(proc, lambda: (cut / "checkpoint-30" / ".complete").exists(), "checkpoint-30")
+        proc = harness(*common, "--name", "split", "--runs-dir", str(tmp_path), start_new_session=True)
+        _kill_when(proc, lambda: _logged(split, 1), "step 1")
+        rc, out, err = whole_run.result()
+    # The uninterrupted run: 100 steps, the final checkpoint's path printed last.
     assert rc == 0, err[-3000:]
     whole = tmp_path / "whole" / "capped_seed42"
     assert out.strip().splitlines()[-1] == str(whole / "checkpoint-100")
@@ -134,11 +146,7 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
         "linear",
     )
 
-    # The same command killed mid-way, then rerun: it resumes, still stops at exactly 100 and ends with the
-    # same weights.
-    proc = harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one, start_new_session=True)
-    cut = tmp_path / "cut" / "capped_seed42"
-    _kill_when(proc, lambda: (cut / "checkpoint-30" / ".complete").exists(), "checkpoint-30")
+    # The killed run, rerun: it resumes, still stops at exactly 100 and ends with the same weights.
     assert not (cut / "checkpoint-100").exists()
     rc, out, err = finish(harness(*common, "--name", "cut", "--runs-dir", str(tmp_path), env=one))
     assert rc == 0, err[-3000:]
@@ -154,9 +162,6 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
     # The planned split (2 x 1) takes the same first step: the same rollouts, loss and gradient. Checked on the
     # first step, where both start from the same weights: over 100 Adam steps the rounding of another split
     # grows past 1e-5 on some CPUs (1.6e-5 measured), though the method is the same.
-    proc = harness(*common, "--name", "split", "--runs-dir", str(tmp_path), start_new_session=True)
-    split = tmp_path / "split" / "capped_seed42"
-    _kill_when(proc, lambda: _logged(split, 1), "step 1")
     plan = json.loads((split / "opsd_config.json").read_text())
     assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (2, 1)
     first, planned = _metrics(whole, 1), _metrics(split, 1)

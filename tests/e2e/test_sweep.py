@@ -19,6 +19,7 @@ import signal
 import statistics
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,22 +70,37 @@ def common(run_dir) -> list:
 
 
 @pytest.fixture(scope="module")
-def separate(run_dir, tmp_path_factory) -> dict[str, Path]:
-    """The reference: base, checkpoint-10 and checkpoint-200 each scored by its own eval_aime.py call."""
+def evaluations(
+    run_dir, tmp_path_factory
+) -> tuple[dict[str, Path], tuple[Path, subprocess.CompletedProcess]]:
+    """(separate, sweep): the reference, base, checkpoint-10 and checkpoint-200 each scored by its own
+    eval_aime.py call, and the sweep of the run directory. The four calls are independent processes of one
+    OpenMP thread each: two run at a time."""
     root = tmp_path_factory.mktemp("separate")
+    out = tmp_path_factory.mktemp("sweep-out") / "sweep"
     outs = {"base": root / "base"}
-    ok(run_eval(*common(run_dir), "--out", outs["base"]))
+    calls = {"base": [*common(run_dir), "--out", outs["base"]]}
     for step in STEPS:
         name = f"checkpoint-{step}"
         outs[name] = root / name
-        ok(run_eval(*common(run_dir), "--adapter", run_dir[2] / name, "--out", outs[name]))
-    return outs
+        calls[name] = [*common(run_dir), "--adapter", run_dir[2] / name, "--out", outs[name]]
+    with ThreadPoolExecutor(2) as pool:
+        swept = pool.submit(run_eval, *common(run_dir), "--checkpoints", run_dir[2], "--out", out)
+        done = [pool.submit(run_eval, *args) for args in calls.values()]
+        for proc in [swept, *done]:
+            ok(proc.result())
+    return outs, (out, swept.result())
 
 
 @pytest.fixture(scope="module")
-def sweep(run_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("sweep-out") / "sweep"
-    return out, ok(run_eval(*common(run_dir), "--checkpoints", run_dir[2], "--out", out))
+def separate(evaluations) -> dict[str, Path]:
+    """The reference: base, checkpoint-10 and checkpoint-200 each scored by its own eval_aime.py call."""
+    return evaluations[0]
+
+
+@pytest.fixture(scope="module")
+def sweep(evaluations) -> tuple[Path, subprocess.CompletedProcess]:
+    return evaluations[1]
 
 
 @pytest.mark.slow

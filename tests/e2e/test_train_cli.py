@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ENV, make_trainer
+from tests.conftest import ENV, free_port, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_train(args, tmp_path, extra_env=None, timeout=900):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
     env.update(ENV, OPSD_CACHE_DIR=os.environ.get("OPSD_CACHE_DIR", str(Path.home() / ".cache" / "opsd")))
+    env["MASTER_PORT"] = str(free_port())
     env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, str(ROOT / "opsd_train.py"), *args],
@@ -109,7 +110,7 @@ def test_cli_transformers_fallback(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_embedded_model_two_steps(tmp_path):
+def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     out = tmp_path / "run"
     res = run_train(
         [
@@ -131,10 +132,11 @@ def test_cli_embedded_model_two_steps(tmp_path):
             "1024",
         ],
         tmp_path,
+        {"OPSD_CACHE_DIR": str(embedded_cache_dir)},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     cfg, _ = check_run(out, 2)
-    assert cfg["resolved_model_path"].endswith("smollm2-135m-instruct")
+    assert cfg["resolved_model_path"] == str(embedded_cache_dir / "smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize(

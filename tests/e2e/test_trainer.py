@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from opsd.scoring import lm_head_weight, positions
+from tests.conftest import free_port
 
 
 def _naive_positions(prompt_mask, completion_width):
@@ -47,15 +48,18 @@ def trained(tiny_model_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = OPSDTrainer(
-        model=model,
-        args=cfg,
-        train_dataset=build_dataset(cfg),
-        processing_class=tok,
-        peft_config=LoraConfig(
-            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
-        ),
-    )
+    # The colocated engine's rendezvous port: its own, and not inherited by the processes later tests start.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASTER_PORT", str(free_port()))
+        trainer = OPSDTrainer(
+            model=model,
+            args=cfg,
+            train_dataset=build_dataset(cfg),
+            processing_class=tok,
+            peft_config=LoraConfig(
+                r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
+            ),
+        )
     lora_init = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     batch = _scoring_batch(trainer, tok)
     teacher_before = _teacher_hidden(trainer, batch)
