@@ -1,0 +1,1 @@
+"""Experiments: recipes x seeds under the capped budget, scored alike, with a paired verdict."""
