@@ -23,42 +23,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opsd.evaluation.grading import normalize_answer
+from opsd.experiment.stats import t_critical
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_KEYS = ("correct", "extracted", "has_box", "n_tokens", "truncated")
 
-# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (computed with mpmath), used
-# when scipy is not installed; larger df use a Cornish-Fisher expansion (error < 1e-7 there).
-_T975 = (
-    12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
-    2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
-    2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272,
-)  # fmt: skip
-_Z975 = 1.959963984540054
-
-
-def _t975_fallback(df: int) -> float:
-    """t_{0.975, df} without scipy: exact table up to 30, Cornish-Fisher expansion beyond."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
-
 
 def t_critical_975(df: int) -> float:
-    """Two-sided 95% critical value of Student's t with `df` degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"t critical value needs df >= 1, got {df}")
-    try:
-        from scipy.stats import t as student_t
-    except ImportError:
-        return _t975_fallback(df)
-    return float(student_t.ppf(0.975, df))
+    """Two-sided 95% critical value t_{0.975, df} of Student's t (`opsd.experiment.stats.t_critical`).
+
+    `opsd.experiment.stats` imports nothing from opsd, so importing it here makes no cycle.
+    """
+    return t_critical(df, 0.95)
 
 
 # --- basic statistics ----------------------------------------------------------------------------
