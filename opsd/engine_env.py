@@ -5,16 +5,71 @@ vLLM's distributed init binds to VLLM_HOST_IP, by default the host's outward add
 unreachable (an isolated or firewalled node) the engine waits forever after "Using V2 Model Runner". Every
 engine of this repo is single-node, so loopback is always right. On a CPU, vLLM's KV cache gets a bounded
 size (VLLM_CPU_KVCACHE_SPACE). A user's own setting of either wins.
+
+`OPSD_KV_CACHE_GIB` (set by `python -m opsd.experiment` when several jobs share one GPU) gives every engine
+the process starts exactly that much KV cache. vLLM otherwise sizes it from a start-up memory profile of the
+whole GPU, which fails when another process allocates or frees memory meanwhile ("No available memory for the
+cache blocks", "Error in memory profiling"); with a fixed size it skips that profile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import os
 
+from opsd.errors import InvalidValue
+
+logger = logging.getLogger(__name__)
+
 SINGLE_NODE_ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+KV_CACHE_ENV = "OPSD_KV_CACHE_GIB"
 
 
 def single_node_engine_env(environ=os.environ) -> None:
     """Fill in the engine settings above that the environment does not set already."""
     for name, value in SINGLE_NODE_ENGINE_ENV.items():
         environ.setdefault(name, value)
+
+
+def kv_cache_gib(environ=os.environ) -> float | None:
+    """The fixed KV cache asked for by `OPSD_KV_CACHE_GIB`, in GiB (None when unset or empty)."""
+    raw = environ.get(KV_CACHE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise InvalidValue(f"{KV_CACHE_ENV}={raw!r}: give a positive number of GiB (e.g. 1.5), or unset it")
+    return gib
+
+
+def fixed_kv_cache(environ=os.environ) -> float | None:
+    """With `OPSD_KV_CACHE_GIB` set, make every `vllm.LLM` of this process reserve exactly that KV cache
+    (`kv_cache_memory_bytes`, unless the caller passes its own). Returns the GiB applied, or None."""
+    gib = kv_cache_gib(environ)
+    if gib is None:
+        return None
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "kv_cache_memory_bytes" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        logger.warning(
+            "%s is set, and this vLLM has no kv_cache_memory_bytes: keeping its own sizing", KV_CACHE_ENV
+        )
+        return None
+    original = vllm.LLM.__init__
+    if getattr(original, "fixed_kv_cache_bytes", None) is not None:
+        return gib
+    nbytes = int(gib * 2**30)
+
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("kv_cache_memory_bytes", nbytes)
+        original(self, *args, **kwargs)
+
+    init.fixed_kv_cache_bytes = nbytes
+    vllm.LLM.__init__ = init
+    return gib

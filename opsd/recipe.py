@@ -36,14 +36,16 @@ from pathlib import Path
 from transformers.trainer_utils import SchedulerType
 
 from opsd.config import OPSDConfig
+from opsd.engine_env import KV_CACHE_ENV
 from opsd.errors import DEBUG_ENV, InvalidValue
 from opsd.legacy import closest
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OPSD_"
-# OPSD_* variables that configure the tooling (the model cache, tracebacks of user errors) rather than the run.
-RESERVED_ENV = frozenset({"OPSD_CACHE_DIR", DEBUG_ENV})
+# OPSD_* variables that configure the tooling (the model cache, tracebacks of user errors, a fixed KV cache for
+# engines sharing a GPU) rather than the run.
+RESERVED_ENV = frozenset({"OPSD_CACHE_DIR", DEBUG_ENV, KV_CACHE_ENV})
 MAX_COMPLETION_CAP = 4096
 MAX_LINE_CHARS = 4096
 # A recipe is a few dozen lines; anything far bigger is a wrong path, not a recipe.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opsd.engine_env import single_node_engine_env
+from opsd.engine_env import fixed_kv_cache, single_node_engine_env
 from opsd.scoring import left_pad
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class VLLMEngine:
         dtype: str | None = None,
     ):
         single_node_engine_env()
+        fixed_kv_cache()
         from vllm import LLM
 
         if dtype is None:

@@ -1,0 +1,5 @@
+import sys
+
+from opsd.experiment.cli import main
+
+sys.exit(main())

@@ -1,0 +1,284 @@
+"""`python -m opsd.experiment`: recipes x seeds under the capped budget, every checkpoint scored alike, a paired
+verdict with its noise.
+
+    python -m opsd.experiment --out runs/exp/clip \\
+        --arm published=configs/recipes/published.env --arm improved=recipe.env --seeds 42,43,44
+    python -m opsd.experiment --out runs/exp/lr --arm base=recipe.env --arm lr2e5=LEARNING_RATE=2e-5 \\
+        --profile demo --eval-flags "--dataset builtin:easy --n 4 --max-tokens 128 --max-model-len 1024 --no-thinking"
+    python -m opsd.experiment --out runs/exp/clip --print-commands    # one line per cell, for a cluster scheduler
+    python -m opsd.experiment report runs/exp/clip [--baseline published] [--target-diff 1]
+
+Each cell (arm, seed) is one `train_capped.sh` run, unchanged (the budget is the harness's), then one
+`eval_aime.py` evaluation of its checkpoint-100 (`--every-checkpoint`: all of its checkpoints) with the
+experiment's evaluation flags (default: eval_aime.py's AIME 2024 avg@12 protocol). The base model is scored once.
+Rerunning the command resumes: finished cells are skipped, interrupted ones continue. Without `--arm` and
+`--seeds` a rerun takes the directory's own. Results: DIR/report.md, DIR/summary.json, DIR/verdict.png,
+DIR/curves.png, also written by `report` from whatever has finished. Bad input: one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from opsd.errors import UserError, report, split_debug
+from opsd.experiment import spec as S
+
+logger = logging.getLogger("opsd.experiment")
+DEFAULT_SEEDS = "42,43,44"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m opsd.experiment",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", required=True, help="The experiment directory (one configuration per directory).")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=RECIPE|NAME=KEY=VALUE[,KEY=VALUE]",
+                   help="An arm: a recipe file, or overrides on top of --recipe. Repeat for each arm.")  # fmt: skip
+    p.add_argument(
+        "--seeds", default=None, help=f"Training seeds, paired across arms (new experiment: {DEFAULT_SEEDS})."
+    )
+    p.add_argument("--recipe", default=str(S.ROOT / "recipe.env"), help="The recipe inline arms start from.")
+    p.add_argument(
+        "--profile", default=None, help="train_capped.sh --profile: full (default) | demo | smoke."
+    )
+    p.add_argument("--model", default=None, help="Model to train and score (default: the profile's).")
+    p.add_argument("--dataset", default=None, help="Training data (default: the profile's).")
+    p.add_argument("--eval-flags", default=None, metavar="FLAGS",
+                   help="eval_aime.py flags of the protocol, one string (default: none, the AIME 2024 avg@12 "
+                   "protocol), e.g. \"--dataset my_eval.jsonl --n 8\".")  # fmt: skip
+    p.add_argument(
+        "--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: every visible GPU; none: CPU)."
+    )
+    p.add_argument(
+        "--gpus-per-run",
+        type=int,
+        default=None,
+        help="GPUs of one cell (default 1; train_capped.sh --num-gpus).",
+    )
+    p.add_argument("--cells-per-gpu", type=int, default=1,
+                   help="Jobs sharing one GPU slot at once (a small model); each vLLM engine then gets --kv-cache-gib.")  # fmt: skip
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="Fixed KV cache of every engine (default: 1.5 when --cells-per-gpu > 1, else vLLM's own sizing).")  # fmt: skip
+    p.add_argument(
+        "--stagger",
+        type=float,
+        default=None,
+        help="Seconds between job starts (default: 10 when sharing a GPU, else 0).",
+    )
+    p.add_argument(
+        "--every-checkpoint",
+        action="store_true",
+        help="Score every saved checkpoint, not only checkpoint-100.",
+    )
+    p.add_argument(
+        "--retries", type=int, default=1, help="Retries of a failed job before it is reported (default 1)."
+    )
+    p.add_argument(
+        "--print-commands", action="store_true", help="Write the plan, print each job's command, run nothing."
+    )
+    p.add_argument(
+        "--status-every",
+        type=float,
+        default=30.0,
+        help="Seconds between status tables (also on every change).",
+    )
+    add_report_flags(p)
+    return p
+
+
+def add_report_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--baseline", default=None, help="The arm every other is compared with (default: the first)."
+    )
+    p.add_argument(
+        "--target-diff", type=float, default=1.0, help="Points: how many seeds would detect this (default 1)."
+    )
+    p.add_argument(
+        "--bootstrap-reps", type=int, default=10000, help="Replicates of the hierarchical bootstrap."
+    )
+
+
+def visible_gpus(requested: str | None) -> list[str]:
+    if requested is not None:
+        return [g.strip() for g in requested.split(",") if g.strip()]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def refuse_method_env(environ=os.environ) -> None:
+    """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
+    from opsd.recipe import ENV_PREFIX, RESERVED_ENV
+
+    found = sorted(
+        k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV | {"OPSD_KV_CACHE_GIB"}
+    )
+    if found:
+        raise UserError(
+            f"{', '.join(found)} set in the environment would change every arm without being recorded; unset "
+            f"it and put the switch in an arm instead (--arm NAME={found[0].removeprefix(ENV_PREFIX)}=VALUE)"
+        )
+
+
+def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.Spec:
+    from opsd.capped import PROFILES
+
+    profile = a.profile or (old.profile if old else "full")
+    if profile not in PROFILES:
+        raise UserError(f"--profile {profile!r}: choose one of {', '.join(sorted(PROFILES))}")
+    eval_flags = shlex.split(a.eval_flags) if a.eval_flags is not None else (old.eval_flags if old else [])
+    S.check_eval_flags(eval_flags)
+    gpus_per_run = (
+        a.gpus_per_run if a.gpus_per_run is not None else (old.gpus_per_run if old else (1 if gpus else 0))
+    )
+    if gpus and gpus_per_run < 1 or not gpus and gpus_per_run:
+        raise UserError(
+            f"--gpus-per-run {gpus_per_run} with {len(gpus)} GPU(s): give 1, 2, 4 or 8 on a GPU machine; without "
+            "GPUs leave it out (one CPU process per cell)"
+        )
+    if gpus and len(gpus) % gpus_per_run:
+        raise UserError(
+            f"--gpus-per-run {gpus_per_run} does not divide the {len(gpus)} GPU(s) {','.join(gpus)}"
+        )
+    arms = {}
+    for text in a.arm:
+        arm = S.parse_arm(text, Path(a.recipe))
+        if arm.name in arms:
+            raise UserError(f"--arm {arm.name} is given twice; every arm needs its own name")
+        arms[arm.name] = {"recipe": arm.recipe, "source": arm.source}
+    if not arms and old is None:
+        raise UserError(
+            "a new experiment needs arms: --arm NAME=RECIPE_FILE or --arm NAME=KEY=VALUE, at least two"
+        )
+    seeds = S.parse_seeds(a.seeds) if a.seeds else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
+    prof = PROFILES[profile]
+    return S.Spec(
+        profile=profile,
+        model=a.model if a.model is not None else (old.model if old else prof.model),
+        dataset=a.dataset if a.dataset is not None else (old.dataset if old else prof.dataset),
+        eval_flags=eval_flags, gpus_per_run=gpus_per_run, arms=arms or dict(old.arms), seeds=seeds,
+    )  # fmt: skip
+
+
+def dry_run(spec: S.Spec, arms: list[str]) -> None:
+    """`train_capped.sh --dry-run` of each new arm: its recipe is checked exactly as a real run will check it,
+    before the experiment directory is written."""
+    import tempfile
+
+    for arm in arms:
+        with tempfile.TemporaryDirectory() as tmp:
+            scratch = Path(tmp)
+            S.recipe_path(scratch, arm).parent.mkdir(parents=True)
+            S.recipe_path(scratch, arm).write_text(spec.arm(arm).recipe_text())
+            argv = S.train_argv(scratch, spec, arm, spec.seeds[0])
+            argv.insert(2, "--dry-run")
+            env = {**os.environ, "PYTHON": sys.executable}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=S.ROOT)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+            raise UserError(f"arm {arm!r} ({spec.arms[arm]['source']}): {last}")
+
+
+def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> None:
+    cells = [(arm, seed) for seed in spec.seeds for arm in spec.arm_names]
+    print(f"# {directory}: {len(spec.arm_names)} arm(s) x {len(spec.seeds)} seed(s). Run the lines in any order "
+          "and on any machine that sees this directory; a cell's line trains, then scores.")  # fmt: skip
+    print("# the base model")
+    print(S.shell(S.eval_argv(directory, spec, None, None, every_checkpoint=False)))
+    for arm, seed in cells:
+        print(f"# cell {arm}/{seed}")
+        train = S.shell(S.train_argv(directory, spec, arm, seed))
+        print(
+            f"{train} && {S.shell(S.eval_argv(directory, spec, arm, seed, every_checkpoint=every_checkpoint))}"
+        )
+    print("# the verdict, from whatever has finished")
+    print(S.shell([sys.executable, "-m", "opsd.experiment", "report", str(directory)]))
+
+
+def run(a: argparse.Namespace) -> int:
+    from opsd.experiment import cells as C
+    from opsd.experiment.schedule import Runner, make_slots
+
+    directory = Path(a.out).resolve()
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {a.out} is a file; give a directory for the experiment")
+    refuse_method_env()
+    gpus = visible_gpus(a.gpus)
+    old = S.load(directory)
+    new = make_spec(a, old, gpus)
+    spec = S.merge(old, new, directory)
+    for name, value in (("--cells-per-gpu", a.cells_per_gpu), ("--retries", a.retries + 1)):
+        if value < 1:
+            raise UserError(
+                f"{name} {value if name != '--retries' else a.retries} must be >= 1 (>= 0 retries)"
+            )
+    if a.cells_per_gpu > 1 and not gpus:
+        raise UserError("--cells-per-gpu shares a GPU; without GPUs cells run one at a time")
+    fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
+    dry_run(spec, fresh)
+    S.save(directory, spec)
+    if a.print_commands:
+        print_commands(directory, spec, a.every_checkpoint)
+        return 0
+    sharing = a.cells_per_gpu > 1
+    runner = Runner(
+        directory, spec, make_slots(gpus, spec.gpus_per_run or 1, a.cells_per_gpu),
+        every_checkpoint=a.every_checkpoint,
+        kv_cache_gib=a.kv_cache_gib if a.kv_cache_gib is not None else (1.5 if sharing else 0.0),
+        stagger_s=a.stagger if a.stagger is not None else (10.0 if sharing else 0.0),
+        retries=a.retries, status_every_s=a.status_every,
+    )  # fmt: skip
+    runner.plan()
+    logger.info("%s: %d arm(s) x %d seed(s), %d job(s) to run on %s", directory, len(spec.arm_names),
+                len(spec.seeds), len(runner.jobs), ",".join(gpus) or "the CPU")  # fmt: skip
+    runner.run(lambda lines: print("\n".join(lines), flush=True))
+    write_report(directory, a)
+    failed = C.read_failed(directory)
+    return 1 if failed else 0
+
+
+def write_report(directory: Path, a: argparse.Namespace) -> None:
+    from opsd.experiment.report import write
+
+    result, paths = write(directory, baseline=a.baseline, target_diff=a.target_diff, reps=a.bootstrap_reps)
+    for arm, comp in result["comparisons"].items():
+        for c in comp.values():
+            print(f"{arm} − {result['baseline']}: {c['verdict']}")
+    for path in paths:
+        print(f"written: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug, argv = split_debug(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if argv[:1] == ["report"]:
+            p = argparse.ArgumentParser(
+                prog="python -m opsd.experiment report", description="The verdict so far."
+            )
+            p.add_argument("directory")
+            add_report_flags(p)
+            a = p.parse_args(argv[1:])
+            directory = Path(a.directory).resolve()
+            if not (directory / S.SPEC_FILE).is_file():
+                raise UserError(f"{a.directory} is not an experiment directory (no {S.SPEC_FILE})")
+            write_report(directory, a)
+            return 0
+        return run(parser().parse_args(argv))
+    except (UserError, ValueError) as err:
+        return report(err, "opsd.experiment", debug=debug)
+    except KeyboardInterrupt:
+        print("opsd.experiment: stopped; rerun the same command to resume", file=sys.stderr)
+        return 130

@@ -1,0 +1,327 @@
+"""The verdict of an experiment, from whatever has finished: `report.md`, `summary.json`, `verdict.png`, `curves.png`.
+
+Per arm: avg@n, pass@k, maj@n and format rate of each seed's final checkpoint, their mean over seeds with the
+between-seed SE, and the gain over the base model. Each arm against the baseline arm (`--baseline`, the first arm
+by default): the difference in accuracy and in format rate with the seed-paired t interval (the reported one;
+`opsd.experiment.stats` says why) and, beside it, the hierarchical bootstrap over seeds then problems; the variance
+components of the per-seed difference; the minimum detectable difference at 80% power for the seeds run; the
+seeds needed to detect `--target-diff` points. Seeds are paired by value (the same seed in both arms) and samples
+by (problem, sample index): every evaluation uses the same sampling seeds. A comparison uses the seeds both arms
+have scored and says so whenever that is fewer than were planned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, read_samples
+from opsd.experiment import cells as C
+from opsd.experiment import spec as S
+from opsd.experiment import stats
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE, SUMMARY_JSON, VERDICT_PNG, CURVES_PNG = "report.md", "summary.json", "verdict.png", "curves.png"
+METRICS = ("avg", "pass_at_k", "maj", "format_rate")
+# (per-sample field, name in the report)
+COMPARED = (("correct", "accuracy"), ("has_box", "format rate"))
+CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out)"),
+              ("completions/mean_length", "completion length (tokens)"))  # fmt: skip
+
+
+def read_scores(eval_dir: Path) -> dict[str, dict[str, list[float]]]:
+    """{per-sample field: {problem id: values by sample index}} of one evaluation directory."""
+    records = read_samples(eval_dir / SAMPLES_FILE, repair=False)
+    out: dict[str, dict[str, list[float]]] = {}
+    for key, _ in COMPARED:
+        by_problem: dict[str, dict[int, float]] = {}
+        for r in records:
+            by_problem.setdefault(str(r["id"]), {})[int(r["idx"])] = float(bool(r[key]))
+        out[key] = {pid: [v for _, v in sorted(idx.items())] for pid, idx in by_problem.items()}
+    return out
+
+
+def _summary(eval_dir: Path) -> dict[str, Any]:
+    return json.loads((eval_dir / SUMMARY_FILE).read_text())["metrics"]
+
+
+def _interval(iv: stats.Interval | None) -> dict | None:
+    if iv is None:
+        return None
+    return {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "se": iv.se, "df": iv.df,
+            "method": iv.method, "n_seeds": iv.n_seeds}  # fmt: skip
+
+
+def compare(a: stats.CellScores, b: stats.CellScores, target: float, reps: int, what: str) -> dict[str, Any]:
+    """b - a over the seeds both hold: the reported interval, the bootstrap, the variance and the power."""
+    seeds = sorted(set(a) & set(b))
+    a, b = {s: a[s] for s in seeds}, {s: b[s] for s in seeds}
+    diffs = stats.paired_seed_diffs(a, b)
+    if len(seeds) >= 2:
+        reported = stats.seed_paired_t(list(diffs.values()))
+    else:
+        reported = stats.paired_over_problems(a[seeds[0]], b[seeds[0]])
+    var = stats.variance_components(a, b)
+    sd = var["total_sd"]
+    return {
+        "seeds": seeds,
+        "per_seed": {str(s): d for s, d in diffs.items()},
+        "interval": _interval(reported),
+        "bootstrap": _interval(stats.hierarchical_bootstrap(a, b, reps=reps)),
+        "variance": var,
+        "mde_80": stats.min_detectable_diff(sd, len(seeds)) if sd is not None else None,
+        "target_diff": target,
+        "seeds_needed": stats.seeds_needed(target, sd) if sd is not None and target else None,
+        "verdict": stats.describe(reported, what=what),
+    }
+
+
+def build(directory: Path, *, baseline: str | None = None, target_diff: float = 1.0,
+          reps: int = 10000) -> dict[str, Any]:  # fmt: skip
+    """summary.json's content: every finished evaluation of the experiment, compared."""
+    spec = S.load(directory)
+    if spec is None:
+        raise S.UserError(f"{directory} holds no {S.SPEC_FILE}: pass an experiment directory")
+    arms = spec.arm_names
+    baseline = baseline or arms[0]
+    if baseline not in arms:
+        raise S.UserError(
+            f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(arms)}"
+        )
+    failed = C.read_failed(directory)
+    base_dir = S.base_eval_dir(directory)
+    base = read_scores(base_dir) if C.base_scored(directory) else None
+    result: dict[str, Any] = {
+        "directory": str(directory), "baseline": baseline, "target_diff": target_diff,
+        "settings": {k: getattr(spec, k) for k in S.Spec.SHARED}, "seeds_planned": spec.seeds,
+        "base": {k: _summary(base_dir)[k] for k in METRICS} if base else None, "arms": {}, "comparisons": {},
+    }  # fmt: skip
+    scores: dict[str, dict[str, stats.CellScores]] = {key: {} for key, _ in COMPARED}
+    labels = None
+    for arm in arms:
+        per_seed, missing = {}, {}
+        for seed in spec.seeds:
+            state = C.cell_state(directory, arm, seed)
+            if state.final_scored:
+                where = state.scored[S.STEPS]
+                summary = _summary(where)
+                labels = labels or summary["labels"]
+                per_seed[seed] = {k: summary[k] for k in METRICS}
+                for key, values in read_scores(where).items():
+                    scores[key].setdefault(arm, {})[seed] = values
+            else:
+                missing[seed] = _why_missing(failed, arm, seed, state)
+        entry: dict[str, Any] = {"recipe": spec.arms[arm]["recipe"], "source": spec.arms[arm]["source"],
+                                 "per_seed": {str(s): v for s, v in per_seed.items()},
+                                 "missing": {str(s): v for s, v in missing.items()}}  # fmt: skip
+        if per_seed:
+            entry["mean"] = {k: _mean_se([v[k] for v in per_seed.values()]) for k in METRICS}
+            if base is not None:
+                entry["vs_base"] = {
+                    name: compare({s: base[key] for s in per_seed}, scores[key][arm], target_diff, reps, name)
+                    for key, name in COMPARED
+                }
+            entry["variance"] = stats.variance_components(scores["correct"][arm])
+        result["arms"][arm] = entry
+    result["labels"] = labels
+    for arm in arms:
+        if arm == baseline or not (scores["correct"].get(arm) and scores["correct"].get(baseline)):
+            continue
+        if not set(scores["correct"][arm]) & set(scores["correct"][baseline]):
+            continue
+        result["comparisons"][arm] = {
+            name: compare(scores[key][baseline], scores[key][arm], target_diff, reps, name)
+            for key, name in COMPARED
+        }
+    result["curves"] = _curves(directory, spec)
+    return result
+
+
+def _why_missing(failed: dict, arm: str, seed: int, state: C.CellState) -> str:
+    for kind in ("train", "eval"):
+        f = failed.get(f"{kind}-{arm}-s{seed}")
+        if f:
+            return f"{kind} failed ({f['attempts']} attempts, exit {f['exit']}; {f['log']})"
+    if state.trained:
+        return "trained, not scored yet"
+    return f"training at step {state.step}/{S.STEPS}" if state.step else "not started"
+
+
+def _mean_se(values: list[float]) -> dict[str, Any]:
+    from opsd.evaluation.metrics import aggregate_runs
+
+    agg = aggregate_runs(values)
+    return {"mean": agg["mean"], "se": agg["se"], "n": agg["n"]}
+
+
+def _curves(directory: Path, spec: S.Spec) -> dict[str, dict[str, dict[str, list]]]:
+    """{arm: {seed: {metric: [[step, value], ...]}}} of the curves drawn in curves.png."""
+    from opsd.curves import read_metrics
+
+    out: dict[str, dict[str, dict[str, list]]] = {}
+    for arm in spec.arm_names:
+        for seed in spec.seeds:
+            run = S.run_dir(directory, arm, seed)
+            try:
+                metrics = read_metrics(run)
+            except (FileNotFoundError, ValueError):
+                continue
+            out.setdefault(arm, {})[str(seed)] = {
+                k: [list(p) for p in metrics.get(k, [])] for k, _ in CURVE_KEYS
+            }
+    return out
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
+
+
+def _pm(x: dict | None, digits: int = 2) -> str:
+    if not x:
+        return "n/a"
+    return f"{x['mean']:.{digits}f}" + ("" if x["se"] is None else f" ± {x['se']:.{digits}f}")
+
+
+def _ci(iv: dict | None) -> str:
+    if iv is None:
+        return "n/a"
+    if iv["low"] is None:
+        return f"{iv['estimate']:+.2f} (no interval)"
+    return f"{iv['estimate']:+.2f} [{iv['low']:+.2f}, {iv['high']:+.2f}]"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    labels = result["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
+    names = {
+        "avg": labels["avg"],
+        "pass_at_k": labels["pass_at_k"],
+        "maj": labels["maj"],
+        "format_rate": "format",
+    }
+    planned = result["seeds_planned"]
+    lines = [f"# Experiment {result['directory']}", ""]
+    s = result["settings"]
+    lines += [f"Profile `{s['profile']}`, model `{s['model'] or '(embedded SmolLM2-135M)'}`, training data "
+              f"`{s['dataset']}`, evaluation flags `{' '.join(s['eval_flags']) or '(eval_aime.py defaults)'}`; "
+              f"seeds planned: {', '.join(map(str, planned))}. Points are percent; ± is the between-seed SE.", ""]  # fmt: skip
+    if result["base"]:
+        b = result["base"]
+        lines += ["Base model: " + ", ".join(f"{names[k]} {b[k]:.2f}" for k in METRICS), ""]
+    lines += ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
+              "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
+    for arm, e in result["arms"].items():
+        got = len(e["per_seed"])
+        vs_base = _ci(e.get("vs_base", {}).get("accuracy", {}).get("interval"))
+        means = " | ".join(_pm(e.get("mean", {}).get(k)) for k in METRICS)
+        lines.append(f"| {arm} | {got} of {len(planned)} | {means} | {vs_base} |")
+    lines.append("")
+    for arm, e in result["arms"].items():
+        if e["missing"]:
+            lines.append(f"- **{arm}** is missing seeds: "
+                         + "; ".join(f"{seed}: {why}" for seed, why in e["missing"].items()))  # fmt: skip
+    lines += ["", f"## Against the baseline `{result['baseline']}`", ""]
+    if not result["comparisons"]:
+        lines += ["No comparison yet: the baseline and another arm need at least one common scored seed.", ""]
+    for arm, comp in result["comparisons"].items():
+        lines += [f"### {arm} − {result['baseline']}", ""]
+        for c in comp.values():
+            seeds = c["seeds"]
+            lines.append(f"- {c['verdict']}")
+            if len(seeds) < len(planned):
+                lines.append(
+                    f"  - over {len(seeds)} of the {len(planned)} planned seeds ({', '.join(map(str, seeds))})"
+                )
+            lines.append("  - per seed: " + ", ".join(f"{k}: {v:+.2f}" for k, v in c["per_seed"].items()))
+            lines.append(f"  - hierarchical bootstrap over seeds then problems: {_ci(c['bootstrap'])}")
+            v = c["variance"]
+            lines.append(f"  - per-seed difference: sd {_num(v['total_sd'])} = between seeds {_num(v['between_sd'])} "
+                         f"and within (evaluation sampling) {_num(v['within_sd'])} points")  # fmt: skip
+            lines.append(f"  - detectable at 80% power with {len(seeds)} seed(s): ±{_num(c['mde_80'])} points; "
+                         f"seeds needed for {c['target_diff']:g} points: {c['seeds_needed'] or 'n/a'}")  # fmt: skip
+        lines.append("")
+    lines += ["## How to read this", "",
+              "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
+              "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "
+              "difference carries its own evaluation noise and the seed-to-seed spread of training, so the "
+              "interval carries both. The bootstrap beside it also resamples problems; with few seeds it is too "
+              "narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def figures(result: dict[str, Any], directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["arms"])
+    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for i, arm in enumerate(arms):
+        e = result["arms"][arm]
+        ys = [v["avg"] for v in e["per_seed"].values()]
+        ax.scatter([i] * len(ys), ys, color=colors[arm], alpha=0.7)
+        if e.get("mean"):
+            m = e["mean"]["avg"]
+            ax.errorbar(i + 0.15, m["mean"], yerr=0 if m["se"] is None else 1.96 * m["se"], fmt="s",
+                        color=colors[arm], capsize=4)  # fmt: skip
+    if result["base"]:
+        ax.axhline(result["base"]["avg"], color="grey", ls="--", lw=1, label="base model")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(arms)), arms, rotation=20, fontsize=8)
+    ax.set_ylabel(f"{(result['labels'] or {}).get('avg', 'avg')} (points; seeds, mean ± 1.96 SE)")
+    ax = axes[1]
+    ys = []
+    for j, (arm, comp) in enumerate(result["comparisons"].items()):
+        for k, (what, c) in enumerate(comp.items()):
+            y = j * 3 + k
+            for iv, off, marker in ((c["interval"], 0.0, "o"), (c["bootstrap"], 0.3, "^")):
+                if iv and iv["low"] is not None:
+                    ax.errorbar(iv["estimate"], y + off, xerr=[[iv["estimate"] - iv["low"]], [iv["high"] - iv["estimate"]]],
+                                fmt=marker, color=colors[arm], capsize=3, mfc="white" if off else colors[arm])  # fmt: skip
+            ys.append((y, f"{arm}: {what}"))
+    ax.axvline(0, color="grey", lw=1)
+    if ys:
+        ax.set_yticks([y for y, _ in ys], [t for _, t in ys], fontsize=8)
+    ax.set_xlabel(f"arm − {result['baseline']}, points (95% CI: ● seed-paired t, △ bootstrap)")
+    fig.tight_layout()
+    path = directory / VERDICT_PNG
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    curves = result["curves"]
+    if curves:
+        fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(5 * len(CURVE_KEYS), 3.8))
+        for ax, (key, title) in zip(axes, CURVE_KEYS, strict=True):
+            for arm, by_seed in curves.items():
+                for i, points in enumerate(by_seed.values()):
+                    if points.get(key):
+                        steps, values = zip(*points[key], strict=True)
+                        ax.plot(steps, values, color=colors.get(arm), alpha=0.75, lw=1.2, marker="." if len(steps) < 15 else None,
+                                label=arm if i == 0 else None)  # fmt: skip
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("optimizer step")
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Training curves, one line per seed", fontsize=10)
+        fig.tight_layout()
+        path = directory / CURVES_PNG
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(directory: Path, **kwargs) -> tuple[dict[str, Any], list[Path]]:
+    result = build(directory, **kwargs)
+    (directory / SUMMARY_JSON).write_text(json.dumps(result, indent=1) + "\n")
+    (directory / REPORT_FILE).write_text(markdown(result))
+    return result, [directory / REPORT_FILE, directory / SUMMARY_JSON, *figures(result, directory)]
