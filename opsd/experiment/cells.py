@@ -12,6 +12,7 @@ from opsd.experiment import spec as S
 from opsd.rundir import METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
+JOBS_FILE = "jobs.jsonl"  # DIR/jobs.jsonl: one line per finished attempt (job, devices, start, seconds, exit)
 
 
 @dataclass(frozen=True)

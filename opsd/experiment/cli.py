@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="GPUs of one cell (default 1; train_capped.sh --num-gpus).",
     )
+    p.add_argument("--accelerate-config", default=None,
+                   help="train_capped.sh --accelerate-config for every cell (e.g. configs/accelerate/single_gpu.yaml "
+                   "where DeepSpeed is not installed).")  # fmt: skip
     p.add_argument("--cells-per-gpu", type=int, default=1,
                    help="Jobs sharing one GPU slot at once (a small model); each vLLM engine then gets --kv-cache-gib.")  # fmt: skip
     p.add_argument("--kv-cache-gib", type=float, default=None,
@@ -163,11 +166,18 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         )
     seeds = S.parse_seeds(a.seeds) if a.seeds else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
     prof = PROFILES[profile]
+    accelerate = old.accelerate_config if old and a.accelerate_config is None else (a.accelerate_config or "")
+    if accelerate:
+        path = Path(accelerate).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"--accelerate-config {accelerate}: no such file; give an accelerate config YAML")
+        accelerate = str(path)
     return S.Spec(
         profile=profile,
         model=a.model if a.model is not None else (old.model if old else prof.model),
         dataset=a.dataset if a.dataset is not None else (old.dataset if old else prof.dataset),
         eval_flags=eval_flags, gpus_per_run=gpus_per_run, arms=arms or dict(old.arms), seeds=seeds,
+        accelerate_config=accelerate,
     )  # fmt: skip
 
 

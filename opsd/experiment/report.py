@@ -137,7 +137,32 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
             for key, name in COMPARED
         }
     result["curves"] = _curves(directory, spec)
+    result["timing"] = timing(directory)
     return result
+
+
+def timing(directory: Path) -> dict[str, dict[str, float]]:
+    """Per kind of job (base, train, eval): attempts, summed seconds and the wall-clock span from the first start
+    to the last end, from DIR/jobs.jsonl (jobs that ran side by side overlap, so the span is what you waited)."""
+    path = directory / C.JOBS_FILE
+    out: dict[str, dict[str, float]] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        t = out.setdefault(
+            r["kind"], {"attempts": 0, "job_s": 0.0, "first_start": r["start"], "last_end": 0.0}
+        )
+        t["attempts"] += 1
+        t["job_s"] += r["seconds"]
+        t["first_start"] = min(t["first_start"], r["start"])
+        t["last_end"] = max(t["last_end"], r["start"] + r["seconds"])
+    for t in out.values():
+        t["span_s"] = t["last_end"] - t["first_start"]
+    return out
 
 
 def _why_missing(failed: dict, arm: str, seed: int, state: C.CellState) -> str:

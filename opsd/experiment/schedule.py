@@ -16,6 +16,7 @@ its cell is reported as missing; a later rerun tries it again.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -106,6 +107,10 @@ class Runner:
                     self.jobs.append(Job(f"train {arm}/{seed}", "train", arm, seed))
                 elif not self._scored(arm, seed):
                     self.jobs.append(Job(f"eval {arm}/{seed}", "eval", arm, seed))
+        first_train = next((i for i, j in enumerate(self.jobs) if j.kind == "train"), None)
+        if self.jobs and self.jobs[0].kind == "base" and first_train and self.sharing:
+            # Sharing a GPU, the first training job warms the compile caches alone: it goes first.
+            self.jobs.insert(0, self.jobs.pop(first_train))
 
     def _trained(self, arm: str, seed: int) -> bool:
         return C.cell_state(self.directory, arm, seed).trained
@@ -164,6 +169,10 @@ class Runner:
         seconds = time.time() - job.started
         self.phase_s[job.kind] = self.phase_s.get(job.kind, 0.0) + seconds
         ok = rc == 0 and self._outputs_exist(job)
+        record = {"job": job.name, "kind": job.kind, "arm": job.arm, "seed": job.seed, "attempt": job.attempts,
+                  "devices": job.slot.devices, "start": job.started, "seconds": seconds, "exit": rc, "ok": ok}  # fmt: skip
+        with (self.directory / C.JOBS_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
         if ok:
             logger.info("done %s in %.0f s", job.name, seconds)
             self.failed.pop(job.key, None)
@@ -200,9 +209,13 @@ class Runner:
                     job.first_step_at, job.first_step = time.time(), step
                     self.warm = True
 
+    @property
+    def sharing(self) -> bool:
+        return any(s.capacity > 1 for s in self.slots)
+
     def _gate_closed(self) -> bool:
         """While jobs share a GPU: the first training job runs alone until its first step is logged."""
-        if self.warm or all(s.capacity == 1 for s in self.slots):
+        if self.warm or not self.sharing:
             return False
         return any(j.kind == "train" for j in self.running)
 

@@ -59,11 +59,12 @@ class Spec:
     dataset: str
     eval_flags: list[str]
     gpus_per_run: int
+    accelerate_config: str = ""  # train_capped.sh --accelerate-config ("" = the harness's choice)
     arms: dict[str, dict] = field(default_factory=dict)  # name -> {"recipe": {...}, "source": str}
     seeds: list[int] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
 
-    SHARED = ("profile", "model", "dataset", "eval_flags", "gpus_per_run")
+    SHARED = ("profile", "model", "dataset", "eval_flags", "gpus_per_run", "accelerate_config")
 
     def arm(self, name: str) -> Arm:
         return Arm(name, dict(self.arms[name]["recipe"]), self.arms[name]["source"])
@@ -245,6 +246,8 @@ def train_argv(directory: Path, spec: Spec, arm: str, seed: int, extra: list[str
     ]  # fmt: skip
     if spec.gpus_per_run:
         argv += ["--num-gpus", str(spec.gpus_per_run)]
+    if spec.accelerate_config:
+        argv += ["--accelerate-config", spec.accelerate_config]
     return argv + (["--", *extra] if extra else [])
 
 

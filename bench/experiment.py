@@ -1,0 +1,95 @@
+"""Benchmark: one `python -m opsd.experiment` run end to end, timed, with its verdict, in one JSON.
+
+    python bench/experiment.py --out bench/results/experiment_h200.json       # one H200, the preset below
+    python bench/experiment.py --out X.json -- --out runs/exp/mine --arm ... # any experiment's flags after --
+
+The preset (no flags after `--`): the embedded SmolLM2-135M-Instruct trained under the capped harness (100 steps
+x 32 `builtin:easy` problems, 128-token rollouts, learning rate 1e-4, probe every 10 steps) with the published
+`element` clip against `rescale`, seeds 42, 43, 44, every cell side by side on one GPU (7 jobs at once, a fixed
+1.5 GiB KV cache per engine, no DeepSpeed), each final checkpoint scored on all 100 `builtin:easy-disjoint`
+problems x 8 samples at 128 tokens. `element` is the baseline.
+
+Output: {"machine", "command", "wall_s", "timing" (per kind of job: attempts, summed and wall-clock seconds),
+"verdict" (per comparison: the reported interval, the bootstrap, variance components, minimum detectable
+difference, seeds needed for `--target-diff` points), "arms" (per seed and mean), "failed"}; the experiment's
+own report.md, summary.json and figures are in its directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine, write  # noqa: E402
+
+ARM = "CLIP_MODE={},LEARNING_RATE=1e-4,MAX_COMPLETION_LENGTH=128,PROBE_STEPS=10,VLLM_GPU_MEMORY_UTILIZATION=0.12"
+PRESET = [
+    "--out", "runs/experiment_h200", "--profile", "full", "--model", "", "--dataset", "builtin:easy",
+    "--recipe", "", "--arm", "element=" + ARM.format("element"), "--arm", "rescale=" + ARM.format("rescale"),
+    "--seeds", "42,43,44",
+    "--eval-flags", "--dataset builtin:easy-disjoint --n 8 --max-tokens 128 --max-model-len 1024 --no-thinking "
+    "--gpu-memory-utilization 0.12",
+    "--cells-per-gpu", "7", "--kv-cache-gib", "1.5", "--accelerate-config", "configs/accelerate/single_gpu.yaml",
+    "--status-every", "60",
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else PRESET
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="The result JSON.")
+    p.add_argument("--target-diff", default="1", help="Points: the seeds needed to detect this.")
+    a = p.parse_args(own)
+    directory = Path(flags[flags.index("--out") + 1]).resolve()
+    command = [sys.executable, "-m", "opsd.experiment", *flags, "--target-diff", a.target_diff]
+    t0 = time.time()
+    rc = subprocess.run(command, cwd=ROOT).returncode
+    wall = time.time() - t0
+    summary = json.loads((directory / "summary.json").read_text())
+    verdict = {
+        f"{arm} - {summary['baseline']}": {
+            what: {
+                k: c[k]
+                for k in (
+                    "seeds",
+                    "per_seed",
+                    "interval",
+                    "bootstrap",
+                    "variance",
+                    "mde_80",
+                    "target_diff",
+                    "seeds_needed",
+                    "verdict",
+                )
+            }  # fmt: skip
+            for what, c in comp.items()
+        }
+        for arm, comp in summary["comparisons"].items()
+    }
+    arms = {
+        arm: {k: e.get(k) for k in ("per_seed", "mean", "missing", "variance")}
+        for arm, e in summary["arms"].items()
+    }
+    for arm, e in summary["arms"].items():
+        arms[arm]["vs_base"] = {w: c["interval"] for w, c in e.get("vs_base", {}).items()}
+    failed = (
+        json.loads((directory / "failed.json").read_text()) if (directory / "failed.json").is_file() else {}
+    )
+    result = {"machine": machine(), "command": command, "exit": rc, "wall_s": wall, "timing": summary["timing"],
+              "base": summary["base"], "labels": summary["labels"], "verdict": verdict, "arms": arms,
+              "settings": summary["settings"], "failed": failed}  # fmt: skip
+    print(write(result, a.out))
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

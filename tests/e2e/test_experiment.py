@@ -1,0 +1,195 @@
+"""`python -m opsd.experiment` end to end on CPU: 2 arms x 2 seeds of the smoke profile on the tiny model, real
+capped runs (vLLM rollouts) and real evaluations. The experiment is stopped in the middle of a cell and rerun;
+the rerun finishes without redoing the finished cells. Then: the report against the samples on disk, the
+refusal of a changed arm, the printed commands reproducing a cell by hand, and an added seed recorded."""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ENV, PNG_SIGNATURE
+
+ROOT = Path(__file__).resolve().parents[2]
+EVAL_FLAGS = (
+    "--dataset builtin --n 2 --max-tokens 8 --limit 4 --no-thinking --max-model-len 512 --engine transformers"
+)
+
+
+def env() -> dict:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
+    return {**full, **ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def experiment(*args, **kw) -> list[str]:
+    return [sys.executable, "-m", "opsd.experiment", *map(str, args)]
+
+
+def run(*args, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        experiment(*args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+    return max((r.get("step", 0) for r in lines), default=0)
+
+
+def attempts(log: Path) -> int:
+    return sum(line.startswith("=== ") for line in log.read_text().splitlines())
+
+
+def snapshot(directory: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def exp(tmp_path_factory, tiny_model_dir):
+    """An experiment stopped while cell b/42 trains (a/42 done), then rerun to the end."""
+    d = tmp_path_factory.mktemp("exp") / "clip"
+    first = [
+        "--out", d, "--profile", "smoke", "--model", tiny_model_dir, "--recipe", "", "--seeds", "42,43",
+        "--arm", "a=CLIP_MODE=element", "--arm", "b=CLIP_MODE=rescale", "--eval-flags", EVAL_FLAGS,
+        "--status-every", 5,
+    ]  # fmt: skip
+    proc = subprocess.Popen(experiment(*first), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    b42 = d / "runs" / "b" / "capped_seed42"
+    deadline = time.time() + 900
+    while last_step(b42) < 15 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped_at = last_step(b42)
+    time.sleep(3)
+    after_stop = last_step(b42)
+    partial = run("report", d)
+    finished = snapshot(d / "evals" / "a" / "seed42") | snapshot(d / "runs" / "a" / "capped_seed42")
+    rerun = run("--out", d, "--status-every", 5)
+    return {"dir": d, "stop": (proc.returncode, out, err), "stopped_at": stopped_at, "after_stop": after_stop,
+            "partial": partial, "finished": finished, "rerun": rerun}  # fmt: skip
+
+
+def test_stop_then_rerun_finishes_without_redoing_finished_cells(exp):
+    d = exp["dir"]
+    rc, out, err = exp["stop"]
+    assert rc == 130 and "rerun the same command to resume" in err
+    assert "a/42" in out and "training" in out  # the live status table
+    assert exp["after_stop"] == exp["stopped_at"], "the stopped cell's training went on after the stop"
+    assert exp["rerun"].returncode == 0, exp["rerun"].stderr[-3000:]
+    after = snapshot(d / "evals" / "a" / "seed42") | snapshot(d / "runs" / "a" / "capped_seed42")
+    assert after == exp["finished"], "a finished cell's files were rewritten by the rerun"
+    logs = d / "logs"
+    assert attempts(logs / "train-a-s42.log") == 1 and attempts(logs / "eval-a-s42.log") == 1
+    assert attempts(logs / "base.log") == 1
+    assert attempts(logs / "train-b-s42.log") == 2  # stopped, then resumed by the rerun
+    assert "resuming from" in (logs / "train-b-s42.log").read_text().lower()
+    for arm in "ab":
+        for seed in (42, 43):
+            assert (d / "runs" / arm / f"capped_seed{seed}" / "checkpoint-100" / ".complete").is_file()
+            assert (d / "evals" / arm / f"seed{seed}" / "checkpoint-100" / "summary.json").is_file()
+    assert not json.loads((d / "failed.json").read_text())
+
+
+def test_partial_report_says_what_is_missing(exp):
+    partial = exp["partial"]
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    # The report of the stopped experiment was overwritten by the rerun's; the partial one is in stdout.
+    assert "written:" in partial.stdout
+    assert "b −" not in partial.stdout  # no comparison: arm b had no scored seed yet
+
+
+def _accuracy(eval_dir: Path) -> dict[tuple[str, int], float]:
+    rows = [json.loads(x) for x in (eval_dir / "checkpoint-100" / "samples.jsonl").read_text().splitlines()]
+    return {(r["id"], r["idx"]): float(r["correct"]) for r in rows}
+
+
+def test_report_pairs_seeds_and_samples(exp):
+    d = exp["dir"]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["baseline"] == "a" and set(summary["arms"]) == {"a", "b"}
+    comp = summary["comparisons"]["b"]["accuracy"]
+    assert comp["seeds"] == [42, 43] and comp["interval"]["method"] == "seed-paired t"
+    for seed in (42, 43):  # per seed: mean over the same (problem, sample) pairs, in points
+        a, b = _accuracy(d / "evals" / "a" / f"seed{seed}"), _accuracy(d / "evals" / "b" / f"seed{seed}")
+        assert set(a) == set(b) and len(a) == 4 * 2
+        assert comp["per_seed"][str(seed)] == pytest.approx(100 * sum(b[k] - a[k] for k in a) / len(a))
+    for arm in "ab":
+        assert summary["arms"][arm]["missing"] == {}
+        assert sorted(summary["arms"][arm]["per_seed"]) == ["42", "43"]
+        curves = summary["curves"][arm]["42"]
+        assert [s for s, _ in curves["loss"]] == list(range(1, 101))
+    report = (d / "report.md").read_text()
+    assert "b − a" in report and "2 of 2" in report
+    for name in ("verdict.png", "curves.png"):
+        assert (d / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_changed_arm_is_refused(exp):
+    d = exp["dir"]
+    before = (d / "experiment.json").read_bytes()
+    done = run("--out", d, "--arm", "a=CLIP_MODE=none", timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "arm 'a'" in lines[0] and "CLIP_MODE element -> none" in lines[0], done.stderr
+    assert (d / "experiment.json").read_bytes() == before
+
+
+def test_printed_commands_reproduce_a_cell(exp):
+    d = exp["dir"]
+    printed = run("--out", d, "--print-commands", timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.splitlines()
+    cell = lines[lines.index("# cell a/43") + 1]
+    train, evaluate = cell.split(" && ")
+    assert shlex.split(train)[:2] == ["bash", str(ROOT / "train_capped.sh")]
+    # Put the cell's final checkpoint and evaluation aside; the printed line, run by hand, makes them again.
+    run_dir, eval_dir = d / "runs" / "a" / "capped_seed43", d / "evals" / "a" / "seed43"
+    aside = d.parent / "aside"
+    aside.mkdir()
+    shutil.move(run_dir / "checkpoint-100", aside / "checkpoint-100")
+    shutil.move(eval_dir, aside / "eval")
+    done = subprocess.run(
+        ["bash", "-c", cell], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    new = load_file(run_dir / "checkpoint-100" / "adapter_model.safetensors")
+    old = load_file(aside / "checkpoint-100" / "adapter_model.safetensors")
+    assert new.keys() == old.keys()
+    for key in old:
+        torch.testing.assert_close(new[key], old[key], rtol=0, atol=1e-5)
+
+    def texts(where: Path) -> dict:
+        rows = [json.loads(x) for x in (where / "samples.jsonl").read_text().splitlines()]
+        return {(r["id"], r["idx"]): r["text"] for r in rows}
+
+    assert texts(eval_dir / "checkpoint-100") == texts(aside / "eval" / "checkpoint-100")
+
+
+def test_added_seed_is_recorded(exp):
+    d = exp["dir"]
+    done = run("--out", d, "--seeds", "42,43,44", "--print-commands", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "# cell a/44" in done.stdout and "# cell b/44" in done.stdout
+    spec = json.loads((d / "experiment.json").read_text())
+    assert spec["seeds"] == [42, 43, 44]
+    assert spec["history"][-1]["added_seeds"] == [44] and spec["history"][-1]["added_arms"] == []
+    report = run("report", d, timeout=120)
+    assert report.returncode == 0, report.stderr
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["arms"]["a"]["missing"] == {"44": "not started"}
+    assert "over 2 of the 3 planned seeds" in (d / "report.md").read_text()
