@@ -33,7 +33,7 @@ from pathlib import Path
 # CPU, needs a bounded KV cache (opsd.engine_env.SINGLE_NODE_ENGINE_ENV); users can still override each.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from opsd.engine_env import single_node_engine_env  # noqa: E402
+from opsd.engine_env import fixed_kv_cache, kv_cache_gib, single_node_engine_env  # noqa: E402
 
 single_node_engine_env()
 
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     )
     # Before any model: bad input fails fast.
     dataset, pairing_record = check_inputs(config, dry_run=extra.dry_run)
+    kv_cache_gib()  # a bad OPSD_KV_CACHE_GIB is refused here; a real run applies it below
     from opsd import microbatch, pairing
     from opsd.models import resolve_model_path
     from opsd.resume import json_settings, resume_history
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> Path | None:
             "full fine-tuning with teacher_mode=fixed: the teacher is a frozen copy of the initial model"
         )
 
+    if config.use_vllm and fixed_kv_cache():  # the colocated engine starts inside the trainer
+        logger.info("vLLM KV cache fixed at %s GiB (OPSD_KV_CACHE_GIB)", kv_cache_gib())
     trainer = OPSDTrainer(
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
