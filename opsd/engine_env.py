@@ -47,6 +47,10 @@ def kv_cache_gib(environ=os.environ) -> float | None:
     return gib
 
 
+def raw_gib(environ=os.environ) -> str:
+    return environ.get(KV_CACHE_ENV, "").strip()
+
+
 def fixed_kv_cache(environ=os.environ) -> float | None:
     """With `OPSD_KV_CACHE_GIB` set, make every `vllm.LLM` of this process reserve exactly that KV cache
     (`kv_cache_memory_bytes`, unless the caller passes its own). Returns the GiB applied, or None."""
@@ -62,9 +66,14 @@ def fixed_kv_cache(environ=os.environ) -> float | None:
         )
         return None
     original = vllm.LLM.__init__
-    if getattr(original, "fixed_kv_cache_bytes", None) is not None:
-        return gib
     nbytes = int(gib * 2**30)
+    applied = getattr(original, "fixed_kv_cache_bytes", None)
+    if applied is not None:  # already wrapped: keep the first size, say so if asked for another
+        if applied != nbytes:
+            raise InvalidValue(
+                f"{KV_CACHE_ENV} changed to {raw_gib(environ)} after engines took {applied / 2**30:g} GiB"
+            )
+        return gib
 
     def init(self, *args, **kwargs):
         kwargs.setdefault("kv_cache_memory_bytes", nbytes)

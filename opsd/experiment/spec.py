@@ -46,8 +46,17 @@ class Arm:
     source: str  # what the user gave: a file path or the inline overrides
 
     def recipe_text(self) -> str:
+        """The recipe file the arm's cells train from; parsing it back gives `recipe` exactly."""
         lines = [f"# Arm {self.name} of an opsd experiment, from: {self.source}"]
-        return "\n".join(lines + [f"{k.upper()}={v}" for k, v in sorted(self.recipe.items())]) + "\n"
+        return "\n".join(lines + [f"{k.upper()}={_quoted(v)}" for k, v in sorted(self.recipe.items())]) + "\n"
+
+
+def _quoted(value: str) -> str:
+    """A recipe value as a line must hold it: quoted when it has spaces, `#` or quotes (a parsed value never
+    holds both kinds of quote)."""
+    if re.fullmatch(r"[^\s'\"#]*", value):
+        return value
+    return f'"{value}"' if '"' not in value else f"'{value}'"
 
 
 @dataclass
@@ -117,26 +126,41 @@ def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
                 )
             return Arm(name, _overrides_to_recipe(parse_recipe(path)), str(rest))
         recipe = _overrides_to_recipe(parse_recipe(base_recipe)) if base_recipe.is_file() else {}
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            inline = Path(tmp) / f"--arm {name}"
-            inline.write_text("\n".join(item.strip() for item in rest.split(",")) + "\n")
-            recipe.update(_overrides_to_recipe(parse_recipe(inline)))
-        return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe.is_file() else rest)
     except RecipeError as err:
         raise UserError(f"--arm {name}: {err}".replace("\n", " ")) from None
+    import tempfile
+
+    # The overrides are parsed as recipe lines, by the parser every recipe goes through.
+    with tempfile.TemporaryDirectory() as tmp:
+        inline = Path(tmp) / "arm.env"
+        inline.write_text("\n".join(item.strip() for item in rest.split(",")) + "\n")
+        try:
+            recipe.update(_overrides_to_recipe(parse_recipe(inline)))
+        except RecipeError as err:
+            shown = str(err).replace(f"{inline}: ", "", 1).replace(f"{inline}:", "item ").replace("\n", " ")
+            raise UserError(f"--arm {name}={rest}: {' '.join(shown.split())}") from None
+    return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe.is_file() else rest)
 
 
 def check_eval_flags(flags: list[str]) -> None:
     """The evaluation flags must parse as eval_aime.py's, without the ones the experiment sets itself."""
+    import contextlib
+    import io
+
     from opsd.evaluation.config import EvalConfig, parse_config
 
     placeholder = "(the experiment's)"
+    usage = io.StringIO()
     try:
-        config = parse_config(["--out", placeholder, *flags])
+        with contextlib.redirect_stderr(usage):
+            config = parse_config(["--out", placeholder, *flags])
     except (UserError, ValueError) as err:
         raise UserError(f"--eval-flags: {err}") from None
+    except SystemExit:  # argparse's own refusal (a value of the wrong type, an unknown flag): its last line
+        last = (usage.getvalue().strip().splitlines() or ["cannot be parsed"])[-1]
+        raise UserError(
+            f"--eval-flags: {last.split('error: ', 1)[-1]}; see python eval_aime.py --help"
+        ) from None
     default = EvalConfig(out=placeholder)
     owned = [f for f in OWNED_EVAL_FLAGS if getattr(config, f) != getattr(default, f)]
     if owned:
@@ -165,11 +189,15 @@ def save(directory: Path, spec: Spec) -> None:
     tmp.write_text(json.dumps(asdict(spec), indent=1) + "\n")
     tmp.replace(directory / SPEC_FILE)
     (directory / RECIPES).mkdir(exist_ok=True)
+    from opsd.recipe import parse_recipe
+
     for name in spec.arms:
         path = recipe_path(directory, name)
         text = spec.arm(name).recipe_text()
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)
+        if _overrides_to_recipe(parse_recipe(path)) != spec.arms[name]["recipe"]:
+            raise RuntimeError(f"{path} does not read back as arm {name}'s recipe")  # a bug, not a user error
 
 
 def merge(old: Spec | None, new: Spec, directory: Path) -> Spec:

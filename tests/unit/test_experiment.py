@@ -1,0 +1,943 @@
+"""Tests for opsd.experiment (spec, cells, schedule, report, cli) and the fixed KV cache of opsd.engine_env.
+
+No model, engine or training run: arms are parsed from recipe files written here; commands are parsed back
+with shlex and checked against opsd.capped's own plan of where a run writes; reports are built from synthetic
+experiment directories whose per-sample values are typed in below and whose statistics are recomputed here in
+plain Python (t quantiles typed from a table); the scheduler runs `sh -c` jobs that create the files it
+checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from opsd.capped import make_plan
+from opsd.engine_env import fixed_kv_cache, kv_cache_gib
+from opsd.errors import InvalidValue, UserError
+from opsd.evaluation.metrics import summarize
+from opsd.experiment import cells as C
+from opsd.experiment import cli, report, schedule, spec, stats
+from opsd.recipe import env_overrides, parse_recipe
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Two-sided 95% Student t quantiles t_{0.975, df}, typed from a table.
+T975 = {1: 12.706205, 2: 4.302653}
+
+
+# --- plain-Python statistics (the references) -------------------------------------------------------------
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def var1(xs) -> float:
+    """Sample variance, ddof=1."""
+    xs = list(xs)
+    m = mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def points(table) -> float:
+    """100 x the mean over problems of the per-problem mean (problems weigh alike)."""
+    return 100.0 * mean(mean(row) for row in table)
+
+
+def t_interval(values, df_t: dict = T975) -> tuple[float, float, float]:
+    m = mean(values)
+    half = df_t[len(values) - 1] * math.sqrt(var1(values)) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+def within_var(a_table, b_table) -> float:
+    """(100^2 / P^2) * sum_p var_i(b_pi - a_pi, ddof=1) / n of one seed's paired difference."""
+    per_problem = [
+        var1([b - a for a, b in zip(a_row, b_row, strict=True)]) / len(a_row)
+        for a_row, b_row in zip(a_table, b_table, strict=True)
+    ]
+    return 100.0**2 * sum(per_problem) / len(a_table) ** 2
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def refused(fn, *args, **kwargs) -> str:
+    with pytest.raises(UserError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def make_spec(arms: dict[str, dict[str, str]] | None = None, seeds=(1, 2, 3), **shared) -> spec.Spec:
+    arms = arms if arms is not None else {"A": {"clip_mode": "element"}, "B": {"clip_mode": "none"}}
+    settings = {"profile": "smoke", "model": "tiny/model", "dataset": "builtin:easy", "eval_flags": [],
+                "gpus_per_run": 0, **shared}  # fmt: skip
+    return spec.Spec(
+        **settings,
+        arms={name: {"recipe": dict(r), "source": f"{name}.env"} for name, r in arms.items()},
+        seeds=list(seeds),
+    )
+
+
+def options(tokens: list[str]) -> dict[str, str]:
+    """`--flag value` pairs of an argv tail (every flag here takes a value)."""
+    assert len(tokens) % 2 == 0, tokens
+    pairs = dict(zip(tokens[::2], tokens[1::2], strict=True))
+    assert all(k.startswith("--") for k in pairs), tokens
+    return pairs
+
+
+# === spec: arms ==============================================================================================
+
+
+def test_parse_arm_recipe_file_gives_its_normalised_settings(tmp_path: Path) -> None:
+    write(
+        tmp_path / "recipes" / "mine.env",
+        "# my recipe\n\nLEARNING_RATE=1e-5   # the learning rate\nCLIP_MODE=element\nOPSD_BETA=0.5\n"
+        "FIX_POSITION_IDS=yes\n",
+    )
+    arm = spec.parse_arm("mine=recipes/mine.env", tmp_path / "absent.env", cwd=tmp_path)
+    assert arm.name == "mine"
+    # Hand-normalised: lower-case field names, floats as repr(float), booleans as true/false, prefix dropped.
+    assert arm.recipe == {
+        "learning_rate": "1e-05",
+        "clip_mode": "element",
+        "beta": "0.5",
+        "fix_position_ids": "true",
+    }
+    assert arm.source == "recipes/mine.env"
+
+
+def test_parse_arm_inline_overrides_win_over_the_base_recipe(tmp_path: Path) -> None:
+    base = write(tmp_path / "base.env", "# base\nLEARNING_RATE=1e-5\nCLIP_MODE=element\n")
+    arm = spec.parse_arm("lr2=LEARNING_RATE=2e-5, TEMPERATURE=0.7", base)
+    assert arm.name == "lr2"
+    assert arm.recipe == {"learning_rate": "2e-05", "clip_mode": "element", "temperature": "0.7"}
+    assert str(base) in arm.source and "LEARNING_RATE=2e-5" in arm.source
+
+
+def test_parse_arm_inline_without_a_base_recipe_holds_only_its_overrides(tmp_path: Path) -> None:
+    arm = spec.parse_arm("x=CLIP_MODE=none,BETA=1", tmp_path / "no-such-recipe.env")
+    assert arm.recipe == {"clip_mode": "none", "beta": "1.0"}
+    assert arm.source == "CLIP_MODE=none,BETA=1"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("noequals", ["'noequals'", "NAME=RECIPE_FILE"]),
+        ("x=", ["'x='", "NAME=RECIPE_FILE"]),
+        (".x=CLIP_MODE=none", ["arm name '.x'"]),
+        ("-x=CLIP_MODE=none", ["arm name '-x'"]),
+        ("a/b=CLIP_MODE=none", ["arm name 'a/b'"]),
+        ("base=CLIP_MODE=none", ["arm name 'base'", "base model"]),
+        ("pub=missing.env", ["no recipe file at", "missing.env"]),
+        ("a=CLIP_MODE=bogus", ["clip_mode", "'bogus'", "element"]),
+        ("a=NOT_A_KEY=1", ["NOT_A_KEY is not a config field"]),
+        ("a=MAX_STEPS=5", ["MAX_STEPS", "fixed by the capped harness"]),
+        ("a=LEARNING_RATE=fast", ["learning_rate", "'fast'"]),
+    ],
+)
+def test_parse_arm_refusals_name_the_problem(tmp_path: Path, text: str, expected: list[str]) -> None:
+    message = refused(spec.parse_arm, text, tmp_path / "absent.env", cwd=tmp_path)
+    assert message.startswith("--arm ")
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_parse_arm_refuses_a_bad_line_of_a_recipe_file(tmp_path: Path) -> None:
+    write(tmp_path / "bad.env", "CLIP_MODE=element\nTOP_P=lots\n")
+    message = refused(spec.parse_arm, "bad=bad.env", tmp_path / "absent.env", cwd=tmp_path)
+    assert "--arm bad" in message and "top_p" in message and "'lots'" in message
+    assert "\n" not in message  # one line
+
+
+# === spec: seeds and evaluation flags ==========================================================================
+
+
+@pytest.mark.parametrize(
+    ("text", "seeds"), [("42,43,44", [42, 43, 44]), (" 7 ", [7]), ("3, 1,2", [3, 1, 2]), ("0,5,", [0, 5])]
+)
+def test_parse_seeds_accepts(text: str, seeds: list[int]) -> None:
+    assert spec.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["", ",", "a", "1,b", "1.5", "1,1", "-1", "2,-3"])
+def test_parse_seeds_refuses(text: str) -> None:
+    assert refused(spec.parse_seeds, text).startswith(f"--seeds {text!r}")
+
+
+def test_check_eval_flags_accepts_protocol_flags() -> None:
+    spec.check_eval_flags([])
+    spec.check_eval_flags(["--dataset", "builtin", "--n", "2"])
+    spec.check_eval_flags(["--n", "4", "--max-tokens", "128", "--no-thinking"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--out", "x"], "--out"),
+        (["--model", "m"], "--model"),
+        (["--adapter", "a"], "--adapter"),
+        (["--no-merge-adapter"], "--merge-adapter"),
+        (["--merge-adapter", "true"], "--merge-adapter"),
+        (["--checkpoints", "runs/x"], "--checkpoints"),
+        (["--n", "2", "--num-gpus", "2"], "--num-gpus"),
+    ],
+)
+def test_check_eval_flags_refuses_flags_the_experiment_owns(flags: list[str], named: str) -> None:
+    message = refused(spec.check_eval_flags, flags)
+    assert message.startswith("--eval-flags") and named in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--n", "0"], "n=0"),
+        (["--bogus"], "--bogus"),
+        # An argparse type error must be a UserError (one line) as well, not argparse's SystemExit with
+        # eval_aime.py's whole usage text.
+        (["--n", "abc"], "abc"),
+    ],
+)
+def test_check_eval_flags_refuses_invalid_values(flags: list[str], named: str) -> None:
+    message = refused(spec.check_eval_flags, flags)
+    assert message.startswith("--eval-flags") and named in message
+
+
+# === spec: merge, save, load ==================================================================================
+
+
+def test_merge_into_a_new_directory_records_history(tmp_path: Path) -> None:
+    new = make_spec()
+    merged = spec.merge(None, new, tmp_path)
+    assert merged.arm_names == ["A", "B"] and merged.seeds == [1, 2, 3]
+    assert len(merged.history) == 1
+    assert merged.history[0]["arms"] == ["A", "B"] and merged.history[0]["seeds"] == [1, 2, 3]
+    assert "time" in merged.history[0]
+
+
+def test_merge_adds_new_arms_and_seeds_and_records_them(tmp_path: Path) -> None:
+    old = spec.merge(None, make_spec(), tmp_path)
+    # The rerun names A again (unchanged), a new arm C and a new seed 4; B is not named and is kept.
+    new = make_spec({"A": {"clip_mode": "element"}, "C": {"clip_mode": "token"}}, seeds=(3, 4))
+    merged = spec.merge(old, new, tmp_path)
+    assert merged.arm_names == ["A", "B", "C"]
+    assert merged.arms["B"]["recipe"] == {"clip_mode": "none"}
+    assert merged.arms["C"]["recipe"] == {"clip_mode": "token"}
+    assert merged.seeds == [1, 2, 3, 4]
+    assert len(merged.history) == 2
+    assert merged.history[1]["added_arms"] == ["C"] and merged.history[1]["added_seeds"] == [4]
+    # The same command again adds nothing and records nothing.
+    again = spec.merge(merged, make_spec({"A": {"clip_mode": "element"}}, seeds=(1,)), tmp_path)
+    assert again.arm_names == ["A", "B", "C"] and again.seeds == [1, 2, 3, 4]
+    assert len(again.history) == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("eval_flags", ["--n", "2"]), ("profile", "demo"), ("model", "other/model"), ("dataset", "x.jsonl"),
+     ("gpus_per_run", 2), ("accelerate_config", "/x/acc.yaml")],
+)  # fmt: skip
+def test_merge_refuses_a_changed_shared_setting(tmp_path: Path, key: str, value) -> None:
+    old = spec.merge(None, make_spec(), tmp_path)
+    message = refused(spec.merge, old, make_spec(**{key: value}), tmp_path)
+    assert f"{key}=" in message and repr(value) in message and str(tmp_path) in message
+
+
+def test_merge_refuses_a_changed_arm_recipe_naming_the_change(tmp_path: Path) -> None:
+    old = spec.merge(
+        None, make_spec({"A": {"clip_mode": "element", "beta": "0.5"}, "B": {"clip_mode": "none"}}), tmp_path
+    )
+    new = make_spec({"A": {"clip_mode": "none", "temperature": "0.7"}, "B": {"clip_mode": "none"}})
+    message = refused(spec.merge, old, new, tmp_path)
+    assert "arm 'A'" in message
+    assert "CLIP_MODE element -> none" in message
+    assert "BETA 0.5 -> (unset)" in message
+    assert "TEMPERATURE (unset) -> 0.7" in message
+    assert "'B'" not in message
+
+
+def test_save_load_round_trip_and_the_arm_recipe_files(tmp_path: Path) -> None:
+    write(tmp_path / "base.env", "LEARNING_RATE=1e-5\nCLIP_MODE=element\nDATA_FILTER=hard_numeric\n")
+    arms = [
+        spec.parse_arm("published=CLIP_MODE=element", tmp_path / "base.env"),
+        spec.parse_arm("nolimit=CLIP_MODE=none,TEMPERATURE=0.7,FIX_POSITION_IDS=no", tmp_path / "base.env"),
+    ]
+    new = make_spec(seeds=(42, 43), eval_flags=["--n", "2"])
+    new.arms = {a.name: {"recipe": a.recipe, "source": a.source} for a in arms}
+    directory = tmp_path / "exp"
+    saved = spec.merge(None, new, directory)
+    spec.save(directory, saved)
+    loaded = spec.load(directory)
+    assert loaded == saved
+    assert json.loads((directory / "experiment.json").read_text())["seeds"] == [42, 43]
+    for arm in arms:
+        path = directory / "recipes" / f"{arm.name}.env"
+        lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+        assert all(line.split("=", 1)[0].isupper() for line in lines)
+        assert {o.field: o.value for o in parse_recipe(path)} == arm.recipe
+    assert spec.load(tmp_path / "nothing-here") is None
+
+
+def test_arm_recipe_file_keeps_values_with_a_hash_or_spaces(tmp_path: Path) -> None:
+    # A quoted value may hold ' #' (a comment marker when unquoted) or spaces; the arm's copy
+    # DIR/recipes/NAME.env, which the cells train from, must parse back to the same recipe.
+    write(
+        tmp_path / "r.env",
+        "CLIP_MODE=element\nSTUDENT_PROMPT_FILE=\"prompts/v2 #draft.txt\"\nRUN_NAME='my run'\n",
+    )
+    arm = spec.parse_arm("q=r.env", tmp_path / "absent.env", cwd=tmp_path)
+    assert arm.recipe["student_prompt_file"] == "prompts/v2 #draft.txt"
+    directory = tmp_path / "exp"
+    new = make_spec()
+    new.arms = {"q": {"recipe": arm.recipe, "source": arm.source}}
+    spec.save(directory, spec.merge(None, new, directory))
+    assert {o.field: o.value for o in parse_recipe(directory / "recipes" / "q.env")} == arm.recipe
+
+
+def test_load_refuses_an_unreadable_experiment_file(tmp_path: Path) -> None:
+    write(tmp_path / "experiment.json", "{not json")
+    assert "cannot be read" in refused(spec.load, tmp_path)
+    write(tmp_path / "experiment.json", json.dumps({"profile": "smoke", "colour": "red"}))
+    assert "cannot be read" in refused(spec.load, tmp_path)
+
+
+# === spec / cli: the commands of each cell ======================================================================
+
+
+def command_lines(out: str) -> tuple[list[str], list[list[str]]]:
+    lines = out.strip().splitlines()
+    return [x for x in lines if x.startswith("#")], [shlex.split(x) for x in lines if not x.startswith("#")]
+
+
+def check_train(train: list[str], directory: Path, sp: spec.Spec, arm: str, seed: int) -> None:
+    assert train[0] == "bash" and Path(train[1]).name == "train_capped.sh" and Path(train[1]).is_file()
+    flags = options(train[2:])
+    assert flags == {
+        "--name": arm, "--seed": str(seed), "--profile": sp.profile, "--model": sp.model, "--dataset": sp.dataset,
+        "--recipe": str(directory / "recipes" / f"{arm}.env"), "--runs-dir": str(directory / "runs"),
+    }  # fmt: skip
+    # The recipe the cell trains from is the arm's own copy.
+    assert {o.field: o.value for o in parse_recipe(flags["--recipe"])} == sp.arms[arm]["recipe"]
+
+
+def where_capped_writes(train: list[str]) -> Path:
+    """opsd.capped's own plan for these train_capped.sh flags: the run's final checkpoint."""
+    flags = options(train[2:])
+    plan = make_plan(
+        name=flags["--name"], seed=int(flags["--seed"]), num_gpus=1, profile=flags["--profile"],
+        model=flags["--model"], dataset=flags["--dataset"], root=Path(train[1]).parent, gpu=False,
+        recipe=Path(flags["--recipe"]), runs_dir=Path(flags["--runs-dir"]),
+    )  # fmt: skip
+    return Path(plan.final_checkpoint)
+
+
+@pytest.mark.parametrize("every_checkpoint", [False, True])
+def test_print_commands_one_line_per_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture, every_checkpoint: bool
+) -> None:
+    directory = tmp_path / "my exp"  # a space: the lines must be quoted for a shell
+    flags = ["--dataset", "builtin", "--n", "2"]
+    sp = spec.merge(None, make_spec(seeds=(7, 8), eval_flags=flags), directory)
+    spec.save(directory, sp)
+    cli.print_commands(directory, sp, every_checkpoint)
+    comments, commands = command_lines(capsys.readouterr().out)
+    assert [c for c in comments if c.startswith("# cell")] == [
+        "# cell A/7",
+        "# cell B/7",
+        "# cell A/8",
+        "# cell B/8",
+    ]
+    base, *cells, verdict = commands
+    assert len(cells) == 4
+    assert base[0] == sys.executable and Path(base[1]).name == "eval_aime.py" and Path(base[1]).is_file()
+    assert base[2:] == ["--model", "tiny/model", *flags, "--out", str(directory / "evals" / "base")]
+    assert verdict[1:] == ["-m", "opsd.experiment", "report", str(directory)]
+    for tokens, (arm, seed) in zip(cells, [("A", 7), ("B", 7), ("A", 8), ("B", 8)], strict=True):
+        assert tokens.count("&&") == 1
+        cut = tokens.index("&&")
+        train, ev = tokens[:cut], tokens[cut + 1 :]
+        check_train(train, directory, sp, arm, seed)
+        assert ev[0] == sys.executable and Path(ev[1]).name == "eval_aime.py"
+        assert ev[2:8] == ["--model", "tiny/model", *flags]
+        run = directory / "runs" / arm / f"capped_seed{seed}"
+        target = run if every_checkpoint else run / "checkpoint-100"
+        assert ev[8:] == ["--checkpoints", str(target), "--no-base", "--merge-adapter",
+                          "--out", str(directory / "evals" / arm / f"seed{seed}")]  # fmt: skip
+        # The checkpoint scored is the one train_capped.sh writes, by opsd.capped's own plan.
+        assert where_capped_writes(train) == run / "checkpoint-100"
+
+
+def test_train_argv_passes_gpus_accelerate_config_and_extra_flags(tmp_path: Path) -> None:
+    sp = make_spec(gpus_per_run=2, accelerate_config="/x/acc.yaml")
+    argv = spec.train_argv(tmp_path, sp, "A", 5, extra=["--report_to", "none"])
+    cut = argv.index("--")
+    assert argv[cut + 1 :] == ["--report_to", "none"]
+    flags = options(argv[2:cut])
+    assert flags["--num-gpus"] == "2" and flags["--accelerate-config"] == "/x/acc.yaml"
+    assert flags["--seed"] == "5" and flags["--name"] == "A"
+    assert "--num-gpus" not in spec.train_argv(tmp_path, make_spec(), "A", 5)
+
+
+# === report: synthetic experiments ===========================================================================
+
+PIDS = ["2024-I-1", "2024-I-2", "2024-II-3"]
+# Per-sample values, [problem][sample index], 3 problems x 4 samples. CORRECT implies BOXED.
+CORRECT = {
+    ("A", 1): [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]],  # 25.00
+    ("A", 2): [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]],  # 33.33
+    ("A", 3): [[0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]],  # 25.00
+    ("B", 1): [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]],  # 50.00
+    ("B", 2): [[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 0, 1]],  # 66.67
+    ("B", 3): [[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 1, 0]],  # 41.67
+    ("base", 0): [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 8.33
+}
+BOXED = {
+    ("A", 1): [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0]],  # 5/12
+    ("A", 2): [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]],  # 6/12
+    ("A", 3): [[0, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]],  # 4/12
+    ("B", 1): [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]],  # 7/12
+    ("B", 2): [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 1]],  # 9/12
+    ("B", 3): [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]],  # 7/12
+    ("base", 0): [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 2/12
+}
+SEEDS = (1, 2, 3)
+
+
+def curve(arm: str, seed: int, step: int) -> dict:
+    off = 0.05 if arm == "B" else 0.0
+    return {"step": step, "loss": round(2.0 - 0.01 * step - 0.1 * seed + off, 6),
+            "probe/divergence": round(0.5 + 0.001 * step + off, 6),
+            "completions/mean_length": 100 + step + seed, "learning_rate": 1e-5}  # fmt: skip
+
+
+def write_eval(where: Path, key: tuple[str, int]) -> None:
+    """samples.jsonl (in a shuffled finish order) and summary.json as eval_aime.py writes them."""
+    records = []
+    for p, (c_row, b_row) in enumerate(zip(CORRECT[key], BOXED[key], strict=True)):
+        for i, (c, b) in enumerate(zip(c_row, b_row, strict=True)):
+            assert b or not c, key
+            records.append({
+                "id": PIDS[p], "idx": i, "problem_index": p, "request_seed": 1000 * p + i, "text": "...",
+                "extracted": ("42" if c else "7") if b else None, "correct": bool(c), "has_box": bool(b),
+                "n_tokens": 100 + 10 * i + p, "truncated": not b, "gold": "42",
+            })  # fmt: skip
+    per_problem = {
+        pid: sorted((r for r in records if r["id"] == pid), key=lambda r: r["idx"]) for pid in PIDS
+    }
+    random.Random(f"{key}").shuffle(records)
+    write(where / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write(where / "summary.json", json.dumps({"config": {"n": 4}, "metrics": summarize(per_problem)}))
+
+
+def write_run(directory: Path, arm: str, seed: int, last_step: int) -> None:
+    run = spec.run_dir(directory, arm, seed)
+    steps = range(20, last_step + 1, 20)
+    write(run / "metrics.jsonl", "".join(json.dumps(curve(arm, seed, k)) + "\n" for k in steps))
+    for k in steps:
+        (run / f"checkpoint-{k}").mkdir()
+        (run / f"checkpoint-{k}" / ".complete").touch()
+
+
+def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] | None = None,
+               arms=("A", "B"), seeds=SEEDS, base: bool = True) -> Path:  # fmt: skip
+    """A synthetic experiment: every cell trained and scored but those in `unscored` (cell -> the step its
+    training reached, None for not started)."""
+    unscored = unscored or {}
+    sp = spec.merge(None, make_spec({a: {"clip_mode": "element" if a == "A" else "none"} for a in arms},
+                                    seeds=seeds), directory)  # fmt: skip
+    spec.save(directory, sp)
+    if base:
+        write_eval(directory / "evals" / "base", ("base", 0))
+    for arm in arms:
+        for seed in seeds:
+            if (arm, seed) in unscored:
+                if unscored[arm, seed] is not None:
+                    write_run(directory, arm, seed, unscored[arm, seed])
+                continue
+            write_run(directory, arm, seed, 100)
+            write_eval(spec.eval_dir(directory, arm, seed) / "checkpoint-100", (arm, seed))
+    return directory
+
+
+def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
+    directory = experiment(tmp_path / "exp")
+    result, paths = report.write(directory, target_diff=10.0, reps=2000)
+
+    # Per arm: each seed's rates, their mean and the between-seed SE.
+    for arm in ("A", "B"):
+        e = result["arms"][arm]
+        assert e["missing"] == {}
+        avgs = [points(CORRECT[arm, s]) for s in SEEDS]
+        for s, avg in zip(SEEDS, avgs, strict=True):
+            cell = e["per_seed"][str(s)]
+            assert cell["avg"] == pytest.approx(avg)
+            assert cell["format_rate"] == pytest.approx(points(BOXED[arm, s]))
+            assert cell["pass_at_k"] == pytest.approx(100 * mean(float(any(r)) for r in CORRECT[arm, s]))
+        assert e["mean"]["avg"]["mean"] == pytest.approx(mean(avgs))
+        assert e["mean"]["avg"]["se"] == pytest.approx(math.sqrt(var1(avgs) / 3))
+        assert e["mean"]["avg"]["n"] == 3
+        # vs the base model: each seed's difference from the one base evaluation.
+        base_avg = points(CORRECT["base", 0])
+        vs = e["vs_base"]["accuracy"]
+        assert vs["per_seed"] == {
+            str(s): pytest.approx(a - base_avg) for s, a in zip(SEEDS, avgs, strict=True)
+        }
+        est, low, high = t_interval([a - base_avg for a in avgs])
+        assert (vs["interval"]["estimate"], vs["interval"]["low"], vs["interval"]["high"]) == pytest.approx(
+            (est, low, high)
+        )
+    assert [result["arms"]["A"]["per_seed"][str(s)]["avg"] for s in SEEDS] == pytest.approx([25, 100 / 3, 25])
+    assert result["base"]["avg"] == pytest.approx(100 / 12)
+    assert result["base"]["format_rate"] == pytest.approx(200 / 12)
+
+    # B - A, accuracy: per seed 25, 33.33, 16.67 (hand-computed), mean 25 ± 4.302653 * 8.333 / sqrt(3).
+    comp = result["comparisons"]["B"]["accuracy"]
+    diffs = [points(CORRECT["B", s]) - points(CORRECT["A", s]) for s in SEEDS]
+    assert diffs == pytest.approx([25, 100 / 3, 50 / 3])
+    assert comp["seeds"] == [1, 2, 3]
+    assert comp["per_seed"] == {str(s): pytest.approx(d) for s, d in zip(SEEDS, diffs, strict=True)}
+    iv = comp["interval"]
+    assert iv["method"] == "seed-paired t" and iv["df"] == 2 and iv["n_seeds"] == 3
+    assert (iv["estimate"], iv["low"], iv["high"]) == pytest.approx(t_interval(diffs), abs=1e-4)
+    assert (iv["low"], iv["high"]) == pytest.approx((25 - 20.70115, 25 + 20.70115), abs=1e-4)
+    assert iv["se"] == pytest.approx(math.sqrt(var1(diffs) / 3))
+    boot = comp["bootstrap"]
+    assert boot["method"] == "hierarchical bootstrap" and boot["estimate"] == pytest.approx(25.0)
+    assert boot["low"] <= 25.0 <= boot["high"]
+
+    # Variance components of the per-seed difference.
+    v = comp["variance"]
+    expected_within = mean(within_var(CORRECT["A", s], CORRECT["B", s]) for s in SEEDS)
+    assert v["within_var"] == pytest.approx(expected_within)
+    assert v["total_var"] == pytest.approx(var1(diffs))
+    assert v["between_var"] == pytest.approx(max(0.0, var1(diffs) - expected_within))
+    sd = math.sqrt(var1(diffs))
+    assert v["total_sd"] == pytest.approx(sd)
+    # Planning: the seeds needed for 10 points reach 80% power, one fewer does not.
+    assert comp["target_diff"] == 10.0
+    n = comp["seeds_needed"]
+    assert isinstance(n, int) and n >= 2
+    assert stats.power_paired_t(10.0, sd, n) >= 0.8 > stats.power_paired_t(10.0, sd, n - 1)
+    assert stats.power_paired_t(comp["mde_80"], sd, 3) == pytest.approx(0.8, abs=1e-6)
+
+    # B - A, format rate: per seed 2/12, 3/12, 3/12.
+    fmt = result["comparisons"]["B"]["format rate"]
+    fdiffs = [points(BOXED["B", s]) - points(BOXED["A", s]) for s in SEEDS]
+    assert fdiffs == pytest.approx([100 * 2 / 12, 25, 25])
+    assert fmt["per_seed"] == {str(s): pytest.approx(d) for s, d in zip(SEEDS, fdiffs, strict=True)}
+    assert fmt["interval"]["method"] == "seed-paired t"
+    assert (fmt["interval"]["estimate"], fmt["interval"]["low"], fmt["interval"]["high"]) == pytest.approx(
+        t_interval(fdiffs), abs=1e-4
+    )
+    assert fmt["variance"]["within_var"] == pytest.approx(
+        mean(within_var(BOXED["A", s], BOXED["B", s]) for s in SEEDS)
+    )
+    assert list(result["comparisons"]) == ["B"]  # the baseline is the first arm, not compared with itself
+
+    # Training curves, as written.
+    loss = result["curves"]["B"]["2"]["loss"]
+    assert loss == [[k, pytest.approx(curve("B", 2, k)["loss"])] for k in range(20, 101, 20)]
+    assert set(result["curves"]["A"]["1"]) == {"loss", "probe/divergence", "completions/mean_length"}
+
+    # The files.
+    names = sorted(p.name for p in paths)
+    assert names == ["curves.png", "report.md", "summary.json", "verdict.png"]
+    assert json.loads((directory / "summary.json").read_text()) == json.loads(json.dumps(result))
+    md = (directory / "report.md").read_text()
+    assert "| A | 3 of 3 |" in md and "| B | 3 of 3 |" in md
+    assert "Base model:" in md and "avg@4 8.33" in md
+    assert "### B − A" in md and "planned seeds" not in md
+    assert "per seed: 1: +25.00, 2: +33.33, 3: +16.67" in md
+    for png in ("verdict.png", "curves.png"):
+        assert (directory / png).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_report_of_a_partial_experiment(tmp_path: Path) -> None:
+    # B's seed 3 is still training: metrics.jsonl at step 40, no checkpoint-100.
+    directory = experiment(tmp_path / "exp", unscored={("B", 3): 40})
+    result = report.build(directory, reps=500)
+    b = result["arms"]["B"]
+    assert sorted(b["per_seed"]) == ["1", "2"]
+    assert b["missing"] == {"3": "training at step 40/100"}
+    assert b["mean"]["avg"]["n"] == 2
+    comp = result["comparisons"]["B"]["accuracy"]
+    assert comp["seeds"] == [1, 2]
+    diffs = [points(CORRECT["B", s]) - points(CORRECT["A", s]) for s in (1, 2)]
+    assert comp["interval"]["df"] == 1
+    assert (comp["interval"]["estimate"], comp["interval"]["low"], comp["interval"]["high"]) == pytest.approx(
+        t_interval(diffs), abs=1e-4
+    )
+    md = report.markdown(result)
+    assert "| B | 2 of 3 |" in md and "| A | 3 of 3 |" in md
+    assert "over 2 of the 3 planned seeds (1, 2)" in md
+    assert "3: training at step 40/100" in md
+
+
+def test_report_missing_cells_say_why(tmp_path: Path) -> None:
+    directory = experiment(tmp_path / "exp", unscored={("B", 3): 100, ("B", 2): None, ("A", 3): 60})
+    # B/3 trained to step 100 but never scored; B/2 failed; A/3 stopped at step 60 and its eval failed.
+    # (write_run marks checkpoint-100 complete for B/3 only.)
+    log = str(directory / "logs" / "train-B-s2.log")
+    C.write_failed(directory, {
+        "train-B-s2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": log},
+        "eval-A-s3": {"job": "eval A/3", "exit": 1, "attempts": 2, "log": "/l/eval-A-s3.log"},
+    })  # fmt: skip
+    result = report.build(directory, reps=200)
+    assert result["arms"]["B"]["missing"] == {
+        "2": f"train failed (2 attempts, exit 3; {log})",
+        "3": "trained, not scored yet",
+    }
+    assert result["arms"]["A"]["missing"] == {"3": "eval failed (2 attempts, exit 1; /l/eval-A-s3.log)"}
+    assert result["comparisons"]["B"]["accuracy"]["seeds"] == [1]
+    md = report.markdown(result)
+    assert f"2: train failed (2 attempts, exit 3; {log})" in md
+
+
+def test_report_baseline_choice(tmp_path: Path) -> None:
+    directory = experiment(tmp_path / "exp")
+    message = refused(report.build, directory, baseline="C", reps=200)
+    assert "--baseline 'C'" in message and "A, B" in message
+    result = report.build(directory, baseline="B", reps=200)
+    assert list(result["comparisons"]) == ["A"]
+    diffs = [points(CORRECT["A", s]) - points(CORRECT["B", s]) for s in SEEDS]
+    assert result["comparisons"]["A"]["accuracy"]["per_seed"] == {
+        str(s): pytest.approx(d) for s, d in zip(SEEDS, diffs, strict=True)
+    }
+    assert "Against the baseline `B`" in report.markdown(result)
+    assert "holds no experiment.json" in refused(report.build, tmp_path / "empty")
+
+
+def test_report_with_one_common_seed_is_paired_over_problems(tmp_path: Path) -> None:
+    directory = experiment(tmp_path / "exp", unscored={("B", 2): None, ("B", 3): None}, base=False)
+    result = report.build(directory, reps=200)
+    assert result["base"] is None and "vs_base" not in result["arms"]["A"]
+    comp = result["comparisons"]["B"]["accuracy"]
+    assert comp["seeds"] == [1]
+    iv = comp["interval"]
+    assert iv["method"] == "paired t over problems" and iv["n_seeds"] == 1 and iv["df"] == 2
+    # Per-problem differences of seed 1: 100 * (0.75 - 0.25, 0.5 - 0.5, 0.25 - 0) = 50, 0, 25.
+    per_problem = [100 * (mean(b) - mean(a)) for a, b in zip(CORRECT["A", 1], CORRECT["B", 1], strict=True)]
+    assert per_problem == pytest.approx([50, 0, 25])
+    assert (iv["estimate"], iv["low"], iv["high"]) == pytest.approx(t_interval(per_problem), abs=1e-4)
+    assert comp["seeds_needed"] is None and comp["mde_80"] is None
+    assert "one seed" in comp["verdict"]
+    assert result["arms"]["B"]["missing"] == {"2": "not started", "3": "not started"}
+
+
+# === schedule: the runner with fake jobs =======================================================================
+
+
+class ShRunner(schedule.Runner):
+    """Jobs are `sh -c` scripts (self.script(job) -> str) instead of train_capped.sh / eval_aime.py."""
+
+    def argv(self, job: schedule.Job, slot: schedule.Slot) -> list[str]:
+        return ["sh", "-c", self.script(job)]
+
+
+def q(path: Path) -> str:
+    return shlex.quote(str(path))
+
+
+def job_script(
+    directory: Path, job: schedule.Job, order: Path, *, fail: str = "", marker: Path | None = None
+) -> str:
+    """Record the job's start (name, CUDA_VISIBLE_DEVICES, OPSD_KV_CACHE_GIB), then write the outputs the runner
+    checks. fail="always": exit 3 without outputs; fail="once": exit 1 the first time (marker file);
+    fail="no-output": exit 0 without outputs."""
+    record = f'echo "{job.name}|${{CUDA_VISIBLE_DEVICES-unset}}|${{OPSD_KV_CACHE_GIB-unset}}" >> {q(order)}'
+    if job.kind == "base":
+        out = directory / "evals" / "base"
+        work = f"mkdir -p {q(out)} && echo '{{}}' > {q(out / 'summary.json')}"
+    elif job.kind == "train":
+        run = spec.run_dir(directory, job.arm, job.seed)
+        ck = run / "checkpoint-100"
+        work = (f"mkdir -p {q(ck)} && echo '{{\"step\": 100, \"loss\": 1.0}}' >> {q(run / 'metrics.jsonl')} "
+                f"&& touch {q(ck / '.complete')}")  # fmt: skip
+    else:
+        out = spec.eval_dir(directory, job.arm, job.seed) / "checkpoint-100"
+        work = f"mkdir -p {q(out)} && echo '{{}}' > {q(out / 'summary.json')}"
+    if fail == "always":
+        return f"{record}; exit 3"
+    if fail == "no-output":
+        return f"{record}; exit 0"
+    if fail == "once":
+        return f"{record}; if [ ! -e {q(marker)} ]; then touch {q(marker)}; exit 1; fi; {work}"
+    return f"{record}; {work}"
+
+
+def run_fake(directory: Path, sp: spec.Spec, *, failing: dict[str, str] | None = None, slots=None,
+             kv_cache_gib: float = 0.0) -> tuple[ShRunner, list[list[str]], list[str]]:  # fmt: skip
+    """Plan and run the experiment with fake jobs; returns the runner, the status tables shown and the job
+    starts in order (lines NAME|CUDA_VISIBLE_DEVICES|OPSD_KV_CACHE_GIB)."""
+    failing = failing or {}
+    order = directory / "order.txt"
+    runner = ShRunner(directory, sp, slots or schedule.make_slots([], 0, 1), kv_cache_gib=kv_cache_gib,
+                      poll_s=0.05, status_every_s=1e9)  # fmt: skip
+    runner.script = lambda job: job_script(
+        directory, job, order, fail=failing.get(job.name, ""), marker=directory / f"{job.key}.marker"
+    )
+    runner.plan()
+    tables: list[list[str]] = []
+    runner.run(tables.append)
+    starts = order.read_text().splitlines() if order.is_file() else []
+    return runner, tables, starts
+
+
+def new_experiment(directory: Path, seeds=(1, 2)) -> spec.Spec:
+    sp = spec.merge(None, make_spec(seeds=seeds), directory)
+    spec.save(directory, sp)
+    return sp
+
+
+def jobs_log(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "jobs.jsonl").read_text().splitlines()]
+
+
+def test_runner_runs_base_then_each_cell_train_before_eval(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OPSD_KV_CACHE_GIB", raising=False)
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory)
+    runner, tables, starts = run_fake(directory, sp)
+    names = [s.split("|")[0] for s in starts]
+    assert names == ["base", "train A/1", "eval A/1", "train B/1", "eval B/1",
+                     "train A/2", "eval A/2", "train B/2", "eval B/2"]  # fmt: skip
+    assert all(s.endswith("|unset") for s in starts)  # no fixed KV cache unless asked for
+    for arm in ("A", "B"):
+        for seed in (1, 2):
+            state = C.cell_state(directory, arm, seed)
+            assert state.trained and state.final_scored
+    assert C.base_scored(directory)
+    last = tables[-1]
+    assert "4 cells: 4 done" in last[0] and "base model: done" in last[0]
+    assert [row.split() for row in last[1:]] == [
+        ["A/1", "done"],
+        ["B/1", "done"],
+        ["A/2", "done"],
+        ["B/2", "done"],
+    ]
+    assert C.read_failed(directory) == {}
+    records = jobs_log(directory)
+    assert [r["job"] for r in records] == names and all(r["ok"] and r["exit"] == 0 for r in records)
+    assert any("training" in " ".join(t) for t in tables)  # the table was shown while jobs ran
+
+
+def test_runner_retries_a_failing_job_once_then_records_it(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory)
+    runner, tables, starts = run_fake(directory, sp, failing={"train B/1": "always"})
+    names = [s.split("|")[0] for s in starts]
+    assert names.count("train B/1") == 2
+    assert "eval B/1" not in names
+    for name in ("base", "train A/1", "eval A/1", "train A/2", "eval A/2", "train B/2", "eval B/2"):
+        assert names.count(name) == 1, name
+    log = directory / "logs" / "train-B-s1.log"
+    assert C.read_failed(directory) == {
+        "train-B-s1": {"job": "train B/1", "exit": 3, "attempts": 2, "log": str(log)}
+    }
+    assert log.read_text().count("attempt ") == 2
+    assert not C.cell_state(directory, "B", 1).trained
+    for arm, seed in (("A", 1), ("A", 2), ("B", 2)):
+        assert C.cell_state(directory, arm, seed).final_scored
+    last = tables[-1]
+    assert "3 done" in last[0] and "1 failed" in last[0]
+    row = next(r for r in last[1:] if r.split()[0] == "B/1")
+    assert row.split()[1] == "failed" and str(log) in row
+    tries = [r for r in jobs_log(directory) if r["job"] == "train B/1"]
+    assert [(r["attempt"], r["exit"], r["ok"]) for r in tries] == [(1, 3, False), (2, 3, False)]
+
+
+def test_runner_job_that_succeeds_on_its_retry_is_done(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory, seeds=(1,))
+    runner, tables, starts = run_fake(directory, sp, failing={"eval A/1": "once"})
+    names = [s.split("|")[0] for s in starts]
+    assert names == ["base", "train A/1", "eval A/1", "train B/1", "eval B/1", "eval A/1"]
+    assert C.cell_state(directory, "A", 1).final_scored
+    assert C.read_failed(directory) == {}
+    tries = [r for r in jobs_log(directory) if r["job"] == "eval A/1"]
+    assert [(r["attempt"], r["exit"], r["ok"]) for r in tries] == [(1, 1, False), (2, 0, True)]
+    assert "2 cells: 2 done" in tables[-1][0]
+
+
+def test_runner_job_exiting_zero_without_its_outputs_has_failed(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory, seeds=(1,))
+    runner, tables, starts = run_fake(directory, sp, failing={"eval B/1": "no-output"})
+    assert [s.split("|")[0] for s in starts].count("eval B/1") == 2
+    failed = C.read_failed(directory)
+    assert list(failed) == ["eval-B-s1"] and failed["eval-B-s1"]["exit"] == 0
+    assert C.cell_state(directory, "B", 1).trained and not C.cell_state(directory, "B", 1).final_scored
+
+
+def test_runner_resumes_from_the_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory)
+    # Before anything ran: base, then every training run, by seed.
+    fresh = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
+    fresh.plan()
+    assert [j.name for j in fresh.jobs] == ["base", "train A/1", "train B/1", "train A/2", "train B/2"]
+    # A by hand: base scored, A/1 done, B/1 trained but not scored, A/2 at step 40; a stale failure of B/2.
+    write(directory / "evals" / "base" / "summary.json", "{}")
+    for arm, seed, step in (("A", 1, 100), ("B", 1, 100), ("A", 2, 40)):
+        write_run(directory, arm, seed, step)
+    write(spec.eval_dir(directory, "A", 1) / "checkpoint-100" / "summary.json", "{}")
+    C.write_failed(directory, {"train-B-s2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": "x"}})
+    partial = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
+    partial.plan()
+    assert [j.name for j in partial.jobs] == ["eval B/1", "train A/2", "train B/2"]
+    # The rerun tries the failed cell again; its success clears failed.json.
+    runner, tables, starts = run_fake(directory, sp)
+    assert [s.split("|")[0] for s in starts] == ["eval B/1", "train A/2", "eval A/2", "train B/2", "eval B/2"]
+    assert C.read_failed(directory) == {}
+    # A finished directory plans nothing.
+    done = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
+    done.plan()
+    assert done.jobs == []
+
+
+def test_runner_plan_sharing_a_gpu_starts_the_first_training_run_first(tmp_path: Path) -> None:
+    # Sharing a GPU slot, the first training run warms the compile caches alone, so it precedes the base model.
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory)
+    runner = schedule.Runner(directory, sp, schedule.make_slots(["0"], 1, 3))
+    runner.plan()
+    assert [j.name for j in runner.jobs] == ["train A/1", "base", "train B/1", "train A/2", "train B/2"]
+
+
+def test_make_slots() -> None:
+    slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
+    assert [(s.devices, s.capacity, s.running) for s in slots] == [("0,1", 3, 0), ("2,3", 3, 0)]
+    assert [(s.devices, s.capacity) for s in schedule.make_slots(["5", "7"], 1, 1)] == [("5", 1), ("7", 1)]
+    assert [(s.devices, s.capacity) for s in schedule.make_slots([], 0, 1)] == [(None, 1)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        schedule.make_slots(["0", "1", "2"], 2, 1)
+
+
+def test_runner_env_gives_each_slot_its_devices(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OPSD_KV_CACHE_GIB", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
+    sp = make_spec()
+    slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
+    shared = schedule.Runner(tmp_path, sp, slots, kv_cache_gib=1.5)
+    envs = [shared.env(s) for s in slots]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+    assert all(e["OPSD_KV_CACHE_GIB"] == "1.5" for e in envs)
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in envs)  # jobs share the host's cores
+    assert envs[0]["MASTER_PORT"].isdigit()
+    alone = schedule.Runner(tmp_path, sp, schedule.make_slots(["0"], 1, 1))
+    env = alone.env(alone.slots[0])
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "OPSD_KV_CACHE_GIB" not in env
+    cpu = schedule.Runner(tmp_path, sp, schedule.make_slots([], 0, 1))
+    assert "OPSD_KV_CACHE_GIB" not in cpu.env(cpu.slots[0])
+
+
+def test_runner_started_jobs_get_their_slots_devices(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OPSD_KV_CACHE_GIB", raising=False)
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory)
+    slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
+    runner, tables, starts = run_fake(directory, sp, slots=slots, kv_cache_gib=1.5)
+    assert len(starts) == 9
+    records = jobs_log(directory)
+    assert all(r["ok"] for r in records)
+    devices_of = {r["job"]: r["devices"] for r in records}
+    for line in starts:
+        name, devices, kv = line.split("|")
+        assert devices in ("0,1", "2,3") and devices == devices_of[name], line
+        assert kv == "1.5", line
+    assert all(s.running == 0 for s in slots)
+
+
+def test_runner_argv_is_the_cells_commands(tmp_path: Path) -> None:
+    sp = make_spec(gpus_per_run=2)
+    runner = schedule.Runner(tmp_path, sp, schedule.make_slots(["0", "1"], 2, 1))
+    slot = runner.slots[0]
+    train = runner.argv(schedule.Job("train A/1", "train", "A", 1), slot)
+    assert options(train[2:])["--num-gpus"] == "2" and options(train[2:])["--name"] == "A"
+    ev = runner.argv(schedule.Job("eval A/1", "eval", "A", 1), slot)
+    assert ev[ev.index("--num-gpus") + 1] == "2"
+    assert ev[ev.index("--checkpoints") + 1] == str(
+        tmp_path / "runs" / "A" / "capped_seed1" / "checkpoint-100"
+    )
+    base = runner.argv(schedule.Job("base", "base"), slot)
+    assert base[-2:] == ["--out", str(tmp_path / "evals" / "base")] and "--num-gpus" in base
+    cpu = schedule.Runner(tmp_path, sp, schedule.make_slots([], 0, 1))
+    assert "--num-gpus" not in cpu.argv(schedule.Job("eval A/1", "eval", "A", 1), cpu.slots[0])
+
+
+# === engine_env: the fixed KV cache ============================================================================
+
+
+@pytest.fixture
+def llm_init(monkeypatch):
+    """vllm.LLM.__init__ replaced by a recorder (restored after the test); yields the recorded kwargs."""
+    import vllm
+
+    calls: list[dict] = []
+
+    def recorder(self, *args, **kwargs):
+        calls.append(kwargs)
+
+    monkeypatch.setattr(vllm.LLM, "__init__", recorder)
+    return vllm, recorder, calls
+
+
+def test_kv_cache_unset_leaves_vllm_alone(llm_init) -> None:
+    vllm, recorder, calls = llm_init
+    assert kv_cache_gib({}) is None and kv_cache_gib({"OPSD_KV_CACHE_GIB": "  "}) is None
+    assert fixed_kv_cache({}) is None
+    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": ""}) is None
+    assert vllm.LLM.__init__ is recorder
+
+
+def test_kv_cache_gives_every_engine_that_many_bytes(llm_init) -> None:
+    vllm, recorder, calls = llm_init
+    assert kv_cache_gib({"OPSD_KV_CACHE_GIB": " 1.5 "}) == 1.5
+    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": "1.5"}) == 1.5
+    assert vllm.LLM.__init__ is not recorder
+    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m")
+    assert calls == [{"model": "m", "kv_cache_memory_bytes": 1610612736}]  # 1.5 * 2**30
+    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m", kv_cache_memory_bytes=123)
+    assert calls[-1] == {"model": "m", "kv_cache_memory_bytes": 123}  # the caller's own wins
+    # A second call does not wrap the wrapper.
+    wrapper = vllm.LLM.__init__
+    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": "1.5"}) == 1.5
+    assert vllm.LLM.__init__ is wrapper
+    calls.clear()
+    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m")
+    assert calls == [{"model": "m", "kv_cache_memory_bytes": 1610612736}]
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan", "inf", "1.5GiB"])
+def test_kv_cache_refuses_bad_values(llm_init, raw: str) -> None:
+    vllm, recorder, calls = llm_init
+    for fn in (kv_cache_gib, fixed_kv_cache):
+        with pytest.raises(InvalidValue) as info:
+            fn({"OPSD_KV_CACHE_GIB": raw})
+        assert "OPSD_KV_CACHE_GIB" in str(info.value) and repr(raw) in str(info.value)
+    assert vllm.LLM.__init__ is recorder
+
+
+def test_kv_cache_variable_is_tooling_not_a_config_field(monkeypatch) -> None:
+    assert env_overrides({"OPSD_KV_CACHE_GIB": "1"}) == []
+    assert [o.field for o in env_overrides({"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})] == ["beta"]
+    # The experiment refuses method switches in its environment, not the KV cache variable.
+    cli.refuse_method_env({"OPSD_KV_CACHE_GIB": "1", "PATH": "/bin"})
+    message = refused(cli.refuse_method_env, {"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})
+    assert "OPSD_BETA" in message and "OPSD_KV_CACHE_GIB" not in message
