@@ -39,6 +39,7 @@ single_node_engine_env()
 
 from opsd.config import OPSDConfig  # noqa: E402
 from opsd.errors import InvalidValue, MissingPath, UserError, run_main  # noqa: E402
+from opsd.paths import DEEPSPEED_CONFIG, YAML_CONFIG, check_file, check_output_dir  # noqa: E402
 from opsd.recipe import name_source, resolve_overrides, to_argv  # noqa: E402
 
 ALLOW_HELP = (
@@ -69,6 +70,7 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
 
             known = {a.dest for a in self._actions}
             translated = translate_yaml(kwargs, known, source=self.yaml_source)
+            check_deepspeed_file(translated.get("deepspeed"))
             self.yaml_keys = set(translated)
             return super().set_defaults_with_config(**translated)
 
@@ -88,6 +90,10 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
     if "--config" in rest[:-1]:
         parser.yaml_source = rest[rest.index("--config") + 1]
+        # TRL opens the file itself: refuse what is not a regular YAML file of at most 1 MiB before it does.
+        check_file(parser.yaml_source, YAML_CONFIG)
+    for value in flag_values(rest + to_argv(overrides), "--deepspeed"):
+        check_deepspeed_file(value)
     try:
         (config,) = parser.parse_args_and_config(rest + to_argv(overrides))
     except UserError:
@@ -118,6 +124,19 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
             ) from err
         raise
     return config, extra
+
+
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    """The values given to `flag` in `argv`, as `--flag VALUE` or `--flag=VALUE`."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+    return values + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+def check_deepspeed_file(value) -> None:
+    """transformers reads a `deepspeed` value that names a file while parsing the arguments: it must be a
+    regular file of at most 1 MiB (`opsd.paths`). A dict or an inline JSON string is left to transformers."""
+    if isinstance(value, str) and value and os.path.lexists(os.path.expanduser(value)):
+        check_file(value, DEEPSPEED_CONFIG)
 
 
 def unknown_flag_hints(argv: list[str], known: set[str]) -> str:
@@ -209,14 +228,15 @@ def build_paired_dataset(config: OPSDConfig):
 
 
 def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
-    """Everything a run reads besides the model weights, checked before any model loads: prompt files, a
-    local model directory, the data. Returns the training rows and their teacher pairing record
-    (`build_paired_dataset`), or (None, None) for a hub dataset in a dry run (which reaches no hub).
-    Raises `UserError`."""
+    """Everything a run reads besides the model weights, checked before any model loads: the output
+    directory (a directory or a path that can become one), prompt files, a local model directory, the data.
+    Returns the training rows and their teacher pairing record (`build_paired_dataset`), or (None, None) for
+    a hub dataset in a dry run (which reaches no hub). Raises `UserError`."""
     from opsd.data import is_local
     from opsd.models import check_model_source
     from opsd.prompts import PromptBuilder
 
+    check_output_dir(config.output_dir, "--output_dir")
     PromptBuilder(
         student_template_file=config.student_prompt_file, teacher_template_file=config.teacher_prompt_file
     )

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
-from opsd.rundir import latest_complete_checkpoint  # noqa: E402
+from opsd.rundir import latest_complete_checkpoint, read_step_log  # noqa: E402
 
 
 class GPUMemoryPoller:
@@ -85,8 +85,7 @@ def timed(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, floa
 def step_stats(metrics_path: Path) -> dict:
     """Per-step records of metrics.jsonl summarised: times per step and medians of each phase after step 1."""
     steps = {}
-    for line in metrics_path.read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_step_log(metrics_path):  # unreadable lines are skipped with a warning naming them
         if "time/step_s" in rec:
             steps[rec["step"]] = rec
     ordered = [steps[k] for k in sorted(steps)]

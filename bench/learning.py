@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, write  # noqa: E402
 from opsd.choices import CLIP_MODES, TEACHER_REF_PAIRINGS  # noqa: E402
+from opsd.rundir import read_step_log  # noqa: E402
 
 MATCHED = TEACHER_REF_PAIRINGS[0]
 # clip_mode:beta:learning_rate[:teacher_ref_pairing]. The four clip modes at the published beta = 0, beta = 0.5
@@ -454,9 +455,8 @@ class Runner:
 
 
 def _metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's metrics.jsonl records ([] before it exists); unreadable lines are skipped with a warning."""
+    return read_step_log(path)
 
 
 def _summary(path: Path | None) -> dict | None:

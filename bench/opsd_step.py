@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
+from opsd.rundir import METRICS_FILE, read_step_log  # noqa: E402
 
 # The reference's micro-batch 4 runs out of memory beside vLLM at 2048 on an H200; its micro-batch 2 runs.
 DEFAULT_VARIANTS = (
@@ -95,7 +96,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
     if res.returncode != 0:
         return {**row, "status": "failed", "stderr_tail": res.stderr[-4000:]}
     resolved = json.loads((out / "opsd_config.json").read_text())
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_step_log(out / METRICS_FILE)
     steps_logged = [r for r in records if "loss" in r]
     measured = steps_logged[1:]  # step 1 pays the engine's warm-up
     row.update(

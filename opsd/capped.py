@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opsd.errors import UserError, report, split_debug
+from opsd.paths import ACCELERATE_CONFIG, check_file, check_output_dir
 
 STEPS = 100
 PROBLEMS_PER_STEP = 32
@@ -117,11 +118,15 @@ def make_plan(
     procs = num_gpus if gpu else 1
     batch, accum = split_batch(prof.problems_per_step, procs)
     out = (runs_dir or root / "runs") / name / f"capped_seed{seed}"
-    cfg = accelerate_config or accelerate_config_for(procs, gpu, root)
-    if not cfg.is_file():
-        raise FileNotFoundError(
-            f"no accelerate config for {procs} process(es): {cfg}; pass one with --accelerate-config"
-        )
+    if accelerate_config is not None:
+        # accelerate reads it: a regular YAML file of at most 1 MiB (opsd.paths), not a device or a FIFO.
+        cfg = check_file(accelerate_config, ACCELERATE_CONFIG)
+    else:
+        cfg = accelerate_config_for(procs, gpu, root)
+        if not cfg.is_file():
+            raise FileNotFoundError(
+                f"no accelerate config for {procs} process(es): {cfg}; pass one with --accelerate-config"
+            )
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_processes", str(procs),
         str(root / "opsd_train.py"), "--capped", "--recipe", str(recipe),
@@ -223,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu = a.num_gpus is not None or visible > 0
     num_gpus = a.num_gpus if a.num_gpus is not None else (DEFAULT_GPUS if visible else 1)
     root = Path(a.root)
-    recipe = Path(a.recipe).resolve() if a.recipe else root / "recipe.env"
+    # Absolute, not resolved: a message about the recipe names the file given, not where a link leads.
+    recipe = Path(a.recipe).expanduser().absolute() if a.recipe else root / "recipe.env"
     notes = []
     try:
+        if a.runs_dir:  # runs/<name>/capped_seed<seed> is created under it: it must be or become a directory
+            check_output_dir(a.runs_dir, "--runs-dir")
         if gpu and visible < num_gpus:
             problem = f"{num_gpus} GPU process(es) planned, and this machine has {visible} GPU(s)"
             if a.dry_run:

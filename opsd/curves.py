@@ -6,18 +6,18 @@
 One panel per group of metrics that the run logged (loss, divergence, agreement, the probe, rollout
 lengths, time per step); groups without data are left out, so the same command serves runs with and
 without the probe. A resumed run's metrics.jsonl holds each step once (opsd_train.py trims it on resume);
-should a step still appear twice, the last record wins.
+should a step still appear twice, the last record wins. A line that is not a JSON object is skipped with a
+warning naming its line (`opsd.rundir.read_step_log`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from opsd.rundir import METRICS_FILE
+from opsd.rundir import METRICS_FILE, read_step_log
 
 # (panel title, metric keys drawn in it). Keys are the names in metrics.jsonl.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -39,18 +39,11 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the output_dir of a training run")
     by_key: dict[str, dict[int, float]] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            # The last line of a run killed mid-write may be cut; anything earlier is a real problem.
-            if lineno == len(lines):
-                continue
-            raise ValueError(f"{path}:{lineno} is not a JSON record") from None
+    # Lines that are not JSON objects (a line cut by a kill, garbage) are skipped with a warning naming them.
+    for record in read_step_log(path):
         step = record.get("step")
+        if step is None:  # not a step's record: nothing to place on the x axis
+            continue
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 by_key.setdefault(key, {})[int(step)] = float(value)

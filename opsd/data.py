@@ -6,9 +6,10 @@ Training rows follow `siyanzhao/Openthoughts_math_30k_opsd`: `problem`, `solutio
 file, or a local directory of such files in one format (as `datasets.load_dataset(dir)` reads it: files
 named after splits, such as `train.jsonl` and `test.jsonl`, are those splits; other names are `train`).
 Local data is checked before any model loads, each problem naming the file (and line or row) and the fix:
-empty files, malformed JSON lines, and rows whose `problem`, reference (`solution` or `COT_Reason`, the
-one the teacher reads) or `answer` is missing, not text, or empty. An empty reference is refused rather
-than turned into an empty teacher context.
+paths that are not regular files (a device, a FIFO) or are over 20 GiB (`opsd.paths`), empty files,
+malformed JSON lines, and rows whose `problem`, reference (`solution` or `COT_Reason`, the one the teacher
+reads) or `answer` is missing, not text, or empty. An empty reference is refused rather than turned into an
+empty teacher context.
 
 The built-in sets need no hub access: integer-answer problems generated deterministically from a seed,
 each a training table and a held-out table, chosen by name through `BUILTIN_SETS` (name -> (training-rows
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from opsd.choices import DATA_FILTERS, check_choice
 from opsd.errors import InvalidValue, MissingPath
+from opsd.paths import DATA_FILE, check_file, read_bytes
 
 if TYPE_CHECKING:  # `datasets` is imported where tables are built, so the generators need only the stdlib
     from datasets import Dataset
@@ -72,7 +74,7 @@ def _check_json_file(path: Path) -> None:
     """Refuse an empty, blank or malformed JSON/JSONL file with its name and line (datasets would raise a bare
     StopIteration or a parser error far from the cause)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(path, DATA_FILE).decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"dataset file {str(path)!r} is not UTF-8 text ({err}); save it as UTF-8") from err
     if not text.strip():
@@ -105,6 +107,9 @@ def _check_json_file(path: Path) -> None:
 
 
 def _check_local_file(path: Path) -> None:
+    # A regular file within DATA_FILE's cap (opsd.paths): a link to /dev/urandom or a FIFO named x.jsonl is
+    # refused as what it is, not read without end.
+    check_file(path, DATA_FILE)
     if path.stat().st_size == 0:
         raise DataError(f"dataset file {str(path)!r} is empty; give it a header and rows")
     if _LOCAL_SUFFIXES[path.suffix.lower()] == "json":
@@ -149,7 +154,9 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
     """A local file or directory as a table, with the name used in messages about it."""
 
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _LOCAL_SUFFIXES)
+        # Every data-named entry but directories, so that a FIFO or a device among them is refused rather
+        # than skipped here and read by datasets.
+        files = sorted(f for f in path.rglob("*") if not f.is_dir() and f.suffix.lower() in _LOCAL_SUFFIXES)
         if not files:
             raise MissingPath(
                 f"dataset directory {str(path)!r} holds no {_FORMATS} files; put the data files in it "
@@ -172,6 +179,7 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
             raise DataError(
                 f"{source}: {err} Name a split that exists (--dataset_split), or name files after splits"
             ) from err
+    check_file(path, DATA_FILE)  # what the path is comes first: /dev/zero is a device, not a misnamed file
     if path.suffix.lower() not in _LOCAL_SUFFIXES:
         raise DataError(f"dataset file {str(path)!r} must end in {_FORMATS}")
     _check_local_file(path)

@@ -88,9 +88,13 @@ def resolve_model_path(name_or_path: str) -> str:
     p = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith((".", "/", "~")) or p.exists()
     if looks_local and not (p / "config.json").is_file():
+        what = "is not a model directory (no config.json)"
+        if p.exists() and not p.is_dir():  # a file, a device, ...: say what it is
+            from opsd.paths import file_type
+
+            what = f"is {file_type(p.stat().st_mode)}, not a model directory"
         raise MissingPath(
-            f"model path {str(p)!r} is not a model directory (no config.json); pass a checkpoint directory "
-            "or a hub name such as Qwen/Qwen3-1.7B"
+            f"model path {str(p)!r} {what}; pass a checkpoint directory or a hub name such as Qwen/Qwen3-1.7B"
         )
     return str(p) if looks_local else name_or_path
 

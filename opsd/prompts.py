@@ -15,7 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.errors import InvalidValue, MissingPath
+from opsd.errors import InvalidValue
+from opsd.paths import PROMPT_FILE, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +39,8 @@ def _read_template(path: str, placeholders: tuple[str, ...], default: str) -> st
     if not path:
         return default
     p = Path(path).expanduser()
-    shown = repr(str(p) if len(str(p)) <= 200 else str(p)[:200] + "...")
-    try:
-        # is_file() would swallow ENAMETOOLONG and report "does not exist"; reading says what is wrong.
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MissingPath(
-            f"prompt template file {shown} does not exist; pass an existing text file"
-        ) from None
-    except UnicodeDecodeError as err:
-        raise InvalidValue(
-            f"prompt template file {shown} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8"
-        ) from None
-    except OSError as err:  # a directory, a path too long for the system, no permission, ...
-        raise MissingPath(
-            f"prompt template file {shown} cannot be read ({err.strerror or type(err).__name__}); "
-            "pass an existing, readable text file"
-        ) from None
+    # A regular UTF-8 file of at most 1 MiB (opsd.paths): /dev/zero or a FIFO is refused, not read forever.
+    text = read_text(p, PROMPT_FILE)
     missing = [ph for ph in placeholders if ph not in text]
     if missing:
         raise InvalidValue(

@@ -6,6 +6,7 @@ so a bad recipe fails with one message naming every bad line instead of a traceb
 
 `recipe.env` format (it is parsed here, never sourced or executed by a shell):
 
+- A regular file of at most 1 MiB (`opsd.paths`: a device, FIFO or directory is refused before reading).
 - One `KEY=VALUE` per line, UTF-8; blank lines are skipped; whitespace around key and value is stripped.
 - KEY is the upper-case field name, with or without the `OPSD_` prefix (`BETA` and `OPSD_BETA` are the same
   key; giving both is a duplicate). Only `RECIPE_KEYS` (the method) and `OPERATIONAL_KEYS` (logging and
@@ -37,8 +38,9 @@ from transformers.trainer_utils import SchedulerType
 
 from opsd.config import OPSDConfig
 from opsd.engine_env import KV_CACHE_ENV
-from opsd.errors import DEBUG_ENV, InvalidValue
+from opsd.errors import DEBUG_ENV, InvalidValue, UserError
 from opsd.legacy import closest
+from opsd.paths import RECIPE_FILE, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ ENV_PREFIX = "OPSD_"
 RESERVED_ENV = frozenset({"OPSD_CACHE_DIR", DEBUG_ENV, KV_CACHE_ENV})
 MAX_COMPLETION_CAP = 4096
 MAX_LINE_CHARS = 4096
-# A recipe is a few dozen lines; anything far bigger is a wrong path, not a recipe.
-MAX_FILE_BYTES = 1 << 20
+# A recipe is a few dozen lines; anything far bigger is a wrong path, not a recipe (1 MiB, opsd.paths).
+MAX_FILE_BYTES = RECIPE_FILE.max_bytes
 MAX_REPORTED = 50
 SHOWN_CHARS = 80
 
@@ -363,13 +365,10 @@ def parse_recipe(path: str | Path) -> list[Override]:
     """Validated overrides from a recipe file, in file order; raises RecipeError listing every bad line."""
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise RecipeError(f"{path}: cannot read the recipe ({err.strerror}); check the path") from err
-    if len(data) > MAX_FILE_BYTES:
-        raise RecipeError(
-            f"{path}: {len(data)} bytes is too big for a recipe (limit {MAX_FILE_BYTES}); check the path"
-        )
+        # An existing regular file of at most MAX_FILE_BYTES (opsd.paths): a link to /dev/urandom is refused.
+        data = read_bytes(path, RECIPE_FILE)
+    except UserError as err:
+        raise RecipeError(str(err)) from err
     overrides: list[Override] = []
     problems: list[str] = []
     seen: dict[str, int] = {}

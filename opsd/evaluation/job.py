@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,38 @@ class Job:
     tokenizer: Any
     builder: Any  # opsd.prompts.PromptBuilder
     out: Path
+
+
+RESULT_DIR_FIX = "pass result directories written by eval_aime.py (each holds summary.json)"
+ADAPTER_FIX = "pass a training checkpoint such as runs/opsd/checkpoint-100 or a Hub adapter id (org/name)"
+
+
+def check_paths(config: EvalConfig) -> None:
+    """The path arguments, checked first, before anything loads or is written (`opsd.paths`): --out must be
+    a directory or creatable as one; --compare, --aggregate and --plot-steps name existing directories;
+    --adapter and local --checkpoints arguments are directories; --prompt-file is a regular text file of
+    at most 1 MiB. Raises `UserError` (`opsd.errors.MissingPath`)."""
+    from opsd.models import looks_like_hub_id
+    from opsd.paths import PROMPT_FILE, check_file, check_input_dir, check_output_dir
+
+    if config.out:
+        check_output_dir(config.out, "--out")
+    for flag in ("compare", "aggregate", "plot_steps"):
+        for d in getattr(config, flag):
+            check_input_dir(d, f"--{flag.replace('_', '-')} directory", RESULT_DIR_FIX)
+    if config.adapter and not looks_like_hub_id(config.adapter):
+        check_input_dir(config.adapter, "adapter directory", ADAPTER_FIX)
+    for arg in config.checkpoints:
+        # A missing one is named by the sweep's own check (`opsd.evaluation.sweep.expand`); one that exists
+        # must be a directory.
+        if os.path.lexists(Path(arg).expanduser()):
+            check_input_dir(
+                arg,
+                "--checkpoints",
+                "pass a run directory, checkpoint directories or Hub adapter ids (org/name)",
+            )
+    if config.prompt_file:
+        check_file(config.prompt_file, PROMPT_FILE)
 
 
 def load_problems(config: EvalConfig) -> list[dict[str, Any]]:

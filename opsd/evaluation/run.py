@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from opsd.evaluation.config import EvalConfig, RunFailed, UserError, parse_config
 from opsd.evaluation.generate import NO_TIMINGS, ListSource, generate_missing
-from opsd.evaluation.job import resolve
+from opsd.evaluation.job import check_paths, resolve
 from opsd.evaluation.plan import missing_requests, report_lines
 from opsd.evaluation.samples import SAMPLES_FILE
 from opsd.evaluation.sweep import run_sweep
@@ -45,6 +45,7 @@ def run_eval(config: EvalConfig, argv: Sequence[str], script: str) -> list[str]:
 def run(argv: Sequence[str], script: str) -> list[str]:
     """Parse `argv` and run the chosen mode; returns the report lines. `script` is re-run by workers."""
     config = parse_config(argv)
+    check_paths(config)  # before anything loads or is written
     if config.mode == "eval":
         return run_eval(config, argv, script)
     if config.mode == "sweep":

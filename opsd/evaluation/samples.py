@@ -101,6 +101,9 @@ def merge_shards(out: Path) -> int:
 
 def check_resume(out: Path, settings: EvalSettings) -> None:
     """Refuse a DIR whose saved config differs in a `RESUME_KEYS` setting; write the config if new."""
+    from opsd.paths import check_output_dir
+
+    check_output_dir(out, "result directory")  # a sweep's OUT/NAME too, before any of them is written
     cfg_path = out / CONFIG_FILE
     if cfg_path.is_file():
         saved = json.loads(cfg_path.read_text())

@@ -193,12 +193,14 @@ def test_split_debug(argv, env, debug, rest):
 # -- entry points as users run them ---------------------------------------------------------------------------
 
 
-def run(script: str, args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    script: str, args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
     full.update(ENV, **(env or {}))
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
-        cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=full, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -286,7 +288,9 @@ def test_over_long_and_unreadable_prompt_paths_are_one_line(tmp_path):
     assert len(line) < 600  # the 4,000-character path is shown cut
     folder = tmp_path / "prompts"
     folder.mkdir()
-    _train_refused(tmp_path, ["--student_prompt_file", str(folder)], str(folder), "cannot be read")
+    _train_refused(
+        tmp_path, ["--student_prompt_file", str(folder)], str(folder), "is a directory, not a file"
+    )
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("{problem} caf\xe9".encode("latin-1"))
     _train_refused(tmp_path, ["--student_prompt_file", str(latin1)], "is not UTF-8 text")
@@ -368,3 +372,63 @@ def test_hub_dataset_offline_and_missing_split(tmp_path, monkeypatch):
 )
 def test_train_out_of_range_values_are_one_line_before_anything_loads(tmp_path, args, message):
     _train_refused(tmp_path, args, message)
+
+
+# -- paths that are not what they must be: devices, FIFOs, files over their cap, a file for a directory ------
+
+
+@pytest.fixture
+def odd_paths(tmp_path) -> dict[str, str]:
+    """Paths that read without end or are of the wrong kind; none holds more than a few bytes on disk."""
+    urandom = tmp_path / "recipe.env"
+    urandom.symlink_to("/dev/urandom")
+    data = tmp_path / "train.jsonl"
+    data.symlink_to("/dev/urandom")
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big_prompt.txt"
+    with big.open("wb") as f:
+        f.truncate((1 << 20) + 1)  # sparse: 1 MiB + 1 byte, nothing written
+    file = tmp_path / "results"
+    file.write_text("keep me\n")
+    return {"urandom": str(urandom), "data": str(data), "fifo": str(fifo), "big": str(big), "file": str(file)}
+
+
+PATH_CASES = {
+    # The dry run used to read these without bound until it was killed.
+    "teacher prompt /dev/zero from env": (
+        ["--dry-run"], {"OPSD_TEACHER_PROMPT_FILE": "/dev/zero"},
+        "prompt template file '/dev/zero' is a character device, not a regular file",
+    ),
+    "recipe linked to /dev/urandom": (
+        ["--dry-run", "--recipe", "{urandom}"], {},
+        "recipe file '{urandom}' (a link to '/dev/urandom') is a character device, not a regular file",
+    ),
+    "dataset linked to /dev/urandom": (
+        ["--dataset_name", "{data}"], {},
+        "dataset file '{data}' (a link to '/dev/urandom') is a character device, not a regular file",
+    ),
+    "YAML config that is a FIFO": (
+        ["--config", "{fifo}"], {}, "YAML config '{fifo}' is a FIFO (named pipe), not a regular file",
+    ),
+    "deepspeed config /dev/zero": (
+        ["--deepspeed", "/dev/zero"], {},
+        "DeepSpeed config '/dev/zero' is a character device, not a regular file",
+    ),
+    "prompt file over 1 MiB": (
+        ["--student_prompt_file", "{big}"], {},
+        "'{big}' is 1 MiB (1,048,577 bytes); prompt template files are limited to 1 MiB",
+    ),
+    "output_dir that is a file": (
+        ["--output_dir", "{file}"], {}, "--output_dir '{file}' is a regular file, not a directory",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_train_refuses_paths_that_are_not_what_they_must_be(tmp_path, odd_paths, case):
+    args, env, message = PATH_CASES[case]
+    args = [a.format(**odd_paths) for a in args]
+    res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), *args], tmp_path, env, timeout=120)
+    one_line(res, "opsd_train.py: error:", message.format(**odd_paths))
+    assert not (tmp_path / "o").exists() and Path(odd_paths["file"]).read_text() == "keep me\n"

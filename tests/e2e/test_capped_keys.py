@@ -181,6 +181,48 @@ def test_dry_run_refuses_out_of_range_values_naming_the_source(tmp_path, recipe_
     assert message.format(recipe=tmp_path / "recipe.env") in one_error_line(err)
 
 
+PATH_CASES = {
+    # The dry run used to read these without bound until it was killed.
+    "recipe.env linked to /dev/urandom": (
+        ["--recipe", "{urandom}"], None, None,
+        "recipe file '{urandom}' (a link to '/dev/urandom') is a character device, not a regular file",
+    ),
+    "TEACHER_PROMPT_FILE=/dev/zero in recipe.env": (
+        [], None, "TEACHER_PROMPT_FILE=/dev/zero\n",
+        "prompt template file '/dev/zero' is a character device, not a regular file",
+    ),
+    "OPSD_TEACHER_PROMPT_FILE=/dev/zero": (
+        [], {"OPSD_TEACHER_PROMPT_FILE": "/dev/zero"}, None,
+        "prompt template file '/dev/zero' is a character device, not a regular file",
+    ),
+    "--runs-dir that is a file": (
+        ["--runs-dir", "{file}"], None, None, "--runs-dir '{file}' is a regular file, not a directory",
+    ),
+    "--accelerate-config that is a FIFO": (
+        ["--accelerate-config", "{fifo}"], None, None,
+        "accelerate config '{fifo}' is a FIFO (named pipe), not a regular file",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_dry_run_refuses_paths_that_are_not_what_they_must_be(tmp_path, case):
+    args, env, recipe_text, message = PATH_CASES[case]
+    paths = {
+        "urandom": tmp_path / "recipe-link.env",
+        "file": tmp_path / "runs",
+        "fifo": tmp_path / "acc.yaml",
+    }
+    paths["urandom"].symlink_to("/dev/urandom")
+    paths["file"].write_text("keep me\n")
+    os.mkfifo(paths["fifo"])
+    args = [a.format(**paths) for a in args]
+    rc, out, err = dry_run(*args, env=env, recipe_text=recipe_text, tmp_path=tmp_path)
+    assert rc == 2 and out == ""
+    assert message.format(**paths) in one_error_line(err)
+    assert not (tmp_path / "opsd").exists() and paths["file"].read_text() == "keep me\n"
+
+
 def test_dry_run_lists_recipe_lines_that_env_values_replace(tmp_path):
     rc, out, err = dry_run(env={"OPSD_BETA": "1"}, recipe_text="LORA_R=8\nBETA=0.5\n", tmp_path=tmp_path)
     assert rc == 0, err[-3000:]

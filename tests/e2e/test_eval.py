@@ -403,10 +403,14 @@ def test_kill_mid_stream_and_resume(tiny_model_dir, tmp_path):
 def error_inputs(tmp_path_factory, problems_file) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("errors")
     (root / "not-an-adapter").mkdir()
+    (root / "a-file").write_text("keep me\n")
+    (root / "aime.jsonl").symlink_to("/dev/urandom")
     return {
         "good": problems_file,
         "wrong_columns": write_jsonl(root / "wrong.jsonl", [{"question": "1 + 1?", "solution": "2"}]),
         "not_adapter": root / "not-an-adapter",
+        "file": root / "a-file",
+        "urandom": root / "aime.jsonl",
     }
 
 
@@ -418,7 +422,26 @@ ERROR_CASES = {
     "missing model dir": (["--model", "{missing}/model"], "is not a model directory (no config.json)"),
     "missing adapter dir": (["--adapter", "{missing}/checkpoint-9"], "adapter directory"),
     "adapter without config": (["--adapter", "{not_adapter}"], "has no adapter_config.json"),
-}
+    # Paths of the wrong kind: refused before anything loads, never read without end, nothing written.
+    "out is a file": (["--out", "{file}"], "--out '{file}' is a regular file, not a directory"),
+    "adapter is a file": (
+        ["--adapter", "{file}"], "adapter directory '{file}' is a regular file, not a directory",
+    ),
+    "checkpoints is a file": (
+        ["--checkpoints", "{file}"], "--checkpoints '{file}' is a regular file, not a directory",
+    ),
+    "compare a file": (
+        ["--compare", "{file}", "{not_adapter}"], "--compare directory '{file}' is a regular file",
+    ),
+    "aggregate a file": (["--aggregate", "{file}"], "--aggregate directory '{file}' is a regular file"),
+    "prompt file /dev/zero": (
+        ["--prompt-file", "/dev/zero"], "prompt template file '/dev/zero' is a character device",
+    ),
+    "dataset linked to /dev/urandom": (
+        ["--dataset", "{urandom}"],
+        "dataset file '{urandom}' (a link to '/dev/urandom') is a character device",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))
@@ -429,9 +452,11 @@ def test_user_errors_exit_2_without_traceback(case, error_inputs, tiny_model_dir
     base = ["--model", tiny_model_dir, "--dataset", error_inputs["good"], "--n", 4, "--out", tmp_path / "out"]
     proc = run_eval(*base, *args)  # later flags win
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message.format(**paths) in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "samples.jsonl").exists()
+    assert error_inputs["file"].read_text() == "keep me\n"
 
 
 # --- compare, aggregate, step plot on hand-written results ----------------------------------------------

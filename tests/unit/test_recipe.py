@@ -14,6 +14,7 @@ from opsd.config import OPSDConfig
 from opsd.recipe import (
     BUDGET_KEYS,
     MAX_COMPLETION_CAP,
+    MAX_FILE_BYTES,
     RECIPE_KEYS,
     Override,
     RecipeError,
@@ -181,11 +182,24 @@ def test_invalid_utf8(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    assert "cannot read the recipe" in refusal(tmp_path / "nope.env")
+    message = refusal(tmp_path / "nope.env")
+    assert f"recipe file {str(tmp_path / 'nope.env')!r} does not exist" in message
 
 
 def test_oversized_file(tmp_path):
-    assert "too big for a recipe" in refusal(write(tmp_path, "# padding\n" * 200_000))
+    path = tmp_path / "recipe.env"
+    with path.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: no megabyte is written
+    message = refusal(path)
+    assert "is 1 MiB (1,048,577 bytes); recipe files are limited to 1 MiB" in message and str(path) in message
+
+
+def test_link_to_a_device_is_refused_without_reading(tmp_path):
+    # A recipe.env linked to /dev/urandom used to be read until the process was killed.
+    link = tmp_path / "recipe.env"
+    link.symlink_to("/dev/urandom")
+    message = refusal(link)
+    assert f"{str(link)!r} (a link to '/dev/urandom') is a character device, not a regular file" in message
 
 
 @pytest.mark.parametrize(
