@@ -220,9 +220,9 @@ def run(a: argparse.Namespace) -> int:
     from opsd.experiment import cells as C
     from opsd.experiment.schedule import Runner, make_slots
 
-    directory = Path(a.out).resolve()
-    if directory.exists() and not directory.is_dir():
-        raise UserError(f"--out {a.out} is a file; give a directory for the experiment")
+    from opsd.paths import check_output_dir
+
+    directory = check_output_dir(a.out, "--out").resolve()
     refuse_method_env()
     gpus = visible_gpus(a.gpus)
     old = S.load(directory)
@@ -281,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("directory")
             add_report_flags(p)
             a = p.parse_args(argv[1:])
-            directory = Path(a.directory).resolve()
+            from opsd.paths import check_input_dir
+
+            directory = check_input_dir(a.directory, "report", "pass an experiment directory").resolve()
             if not (directory / S.SPEC_FILE).is_file():
                 raise UserError(f"{a.directory} is not an experiment directory (no {S.SPEC_FILE})")
             write_report(directory, a)
