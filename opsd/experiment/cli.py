@@ -124,9 +124,7 @@ def refuse_method_env(environ=os.environ) -> None:
     """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
     from opsd.recipe import ENV_PREFIX, RESERVED_ENV
 
-    found = sorted(
-        k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV | {"OPSD_KV_CACHE_GIB"}
-    )
+    found = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if found:
         raise UserError(
             f"{', '.join(found)} set in the environment would change every arm without being recorded; unset "
@@ -219,7 +217,6 @@ def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> Non
 def run(a: argparse.Namespace) -> int:
     from opsd.experiment import cells as C
     from opsd.experiment.schedule import Runner, make_slots
-
     from opsd.paths import check_output_dir
 
     directory = check_output_dir(a.out, "--out").resolve()
