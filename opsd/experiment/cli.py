@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             from opsd.paths import check_input_dir
 
             directory = check_input_dir(a.directory, "report", "pass an experiment directory").resolve()
-            if not (directory / S.SPEC_FILE).is_file():
-                raise UserError(f"{a.directory} is not an experiment directory (no {S.SPEC_FILE})")
+            if not (directory / S.EXPERIMENT_FILE).is_file():
+                raise UserError(f"{a.directory} is not an experiment directory (no {S.EXPERIMENT_FILE})")
             write_report(directory, a)
             return 0
         return run(parser().parse_args(argv))

@@ -84,7 +84,7 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
     """summary.json's content: every finished evaluation of the experiment, compared."""
     spec = S.load(directory)
     if spec is None:
-        raise S.UserError(f"{directory} holds no {S.SPEC_FILE}: pass an experiment directory")
+        raise S.UserError(f"{directory} holds no {S.EXPERIMENT_FILE}: pass an experiment directory")
     arms = spec.arm_names
     baseline = baseline or arms[0]
     if baseline not in arms:

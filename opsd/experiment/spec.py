@@ -24,7 +24,7 @@ from pathlib import Path
 from opsd.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train_capped.sh and eval_aime.py live here
-SPEC_FILE = "experiment.json"
+EXPERIMENT_FILE = "experiment.json"
 RECIPES = "recipes"
 RUNS = "runs"
 EVALS = "evals"
@@ -171,7 +171,7 @@ def check_eval_flags(flags: list[str]) -> None:
 
 
 def load(directory: Path) -> Spec | None:
-    path = directory / SPEC_FILE
+    path = directory / EXPERIMENT_FILE
     if not path.is_file():
         return None
     try:
@@ -185,9 +185,9 @@ def load(directory: Path) -> Spec | None:
 
 def save(directory: Path, spec: Spec) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (SPEC_FILE + ".tmp")
+    tmp = directory / (EXPERIMENT_FILE + ".tmp")
     tmp.write_text(json.dumps(asdict(spec), indent=1) + "\n")
-    tmp.replace(directory / SPEC_FILE)
+    tmp.replace(directory / EXPERIMENT_FILE)
     (directory / RECIPES).mkdir(exist_ok=True)
     from opsd.recipe import parse_recipe
 
