@@ -28,29 +28,11 @@ import pytest  # noqa: E402
 TIERS = ("unit", "integration", "e2e")
 
 
-# The longest test files, longest first (seconds of one file on the 2-core machine, measured 2026-12-03): they
-# are collected first so that `scripts/test.sh`'s two workers start them first (`--no-loadscope-reorder` keeps
-# this order; xdist would otherwise hand out the files with the most tests first and leave a long one for the
-# end). An ordering hint only: a file missing here runs after these, in its usual order.
-LONGEST_FIRST = (
-    "e2e/test_experiment_cli.py", "e2e/test_capped.py", "e2e/test_multiprocess.py", "e2e/test_train_cli.py",
-    "e2e/test_sweep.py", "e2e/test_eval.py", "e2e/test_resume_config.py", "e2e/test_bench_controls.py",
-    "e2e/test_engine.py", "e2e/test_eval_stream.py", "e2e/test_train_profile.py", "e2e/test_bad_input.py",
-)  # fmt: skip
-
-
-def _rank(item) -> int:
-    path = Path(str(item.fspath))
-    name = f"{path.parent.name}/{path.name}"
-    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = Path(str(item.fspath)).parent.name
         if tier in TIERS:
             item.add_marker(tier)
-    items.sort(key=_rank)  # stable: each file's tests keep their order
 
 
 ENV = {
