@@ -15,7 +15,7 @@ Bad input (config values, recipe lines, prompt files, model paths, data files) i
 loads, as one line on stderr with exit status 2; `--debug` or `OPSD_DEBUG=1` adds the traceback.
 `--dry-run` runs exactly those checks, prints the resolved configuration as JSON, and loads no model.
 A rerun in an output directory with a complete checkpoint resumes it and refuses other method or budget
-settings than the run's `opsd_config.json` (opsd/resume.py); `--allow-config-change` continues with them
+settings than the run's `opsd_config.json` (opsd/run/resume.py); `--allow-config-change` continues with them
 and records the change in the file's history. `--help` lists the entry flags and OPSD's fields first.
 """
 
@@ -30,17 +30,17 @@ import sys
 from pathlib import Path
 
 # Colocated vLLM must run in this process (the trainer pushes weights into it), binds to loopback and, on a
-# CPU, needs a bounded KV cache (opsd.engine_env.SINGLE_NODE_ENGINE_ENV); users can still override each.
+# CPU, needs a bounded KV cache (opsd.configuration.engine_env.SINGLE_NODE_ENGINE_ENV); users can still override each.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from opsd.engine_env import fixed_kv_cache, kv_cache_gib, single_node_engine_env  # noqa: E402
+from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib, single_node_engine_env  # noqa: E402
 
 single_node_engine_env()
 
-from opsd.config import OPSDConfig  # noqa: E402
+from opsd.configuration.config import OPSDConfig  # noqa: E402
+from opsd.configuration.recipe import name_source, resolve_overrides, to_argv  # noqa: E402
 from opsd.errors import InvalidValue, MissingPath, UserError, run_main  # noqa: E402
 from opsd.paths import DEEPSPEED_CONFIG, YAML_CONFIG, check_file, check_output_dir  # noqa: E402
-from opsd.recipe import name_source, resolve_overrides, to_argv  # noqa: E402
 
 ALLOW_HELP = (
     "resume a run directory with changed method or budget settings; the changes are appended to "
@@ -66,7 +66,7 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
 
         def set_defaults_with_config(self, **kwargs) -> list[str]:
             # Keys transformers 5 removed are translated or ignored with a note; unknown keys get a hint.
-            from opsd.legacy import translate_yaml
+            from opsd.configuration.legacy import translate_yaml
 
             known = {a.dest for a in self._actions}
             translated = translate_yaml(kwargs, known, source=self.yaml_source)
@@ -142,7 +142,7 @@ def check_deepspeed_file(value) -> None:
 def unknown_flag_hints(argv: list[str], known: set[str]) -> str:
     """`(--learnin_rate: did you mean --learning_rate?)` for the unknown flags of `argv`, by edit distance
     over the config's fields; removed transformers keys say what replaced them."""
-    from opsd.legacy import IGNORED, RENAMED, closest
+    from opsd.configuration.legacy import IGNORED, RENAMED, closest
 
     hints = []
     for arg in argv:
@@ -165,7 +165,7 @@ def opsd_help(pre: argparse.ArgumentParser) -> str:
     ranges; the ~200 inherited TRL/transformers arguments follow it."""
     import dataclasses
 
-    from opsd.ranges import RANGES
+    from opsd.configuration.ranges import RANGES
 
     lines = [
         "usage: python opsd_train.py [--config FILE.yaml] [--recipe recipe.env] [--dry-run] [--debug]",
@@ -204,13 +204,13 @@ def build_dataset(config: OPSDConfig):
 
 
 def build_paired_dataset(config: OPSDConfig):
-    """`build_dataset`'s table and the record of its teacher pairing (`opsd.pairing`; None unless shuffled).
+    """`build_dataset`'s table and the record of its teacher pairing (`opsd.method.pairing`; None unless shuffled).
 
     The pairing is drawn here, over the whole filtered table, before the probe hold-out and before the
     trainer splits rows over processes."""
-    from opsd.data import load_train_dataset
-    from opsd.pairing import apply_pairing
-    from opsd.prompts import reference_text
+    from opsd.data.loading import load_train_dataset
+    from opsd.method.pairing import apply_pairing
+    from opsd.method.prompts import reference_text
 
     ds = load_train_dataset(
         config.dataset_name, split=config.dataset_split, data_filter=config.data_filter, seed=config.seed,
@@ -232,9 +232,9 @@ def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
     directory (a directory or a path that can become one), prompt files, a local model directory, the data.
     Returns the training rows and their teacher pairing record (`build_paired_dataset`), or (None, None) for
     a hub dataset in a dry run (which reaches no hub). Raises `UserError`."""
-    from opsd.data import is_local
+    from opsd.data.loading import is_local
+    from opsd.method.prompts import PromptBuilder
     from opsd.models import check_model_source
-    from opsd.prompts import PromptBuilder
 
     check_output_dir(config.output_dir, "--output_dir")
     PromptBuilder(
@@ -279,12 +279,13 @@ def main(argv: list[str] | None = None) -> Path | None:
     # Before any model: bad input fails fast.
     dataset, pairing_record = check_inputs(config, dry_run=extra.dry_run)
     kv_cache_gib()  # a bad OPSD_KV_CACHE_GIB is refused here; a real run applies it below
-    from opsd import microbatch, pairing
+    from opsd.method import pairing
     from opsd.models import resolve_model_path
-    from opsd.resume import json_settings, resume_history
+    from opsd.run import microbatch
+    from opsd.run.resume import json_settings, resume_history
 
-    # A rerun in a run directory must keep its method and budget (opsd/resume.py) and its teacher pairing
-    # (opsd/pairing.py); refused before writing.
+    # A rerun in a run directory must keep its method and budget (opsd/run/resume.py) and its teacher pairing
+    # (opsd/method/pairing.py); refused before writing.
     processes = {} if extra.dry_run else {"num_processes": state.num_processes}
     history = resume_history(
         Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
@@ -307,11 +308,11 @@ def main(argv: list[str] | None = None) -> Path | None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from opsd.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype
-    from opsd.probe import Probe, split_probe
-    from opsd.provenance import provenance
-    from opsd.rundir import (
+    from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
+    from opsd.run.probe import Probe, split_probe
+    from opsd.run.provenance import provenance
+    from opsd.run.rundir import (
         CONFIG_FILE,
         STEP_LOGS,
         checkpoint_dir,

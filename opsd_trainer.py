@@ -1,15 +1,15 @@
 """OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (docs/method.md §1).
 
     from opsd_trainer import OPSDTrainer
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
     trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
 
 What differs from `SDFTTrainer` (vLLM colocate/server/sleep/TP rollouts, the teacher kinds and the buffered
 generation over the accumulation window are TRL's): OPSD's prompts with their own thinking switches
-(`opsd.prompts`), exact positions (`opsd.scoring`), the clipped divergence computed in chunks from hidden
-states and normalised by the step's valid tokens (`opsd.loss`), per-row rollout seeds (`opsd.seeds`), the
-EMA teacher started from the initial adapter and checkpointed (`opsd.ema_teacher`), eval-mode teacher
-forwards, non-finite steps skipped (`opsd.callbacks.NonFiniteGuard`), and phase timing and OPSD metrics.
+(`opsd.method.prompts`), exact positions (`opsd.method.scoring`), the clipped divergence computed in chunks from hidden
+states and normalised by the step's valid tokens (`opsd.method.loss`), per-row rollout seeds (`opsd.method.seeds`), the
+EMA teacher started from the initial adapter and checkpointed (`opsd.method.ema_teacher`), eval-mode teacher
+forwards, non-finite steps skipped (`opsd.run.callbacks.NonFiniteGuard`), and phase timing and OPSD metrics.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from peft import PeftModel
 from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
-from opsd import completions
-from opsd.callbacks import NonFiniteGuard, PhaseClock, StepTimer
-from opsd.config import OPSDConfig
-from opsd.ema_teacher import InitialisedAdapterEMA
-from opsd.loss import chunked_opsd_loss
-from opsd.prompts import PromptBuilder
-from opsd.scoring import completion_hidden, eval_mode, left_pad, lm_head_weight, loss_token_mask
-from opsd.seeds import RolloutSeeds, SeededLLM, row_seed
-from opsd.trl_compat import engine_max_num_seqs, restore_lora_dropout
-from opsd.weights import merged_named_weights, push_weights
+from opsd.configuration.config import OPSDConfig
+from opsd.method.ema_teacher import InitialisedAdapterEMA
+from opsd.method.loss import chunked_opsd_loss
+from opsd.method.prompts import PromptBuilder
+from opsd.method.scoring import completion_hidden, eval_mode, left_pad, lm_head_weight, loss_token_mask
+from opsd.method.seeds import RolloutSeeds, SeededLLM, row_seed
+from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
+from opsd.method.weights import merged_named_weights, push_weights
+from opsd.run import completions
+from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class OPSDTrainer(SDFTTrainer):
     1. `training_step` (one call per micro-batch; its time is the `train_micro` phase) gets its micro-batch
        from TRL's `_prepare_inputs`, which on the step's first micro-batch builds the whole step's batch:
        `_prepare_training_batch`
-       a. `_tokenize_prompts`: the student prompt of each problem (`opsd.prompts`);
+       a. `_tokenize_prompts`: the student prompt of each problem (`opsd.method.prompts`);
        b. `_generate` (phase `rollout`) -> `_generate_vllm`: `_sync_rollout_weights` when the weights changed
           (phase `weight_sync`: merged LoRA weights pushed into the colocated engine), then TRL's generate
           with one seed per row (`_rollout_seeds`); or `_generate_transformers` in eval mode;
@@ -61,7 +61,7 @@ class OPSDTrainer(SDFTTrainer):
     4. On a checkpoint `_save` writes the student adapter at its root (and the EMA teacher its state); on
        resume `_load_optimizer_and_scheduler` restores the EMA teacher too.
 
-    `sample_probe_rollouts`, `score_completions` and `record_metrics` are what `opsd.probe` uses.
+    `sample_probe_rollouts`, `score_completions` and `record_metrics` are what `opsd.run.probe` uses.
     """
 
     config_cls = OPSDConfig
@@ -278,7 +278,7 @@ class OPSDTrainer(SDFTTrainer):
 
         The student goes through `model` (the wrapped model in training, so DDP/DeepSpeed see the forward),
         with gradients if they are enabled; the teacher through TRL's teacher context in eval mode, without
-        gradients. Prompts are left-padded, completions right-padded (`opsd.scoring`).
+        gradients. Prompts are left-padded, completions right-padded (`opsd.method.scoring`).
         """
         student_hidden_NH = self._completion_hidden(
             model, student_ids, student_mask, completion_ids, completion_mask
@@ -394,7 +394,7 @@ class OPSDTrainer(SDFTTrainer):
 
     # -- for the probe -----------------------------------------------------------------------------------------
     def sample_probe_rollouts(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """One completion per prompt from the current student, for the probe (`opsd.probe`).
+        """One completion per prompt from the current student, for the probe (`opsd.run.probe`).
 
         Sampled like a training rollout but from seeds no training step uses, with the global random state
         restored afterwards (the transformers engine draws from it), and kept out of the step's timing and

@@ -8,17 +8,17 @@
 # Tune the method only in recipe.env (KEY=VALUE, parsed never executed, whitelisted keys) and with OPSD_*
 # variables; anything that would change the budget is refused before a model loads. Operational keys
 # (REPORT_TO, RUN_NAME, LOGGING_STEPS, VLLM_GPU_MEMORY_UTILIZATION, VLLM_ENABLE_SLEEP_MODE, ...: OPERATIONAL_KEYS
-# in opsd/recipe.py) may also be set there or passed after `--`: `-- --report_to wandb --run_name x`.
+# in opsd/configuration/recipe.py) may also be set there or passed after `--`: `-- --report_to wandb --run_name x`.
 # --num-gpus N plans N GPU processes (default: 4 with GPUs, one CPU process without); a dry run prints
 # that plan on any machine, a real run without the GPUs is refused. --dry-run checks the configuration
 # exactly as a real run does (no model loads). Bad input: one line on stderr, exit status 2; --debug or
 # OPSD_DEBUG=1 adds the traceback. Writes
 # runs/<name>/capped_seed<seed>/checkpoint-100 and prints that path last. Rerunning the same command
 # after an interruption resumes from the last complete checkpoint and still stops at step 100.
-# --profile demo/smoke keep the 100 steps with 2 problems per step for CPU machines (see opsd/capped.py).
+# --profile demo/smoke keep the 100 steps with 2 problems per step for CPU machines (see opsd/run/capped.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
 export TRL_EXPERIMENTAL_SILENCE=1
-exec "$py" -m opsd.capped --root "$root" "$@"
+exec "$py" -m opsd.run.capped --root "$root" "$@"

@@ -35,8 +35,8 @@ def qwen3_1p7b_dir(path: str | Path) -> Path:
 
 
 def machine() -> dict:
-    """The host, its GPU and the package versions (`opsd.provenance`, the lookup runs use too)."""
-    from opsd.provenance import package_versions
+    """The host, its GPU and the package versions (`opsd.run.provenance`, the lookup runs use too)."""
+    from opsd.run.provenance import package_versions
 
     info = {"host": platform.node(), **package_versions()}
     if torch.cuda.is_available():

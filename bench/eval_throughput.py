@@ -83,7 +83,7 @@ def start_engine(a, path: Path, max_len: int):
     import torch
     from vllm import LLM
 
-    from opsd.engine_env import single_node_engine_env
+    from opsd.configuration.engine_env import single_node_engine_env
 
     single_node_engine_env()
     kwargs = dict(model=str(path), tokenizer=str(path), load_format="dummy", max_model_len=max_len, seed=0)

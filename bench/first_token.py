@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, write  # noqa: E402
-from opsd.data import builtin_train_rows  # noqa: E402
-from opsd.loss import token_divergence  # noqa: E402
-from opsd.prompts import PromptBuilder  # noqa: E402
-from opsd.scoring import completion_hidden, left_pad, right_pad  # noqa: E402
+from opsd.data.builtin import builtin_train_rows  # noqa: E402
+from opsd.method.loss import token_divergence  # noqa: E402
+from opsd.method.prompts import PromptBuilder  # noqa: E402
+from opsd.method.scoring import completion_hidden, left_pad, right_pad  # noqa: E402
 from opsd.tiny import build_tiny_model  # noqa: E402
 
 LOSS = dict(beta=0.0, temperature=1.1, clip=0.05)

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, write  # noqa: E402
-from opsd.choices import CLIP_MODES, TEACHER_REF_PAIRINGS  # noqa: E402
+from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS  # noqa: E402
 from opsd.experiment import cells as C  # noqa: E402
 from opsd.experiment import report as R  # noqa: E402
 from opsd.experiment import spec as S  # noqa: E402

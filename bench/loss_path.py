@@ -7,9 +7,9 @@ One micro-batch = student forward+backward on [prompt 256 ; completion C], teach
 [teacher prompt 1024 ; completion C], and the clipped-JSD loss (docs/method.md §1, published settings), with LoRA r64
 on all projections and gradient checkpointing, as in training.
 - reference: both roles' logits materialised over the whole vocabulary (`model(...).logits`, as the
-  reference code does) and the loss computed from them (`opsd.loss.opsd_loss_from_logits`, the unchunked
+  reference code does) and the loss computed from them (`opsd.method.loss.opsd_loss_from_logits`, the unchunked
   function that the tests check against the naive oracle);
-- project: final hidden states only, and `opsd.loss.chunked_opsd_loss` (logits in chunks of 1024 tokens,
+- project: final hidden states only, and `opsd.method.loss.chunked_opsd_loss` (logits in chunks of 1024 tokens,
   gradient computed in the forward, never all at once).
 Writes bench/results/loss_path_<gpu>.json: machine, versions, config, peak memory and median time per size.
 """
@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opsd.loss import chunked_opsd_loss, opsd_loss_from_logits  # noqa: E402
-from opsd.scoring import completion_hidden, lm_head_weight  # noqa: E402
+from opsd.method.loss import chunked_opsd_loss, opsd_loss_from_logits  # noqa: E402
+from opsd.method.scoring import completion_hidden, lm_head_weight  # noqa: E402
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]
 LOSS = dict(beta=0.0, temperature=1.1, clip=0.05, clip_mode="element", top_k=0, loss_type="jsd")
@@ -82,7 +82,7 @@ def batch(b: int, c: int, prompt: int, teacher_prompt: int, vocab: int, device: 
 
 def reference_step(model, p, pm, t, tm, cids, cm):
     """Materialised logits for both roles, then the unchunked loss."""
-    from opsd.scoring import positions
+    from opsd.method.scoring import positions
 
     def logits(prompt_ids, prompt_mask):
         ids = torch.cat([prompt_ids, cids], 1)

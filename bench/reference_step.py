@@ -8,7 +8,7 @@ from `OPSDTrainer` is what the published OPSD code does, and nothing else:
   detokenised outputs;
 - weight sync: TRL's `sync_weights` (merge the LoRA adapter into the base weights, push them, unmerge);
 - scoring and loss: both roles' logits over the whole vocabulary (`model(...).logits`, prompt positions
-  included), then the clipped divergence on the completion positions (`opsd.loss.opsd_loss_from_logits`,
+  included), then the clipped divergence on the completion positions (`opsd.method.loss.opsd_loss_from_logits`,
   the same formula as the chunked loss);
 - micro-batch and checkpointing: whatever the arguments say (the reference used 4 and checkpointing on).
 """
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 import opsd_train  # noqa: E402  (first: it sets the engine's environment before vLLM loads)
 import opsd_trainer  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
-from opsd.loss import opsd_loss_from_logits  # noqa: E402
-from opsd.scoring import positions  # noqa: E402
+from opsd.method.loss import opsd_loss_from_logits  # noqa: E402
+from opsd.method.scoring import positions  # noqa: E402
 
 
 class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):

@@ -1,0 +1,14 @@
+"""opsd: on-policy self-distillation on TRL. The floor plan:
+
+* `method/`: one OPSD step, from the rollout to the loss;
+* `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
+* `run/`: a training run's directory, logs, resume, budget and probe;
+* `data/`: training and evaluation tables, and the built-in sets;
+* `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
+* `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);
+* `errors`, `paths`, `models`: user errors, the paths a user names, model and tokenizer loading;
+* `tiny`: small models built locally, for tests and benchmarks.
+
+The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
+`train_capped.sh`); the package never imports them.
+"""

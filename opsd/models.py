@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from opsd.choices import check_choice
+from opsd.configuration.choices import check_choice
 from opsd.errors import MissingPath
 
 logger = logging.getLogger(__name__)

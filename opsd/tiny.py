@@ -26,8 +26,8 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 
 def _corpus() -> list[str]:
-    from opsd.data import builtin_train_rows
-    from opsd.prompts import PromptBuilder
+    from opsd.data.builtin import builtin_train_rows
+    from opsd.method.prompts import PromptBuilder
 
     rows = builtin_train_rows(n=400, seed=1)
     prompts = PromptBuilder()

@@ -127,7 +127,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
     from opsd_train import build_dataset
     from opsd_trainer import OPSDTrainer
 
@@ -175,7 +175,7 @@ def train_boxer(model_dir, base_dir, save: dict) -> float:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opsd.prompts import PromptBuilder
+    from opsd.method.prompts import PromptBuilder
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

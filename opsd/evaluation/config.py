@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from opsd import errors
-from opsd.choices import ROLLOUT_ENGINES
+from opsd.configuration.choices import ROLLOUT_ENGINES
 
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",

@@ -21,7 +21,7 @@ class Job:
     settings: EvalSettings  # saved as eval_config.json
     problems: list[dict[str, Any]]  # in scope, each with its dataset `index`
     tokenizer: Any
-    builder: Any  # opsd.prompts.PromptBuilder
+    builder: Any  # opsd.method.prompts.PromptBuilder
     out: Path
 
 
@@ -59,7 +59,7 @@ def check_paths(config: EvalConfig) -> None:
 
 def load_problems(config: EvalConfig) -> list[dict[str, Any]]:
     """The problems in scope, each with its dataset `index`; data problems become `UserError`s."""
-    from opsd.data import load_eval_dataset
+    from opsd.data.loading import load_eval_dataset
 
     try:
         rows = load_eval_dataset(config.dataset, split=config.split)
@@ -115,7 +115,7 @@ def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
 
 def checkpoint_step(*paths: str) -> int | None:
     """N of the last `checkpoint-N` path component among `paths` (first path that has one)."""
-    from opsd.rundir import step_in_path
+    from opsd.run.rundir import step_in_path
 
     return next((n for n in (step_in_path(p) for p in paths if p) if n is not None), None)
 
@@ -172,8 +172,8 @@ def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cud
 
 def resolve(config: EvalConfig) -> Job:
     """Check every input before any engine starts."""
+    from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer
-    from opsd.prompts import PromptBuilder
 
     problems = load_problems(config)
     model_path = resolve_model(config.model)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from opsd.engine_env import fixed_kv_cache, single_node_engine_env
-from opsd.scoring import left_pad
+from opsd.configuration.engine_env import fixed_kv_cache, single_node_engine_env
+from opsd.method.scoring import left_pad
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 from opsd.evaluation.config import RunFailed
 from opsd.evaluation.job import Job
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, index_samples, read_samples
-from opsd.provenance import package_versions
+from opsd.run.provenance import package_versions
 
 CSV_COLUMNS = (
     "id", "gold", "n", "n_correct", "accuracy", "accuracy_se", "pass_at_k", "maj", "format_rate",

@@ -122,7 +122,7 @@ def visible_gpus(requested: str | None) -> list[str]:
 
 def refuse_method_env(environ=os.environ) -> None:
     """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
-    from opsd.recipe import ENV_PREFIX, RESERVED_ENV
+    from opsd.configuration.recipe import ENV_PREFIX, RESERVED_ENV
 
     found = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if found:
@@ -133,7 +133,7 @@ def refuse_method_env(environ=os.environ) -> None:
 
 
 def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.Spec:
-    from opsd.capped import PROFILES
+    from opsd.run.capped import PROFILES
 
     profile = a.profile or (old.profile if old else "full")
     if profile not in PROFILES:

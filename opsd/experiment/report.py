@@ -184,7 +184,7 @@ def _mean_se(values: list[float]) -> dict[str, Any]:
 
 def _curves(directory: Path, spec: S.Spec) -> dict[str, dict[str, dict[str, list]]]:
     """{arm: {seed: {metric: [[step, value], ...]}}} of the curves drawn in curves.png."""
-    from opsd.curves import read_metrics
+    from opsd.run.curves import read_metrics
 
     out: dict[str, dict[str, dict[str, list]]] = {}
     for arm in spec.arm_names:

@@ -3,7 +3,7 @@
 An arm is a recipe: `NAME=FILE` (a recipe file, e.g. configs/recipes/published.env) or `NAME=KEY=VALUE[,KEY=VALUE]`
 (overrides on top of `--recipe`, recipe.env by default). Either way the arm's whole recipe is written to
 `DIR/recipes/NAME.env` and every cell of the arm trains from that copy, so editing recipe.env later cannot change
-a running experiment. Arms are compared by their parsed settings (`opsd.recipe.parse_recipe`), not by file text:
+a running experiment. Arms are compared by their parsed settings (`opsd.configuration.recipe.parse_recipe`), not by file text:
 comments and key order do not matter.
 
 `DIR/experiment.json` holds the shared settings (profile, model, training data, evaluation flags, GPUs per run),
@@ -30,7 +30,7 @@ RUNS = "runs"
 EVALS = "evals"
 LOGS = "logs"
 BASE = "base"
-STEPS = 100  # the capped budget's steps (opsd.capped.STEPS); the final checkpoint is checkpoint-100
+STEPS = 100  # the capped budget's steps (opsd.run.capped.STEPS); the final checkpoint is checkpoint-100
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # eval_aime.py flags the experiment sets itself: what is scored, where, and how adapters are applied.
 OWNED_EVAL_FLAGS = (
@@ -101,7 +101,7 @@ def _overrides_to_recipe(overrides) -> dict[str, str]:
 
 def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
     """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`) into an Arm; UserError if bad."""
-    from opsd.recipe import RecipeError, parse_recipe
+    from opsd.configuration.recipe import RecipeError, parse_recipe
 
     name, sep, rest = text.partition("=")
     name = name.strip()
@@ -189,7 +189,7 @@ def save(directory: Path, spec: Spec) -> None:
     tmp.write_text(json.dumps(asdict(spec), indent=1) + "\n")
     tmp.replace(directory / EXPERIMENT_FILE)
     (directory / RECIPES).mkdir(exist_ok=True)
-    from opsd.recipe import parse_recipe
+    from opsd.configuration.recipe import parse_recipe
 
     for name in spec.arms:
         path = recipe_path(directory, name)

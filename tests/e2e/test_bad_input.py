@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd.data import DataError, load_eval_dataset, load_table, load_train_dataset
+from opsd.data.loading import DataError, load_eval_dataset, load_table, load_train_dataset
 from opsd.errors import UserError, split_debug
 from tests.conftest import ENV
 

@@ -172,7 +172,7 @@ def test_capped_run_and_exact_resume(tiny_model_dir, tmp_path):
 def test_tail_weight_average_matches_hand_computed_mean(tiny_model_dir, tmp_path):
     from transformers import TrainerCallback
 
-    from opsd.callbacks import TailWeightAverage
+    from opsd.run.callbacks import TailWeightAverage
 
     trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=4, max_completion_length=6, wavg_last=2)
     seen = []

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from opsd.recipe import (
+from opsd.configuration.recipe import (
     CAPPED_KEYS,
     OPERATIONAL_KEYS,
     RecipeError,
@@ -237,7 +237,7 @@ def test_dry_run_validates_in_one_interpreter(tmp_path, monkeypatch, capsys):
     # transformers and TRL again; it now runs training's checks in this one.
     import subprocess
 
-    from opsd import capped
+    from opsd.run import capped
 
     def no_child(*args, **kwargs):
         raise AssertionError(f"the dry run started a process: {args}")

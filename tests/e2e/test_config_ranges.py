@@ -1,4 +1,4 @@
-"""The range table (opsd/ranges.py) through every entry path, TRL options OPSD derives itself, YAMLs written
+"""The range table (opsd/configuration/ranges.py) through every entry path, TRL options OPSD derives itself, YAMLs written
 for transformers 4 / open-r1, and the hints of unknown keys."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 import pytest
 import yaml
 
-from opsd.choices import CHOICES
+from opsd.configuration.choices import CHOICES
+from opsd.configuration.ranges import RANGES, range_error
+from opsd.configuration.recipe import CAPPED_KEYS, RecipeError, parse_recipe
 from opsd.errors import InvalidValue, UserError
-from opsd.ranges import RANGES, range_error
-from opsd.recipe import CAPPED_KEYS, RecipeError, parse_recipe
 
 # field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:
 # each edge and each refusal is the rule the code that reads the field needs.
@@ -68,7 +68,7 @@ CASES: dict[str, tuple[object, object, object]] = {
 }
 
 
-# Refusals that come from a rule between fields (opsd.ranges.check_cross_fields), with max_steps=100.
+# Refusals that come from a rule between fields (opsd.configuration.ranges.check_cross_fields), with max_steps=100.
 CROSS = {
     "warmup_steps": "warmup_steps=100.0 is out of range: must be below max_steps=100 (the whole run would be "
     "warm-up); lower it, or give a fraction of the run below 1"
@@ -190,11 +190,11 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
 def test_warmup_over_half_is_a_note(tmp_path, caplog):
     from opsd_train import parse_config
 
-    with caplog.at_level(logging.WARNING, logger="opsd.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.ranges"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
     assert "warmup_steps=60.0 is over half of max_steps=100" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="opsd.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.ranges"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "0.1"], environ={})
     assert "over half" not in caplog.text
 
@@ -291,7 +291,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
 
     cfg_path = tmp_path / "config_opsd.yaml"
     cfg_path.write_text(OPEN_R1_YAML)
-    with caplog.at_level(logging.WARNING, logger="opsd.legacy"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.legacy"):
         cfg, _ = parse_config(["--config", str(cfg_path)], environ={})
     assert cfg.warmup_steps == 0.1 and cfg.get_warmup_steps(cfg.max_steps) == 20  # the fraction form
     assert cfg.lr_scheduler_type.value == "cosine" and cfg.learning_rate == 2e-5 and cfg.max_steps == 200
@@ -299,7 +299,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and cfg.lora_dropout == 0.05
     assert cfg.report_to == []  # transformers reads a list holding "none" as no tracker
     assert cfg.push_to_hub is False and cfg.eval_strategy.value == "no" and cfg.do_eval is False
-    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.legacy"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.legacy"]
     assert len(notes) == 5, notes  # one per translated or ignored key
     for key in ("warmup_ratio", "overwrite_output_dir", "evaluation_strategy", "eval_strategy", "do_eval"):
         assert any(f"note: {key}=" in n for n in notes), key
@@ -354,7 +354,7 @@ def test_recipe_hints_name_the_field_meant(tmp_path, line, expected):
 
 
 def test_edit_distance():
-    from opsd.legacy import closest, edit_distance
+    from opsd.configuration.legacy import closest, edit_distance
 
     assert edit_distance("kitten", "sitting") == 3
     assert edit_distance("lerning_rate", "learning_rate") == 1
@@ -411,7 +411,7 @@ def test_cli_mistakes_get_the_hint(args, message, tmp_path):
 
 
 def test_harness_passes_allow_config_change_to_training(tmp_path, monkeypatch, capsys):
-    from opsd import capped
+    from opsd.run import capped
 
     for key in [k for k in __import__("os").environ if k.startswith("OPSD_") and k != "OPSD_CACHE_DIR"]:
         monkeypatch.delenv(key)
@@ -429,11 +429,11 @@ def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
 
     from opsd_train import parse_config
 
-    with caplog.at_level(logging.WARNING, logger="opsd.config"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
         cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})
     assert cfg.max_prompt_length == 512
     assert "max_prompt_length=512 is ignored" in caplog.text and "max_teacher_prompt_length" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="opsd.config"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
         parse_config(["--output_dir", str(tmp_path)], environ={})
     assert "max_prompt_length" not in caplog.text

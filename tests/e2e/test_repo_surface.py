@@ -107,7 +107,7 @@ def test_lora_target_modules_forms(tmp_path, argv, environ, expected):
 
 
 def test_bad_model_settings_are_refused_before_loading(tmp_path):
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     with pytest.raises(ValueError, match="names no module"):
         OPSDConfig(output_dir=str(tmp_path), lora_target_modules=[" , "])
@@ -116,9 +116,9 @@ def test_bad_model_settings_are_refused_before_loading(tmp_path):
 
 
 def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
-    from opsd.choices import CHOICES
-    from opsd.config import OPSDConfig
-    from opsd.recipe import RecipeError, env_overrides
+    from opsd.configuration.choices import CHOICES
+    from opsd.configuration.config import OPSDConfig
+    from opsd.configuration.recipe import RecipeError, env_overrides
 
     for name, allowed in CHOICES.items():
         for value in allowed:  # every allowed value passes config and recipe validation
@@ -127,18 +127,20 @@ def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
             OPSDConfig(output_dir=str(tmp_path), **{name: "bogus"})
         with pytest.raises(RecipeError, match="bogus"):
             env_overrides({f"OPSD_{name.upper()}": "bogus"})
-    # No module restates a tuple of choices: the literal appears only in opsd/choices.py.
+    # No module restates a tuple of choices: the literal appears only in opsd/configuration/choices.py.
     for path in (ROOT / "opsd").rglob("*.py"):  # subpackages too (opsd/evaluation)
-        if path == ROOT / "opsd" / "choices.py":
+        if path == ROOT / "opsd" / "configuration" / "choices.py":
             continue
         text = path.read_text()
         for allowed in CHOICES.values():
             literal = "(" + ", ".join(f'"{v}"' for v in allowed) + ")"
-            assert literal not in text, f"{path.name} restates {literal}; import it from opsd.choices"
+            assert literal not in text, (
+                f"{path.name} restates {literal}; import it from opsd.configuration.choices"
+            )
 
 
 def test_generation_window_other_than_the_optimizer_step_is_refused(tmp_path):
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     # The loss denominator is one generation batch's tokens: it must be exactly one optimizer step's.
     for extra in ({"steps_per_generation": 1}, {"steps_per_generation": 4}, {"generation_batch_size": 16}):
@@ -155,7 +157,7 @@ RUN_KEYS = {"model_name_or_path", "dataset_name", "output_dir"}
 
 
 def test_published_yaml_restates_the_defaults_exactly(tmp_path):
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     defaults = OPSDConfig(output_dir=str(tmp_path))
     values = yaml.safe_load((ROOT / "configs" / "qwen3_1.7b_published.yaml").read_text())
@@ -184,7 +186,7 @@ def test_accelerate_configs_differ_only_in_the_number_of_processes():
 
 
 def test_provenance_names_versions_and_revision():
-    from opsd.provenance import provenance
+    from opsd.run.provenance import provenance
 
     found = provenance()
     assert found["versions"]["torch"] == torch.__version__
@@ -244,7 +246,7 @@ def _metrics_file(run, records):
 
 
 def test_plot_draws_the_panels_a_run_has(tmp_path):
-    from opsd.curves import main, read_metrics
+    from opsd.run.curves import main, read_metrics
 
     run = tmp_path / "run"
     records = [
@@ -259,14 +261,14 @@ def test_plot_draws_the_panels_a_run_has(tmp_path):
     assert main([str(run)]) == 0
     png = run / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from opsd.curves import training_curves
+    from opsd.run.curves import training_curves
 
     titles = training_curves({"run": metrics}, tmp_path / "x.png")
     assert titles == ["loss", "divergence D_β (per token)", "seconds per step", "gradient norm"]
 
 
 def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
-    from opsd.curves import main
+    from opsd.run.curves import main
 
     assert main([str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
@@ -278,7 +280,7 @@ def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
 def test_upstream_eval_prompt_file_renders_the_problem_first(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from opsd.prompts import PromptBuilder
+    from opsd.method.prompts import PromptBuilder
 
     path = ROOT / "configs" / "prompts" / "upstream_eval.txt"
     builder = PromptBuilder(AutoTokenizer.from_pretrained(tiny_model_dir), student_template_file=str(path))
@@ -324,13 +326,13 @@ def test_the_package_import_graph_has_no_cycle():
 
 
 def test_the_configuration_doc_is_generated_from_the_config():
-    """docs/configuration.md's switch table is what OPSDConfig says (python -m opsd.config_docs rewrites it)."""
-    from opsd import config_docs
-    from opsd.config import OPSDConfig
+    """docs/configuration.md's switch table is what OPSDConfig says (python -m opsd.configuration.config_docs rewrites it)."""
+    from opsd.configuration import config_docs
+    from opsd.configuration.config import OPSDConfig
 
     text = config_docs.DOC.read_text(encoding="utf-8")
     assert config_docs.replaced(text) == text, (
-        "docs/configuration.md is out of date: python -m opsd.config_docs"
+        "docs/configuration.md is out of date: python -m opsd.configuration.config_docs"
     )
     table = config_docs.render()
     for name in OPSDConfig.__dict__["__annotations__"]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from opsd.errors import InvalidValue
-from opsd.resume import ALLOW_FLAG, HISTORY_KEY, check_resume, compared_keys
+from opsd.run.resume import ALLOW_FLAG, HISTORY_KEY, check_resume, compared_keys
 from tests.e2e.test_bad_input import one_line
 from tests.e2e.test_train_cli import run_train, tiny_args
 
@@ -147,7 +147,7 @@ def test_a_changed_teacher_pairing_is_refused_like_any_method_key():
 def test_shuffled_run_resumes_with_its_saved_pairing(tiny_model_dir, tmp_path):
     """A shuffled run stopped after step 1 and rerun to step 2: the same pairing, read by every teacher of both
     segments; another pairing on resume is refused, and so is a pairing file that no longer matches."""
-    from opsd.data import load_train_dataset
+    from opsd.data.loading import load_train_dataset
 
     out = tmp_path / "run"
     yaml_config = tmp_path / "pairing.yaml"

@@ -256,7 +256,7 @@ def test_full_finetuning_fixed_teacher_is_a_frozen_copy(tiny_model_dir, tmp_path
 
 
 def test_shipped_recipes_parse_and_match_the_spec():
-    from opsd.recipe import parse_recipe
+    from opsd.configuration.recipe import parse_recipe
 
     recipes = {p.name: p for p in (ROOT / "configs" / "recipes").glob("*.env")}
     assert {"published.env", "improved.env"} <= set(recipes)
@@ -269,7 +269,7 @@ def test_shipped_recipes_parse_and_match_the_spec():
     assert values["improved.env"] == improved and shipped == improved
     # every value of the published recipe equals the config default (the paper's recipe is the default),
     # except the positions: it scores the reference code's rows, the default scores the engine's
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     defaults = OPSDConfig(output_dir="/tmp/unused")
     assert defaults.fix_position_ids is True and values["published.env"].pop("fix_position_ids") == "false"

@@ -1,13 +1,13 @@
-"""Micro-batch plans (opsd.microbatch): parsing, divisibility, the memory estimate and auto's choice, against
+"""Micro-batch plans (opsd.run.microbatch): parsing, divisibility, the memory estimate and auto's choice, against
 hand-computed values."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from opsd import microbatch
 from opsd.errors import InvalidValue
-from opsd.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
+from opsd.run import microbatch
+from opsd.run.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
 
 QWEN3_1P7B = SimpleNamespace(
     hidden_size=2048,
@@ -117,7 +117,7 @@ def test_auto_stops_at_the_token_cap():
 
 
 def test_apply_rederives_the_generation_window(tmp_path):
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     config = OPSDConfig(
         output_dir=str(tmp_path),
@@ -136,8 +136,8 @@ def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
     config, and the longest prompts of the rows."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from opsd.config import OPSDConfig
-    from opsd.prompts import PromptBuilder
+    from opsd.configuration.config import OPSDConfig
+    from opsd.method.prompts import PromptBuilder
 
     config = OPSDConfig(
         output_dir=str(tmp_path), report_to="none", micro_batch_size="auto", per_device_train_batch_size=4,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opsd.config import IGNORED_SDFT_OPTIONS, OPSDConfig
-from opsd.loss import token_divergence
-from opsd.scoring import completion_hidden, left_pad, loss_token_mask, positions, right_pad
+from opsd.configuration.config import IGNORED_SDFT_OPTIONS, OPSDConfig
+from opsd.method.loss import token_divergence
+from opsd.method.scoring import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from tests.conftest import make_trainer
 
 
@@ -164,7 +164,7 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
 
 
 def test_teacher_thinking_off_ends_with_the_students_closed_think_block(tiny):
-    from opsd.prompts import PromptBuilder
+    from opsd.method.prompts import PromptBuilder
 
     _, tok = tiny
     header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""The probe (opsd/probe.py): its per-token numbers against a naive computation, the held-out split, the
+"""The probe (opsd/run/probe.py): its per-token numbers against a naive computation, the held-out split, the
 warnings, and training runs on the tiny model where the probe must see the student approach its teacher."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opsd.probe import PROBE_FILE, Probe, probe_token_sums, split_probe
+from opsd.run.probe import PROBE_FILE, Probe, probe_token_sums, split_probe
 
 
 def _naive_sums(h_s, h_t, w_s, w_t, beta, tau):
@@ -78,7 +78,7 @@ def _fake_probe(first=None):
 
 def test_warns_once_when_probe_divergence_rises(caplog):
     probe = _fake_probe(first=0.10)
-    with caplog.at_level(logging.WARNING, logger="opsd.probe"):
+    with caplog.at_level(logging.WARNING, logger="opsd.run.probe"):
         probe._check(10, {"probe/divergence": 0.105})  # within 10%: no warning
         assert not caplog.records
         probe._check(20, {"probe/divergence": 0.2})
@@ -91,7 +91,7 @@ def test_warns_once_after_ten_negative_loss_steps(caplog):
     probe = _fake_probe()
     state = SimpleNamespace(global_step=0, is_world_process_zero=True)
     losses = [0.1, -0.1, -0.2, 0.05] + [-0.01] * 12
-    with caplog.at_level(logging.WARNING, logger="opsd.probe"):
+    with caplog.at_level(logging.WARNING, logger="opsd.run.probe"):
         for step, loss in enumerate(losses, start=1):
             state.global_step = step
             probe.on_log(None, state, None, logs={"loss": loss})
@@ -116,7 +116,7 @@ def _probe_run(model_dir, out, *, clip_mode, probe=True, steps=6, lr=1e-2):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
     from opsd_train import build_dataset
     from opsd_trainer import OPSDTrainer
 

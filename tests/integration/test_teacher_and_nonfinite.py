@@ -31,7 +31,7 @@ class StopAt(TrainerCallback):
 
 # -- EMA teacher: resume and float32 ---------------------------------------------------------------------------
 def _ema_trainer(tiny_model_dir, out, *callbacks):
-    from opsd.callbacks import CompleteMark
+    from opsd.run.callbacks import CompleteMark
 
     # decay 0.5 makes the teacher follow the student visibly within 4 steps.
     trainer = make_trainer(
@@ -50,7 +50,7 @@ def _ema_trainer(tiny_model_dir, out, *callbacks):
 
 
 def test_ema_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
-    from opsd.rundir import latest_complete_checkpoint
+    from opsd.run.rundir import latest_complete_checkpoint
 
     whole = _ema_trainer(tiny_model_dir, tmp_path / "whole")
     whole.train()
@@ -82,7 +82,7 @@ def test_ema_teacher_is_kept_in_float32_under_bf16(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from opsd.ema_teacher import InitialisedAdapterEMA
+    from opsd.method.ema_teacher import InitialisedAdapterEMA
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     model = get_peft_model(
@@ -215,7 +215,7 @@ def _assert_same(a, b):
 
 
 def test_nonfinite_step_is_skipped(tiny_model_dir, tmp_path):
-    from opsd.callbacks import MetricsJSONL
+    from opsd.run.callbacks import MetricsJSONL
 
     # Two micro-batches per step: only the first is NaN, the step must still be skipped as a whole.
     trainer = make_trainer(
@@ -247,8 +247,8 @@ def test_nonfinite_step_is_skipped(tiny_model_dir, tmp_path):
 def test_consecutive_nonfinite_steps_abort_keeping_the_last_checkpoint(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from opsd.callbacks import CompleteMark
-    from opsd.rundir import latest_complete_checkpoint
+    from opsd.run.callbacks import CompleteMark
+    from opsd.run.rundir import latest_complete_checkpoint
 
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=6, save_strategy="steps", save_steps=2, max_nonfinite_steps=2
@@ -271,7 +271,7 @@ def test_consecutive_nonfinite_steps_abort_keeping_the_last_checkpoint(tiny_mode
 
 
 def test_max_nonfinite_steps_must_be_positive(tmp_path):
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     with pytest.raises(ValueError, match="max_nonfinite_steps=0"):
         OPSDConfig(output_dir=str(tmp_path), max_nonfinite_steps=0)

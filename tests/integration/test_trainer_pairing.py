@@ -3,9 +3,9 @@ trainer splits rows over processes, and its teacher rows read the paired or the 
 
 import torch
 
-from opsd.data import load_train_dataset
-from opsd.pairing import answer_groups, derangement
-from opsd.prompts import TEACHER_TEMPLATE
+from opsd.data.loading import load_train_dataset
+from opsd.method.pairing import answer_groups, derangement
+from opsd.method.prompts import TEACHER_TEMPLATE
 from tests.conftest import make_trainer
 
 

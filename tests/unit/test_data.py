@@ -10,7 +10,7 @@ import re
 import pytest
 from datasets import Dataset
 
-from opsd.data import (
+from opsd.data.builtin import (
     BUILTIN_SETS,
     EASY_DISJOINT_SIZE,
     builtin_eval_rows,
@@ -18,6 +18,8 @@ from opsd.data import (
     easy_disjoint_eval_rows,
     easy_eval_rows,
     easy_train_rows,
+)
+from opsd.data.loading import (
     filter_rows,
     is_numeric_answer,
     load_eval_dataset,
@@ -450,14 +452,14 @@ def _mixed_ds() -> Dataset:
 
 
 def test_filter_none_keeps_everything(caplog):
-    caplog.set_level(logging.INFO, logger="opsd.data")
+    caplog.set_level(logging.INFO, logger="opsd.data.loading")
     ds = filter_rows(_mixed_ds(), "none")
     assert len(ds) == 9
     assert "9 -> 9" in caplog.text
 
 
 def test_filter_numeric(caplog):
-    caplog.set_level(logging.INFO, logger="opsd.data")
+    caplog.set_level(logging.INFO, logger="opsd.data.loading")
     ds = filter_rows(_mixed_ds(), "numeric")
     assert ds["Answer"] == ["12", "-7", "999999", "42", "5"]
     assert ds["problem"] == ["problem 0", "problem 1", "problem 2", "problem 7", "problem 8"]
@@ -465,7 +467,7 @@ def test_filter_numeric(caplog):
 
 
 def test_filter_hard_numeric(caplog):
-    caplog.set_level(logging.INFO, logger="opsd.data")
+    caplog.set_level(logging.INFO, logger="opsd.data.loading")
     ds = filter_rows(_mixed_ds(), "hard_numeric")
     assert ds["Answer"] == ["12", "999999"]
     assert ds["generated_token_count"] == [2500, 2000]

@@ -1,4 +1,4 @@
-"""Tests for opsd.loss against a naive float64 oracle written independently below."""
+"""Tests for opsd.method.loss against a naive float64 oracle written independently below."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from opsd.loss import chunked_opsd_loss, opsd_loss_from_logits, token_divergence, token_divergence_with_grad
+from opsd.method.loss import (
+    chunked_opsd_loss,
+    opsd_loss_from_logits,
+    token_divergence,
+    token_divergence_with_grad,
+)
 
 ATOL = RTOL = 1e-5
 BETAS = (0.0, 0.3, 0.5, 1.0)  # 0.3: asymmetric, so swapped mixture weights are caught
@@ -15,7 +20,7 @@ CLIP_MODES = ("element", "token", "rescale", "none")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Naive oracle: straight from the formulas, float64, no helpers shared with opsd.loss.
+# Naive oracle: straight from the formulas, float64, no helpers shared with opsd.method.loss.
 # --------------------------------------------------------------------------------------------------------------
 def oracle(
     student_logits,

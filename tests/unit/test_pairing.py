@@ -1,5 +1,5 @@
-"""Tests for opsd.pairing: the derangement against an enumeration of all permutations, the rewritten
-reference column, the saved record and the resume check; `empty` and truncation through opsd.prompts."""
+"""Tests for opsd.method.pairing: the derangement against an enumeration of all permutations, the rewritten
+reference column, the saved record and the resume check; `empty` and truncation through opsd.method.prompts."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from datasets import Dataset
 
 from opsd.errors import InvalidValue
-from opsd.pairing import apply_pairing, check_saved, derangement, save
-from opsd.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
-from opsd.resume import ALLOW_FLAG
-from opsd.rundir import PAIRING_FILE
+from opsd.method.pairing import apply_pairing, check_saved, derangement, save
+from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
+from opsd.run.resume import ALLOW_FLAG
+from opsd.run.rundir import PAIRING_FILE
 from opsd.tiny import build_tokenizer
 
 BEGIN, END = "=== BEGIN REFERENCE ===", "=== END REFERENCE ==="
@@ -185,7 +185,7 @@ def long_table(n: int = 6) -> tuple[Dataset, list[str]]:
 
 @pytest.mark.parametrize("pairing", ["shuffled", "empty"])
 def test_truncation_never_cuts_the_problem(tok, pairing, caplog):
-    caplog.set_level(logging.WARNING, logger="opsd.prompts")
+    caplog.set_level(logging.WARNING, logger="opsd.method.prompts")
     ds, answers = long_table()
     paired, _ = apply_pairing(ds, pairing, seed=3, answers=answers)
     full = PromptBuilder(tok)

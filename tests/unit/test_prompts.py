@@ -1,4 +1,4 @@
-"""Tests for opsd.prompts: chat rendering, thinking switches, template files, teacher truncation."""
+"""Tests for opsd.method.prompts: chat rendering, thinking switches, template files, teacher truncation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from opsd.prompts import PromptBuilder, reference_text
+from opsd.method.prompts import PromptBuilder, reference_text
 from opsd.tiny import build_tokenizer
 
 MARK = "\n[... reference truncated ...]"
@@ -279,7 +279,7 @@ def test_teacher_truncation_never_splits_characters(tok):
 
 
 def test_teacher_limit_below_prompt_without_reference(tok, caplog):
-    caplog.set_level(logging.WARNING, logger="opsd.prompts")
+    caplog.set_level(logging.WARNING, logger="opsd.method.prompts")
     tp = PromptBuilder(tok, max_teacher_prompt_tokens=20).teacher_ids(LONG_PROBLEM, LONG_REF)
     assert tp.truncated is True
     text = decode(tok, tp.ids)

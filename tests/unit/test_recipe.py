@@ -1,4 +1,4 @@
-"""Tests for opsd.recipe: recipe.env parsing, OPSD_* environment overrides and their argv round trip."""
+"""Tests for opsd.configuration.recipe: recipe.env parsing, OPSD_* environment overrides and their argv round trip."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
-from opsd.config import OPSDConfig
-from opsd.recipe import (
+from opsd.configuration.config import OPSDConfig
+from opsd.configuration.recipe import (
     BUDGET_KEYS,
     MAX_COMPLETION_CAP,
     MAX_FILE_BYTES,
@@ -330,7 +330,7 @@ def test_env_list_field_points_to_yaml():
 # ------------------------------------------------------------------------------------------------------------
 def test_env_beats_recipe(tmp_path, caplog):
     path = write(tmp_path, "BETA=0.5\nLORA_R=8\n")
-    with caplog.at_level(logging.INFO, logger="opsd.recipe"):
+    with caplog.at_level(logging.INFO, logger="opsd.configuration.recipe"):
         got = resolve_overrides(path, {"OPSD_BETA": "1"}, capped=True)
     assert got == [Override("lora_r", "8", f"{path}:2"), Override("beta", "1.0", "env OPSD_BETA")]
     assert f"override lora_r=8 ({path}:2)" in caplog.text

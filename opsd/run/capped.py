@@ -3,10 +3,10 @@
 100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
 The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the
 number of processes. How each process splits its share into micro-batches is memory, not method
-(`opsd.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine on
+(`opsd.run.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine on
 a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
 `-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
-which `opsd_train.py --capped` checks against the whitelist in `opsd.recipe`.
+which `opsd_train.py --capped` checks against the whitelist in `opsd.configuration.recipe`.
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
@@ -14,7 +14,7 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
   rollouts, sized for a 2-core CPU (scripts/demo.sh adds configs/recipes/demo.env);
 - `smoke`: the same shape with 8-token rollouts, for CI on a tiny model.
 
-    python -m opsd.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
+    python -m opsd.run.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
         [--dry-run] [--debug] [-- --report_to wandb --run_name x]
 
 prints the launch command as a JSON plan (`train_capped.sh` executes it). Before launching, and in a dry run,
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model instead of the profile's (a hub name or a directory)")
     p.add_argument("--dataset", default=None, help="training data instead of the profile's")
     p.add_argument("--recipe", default=None, help="recipe file (default: recipe.env in the repo root)")
-    p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
+    p.add_argument("--root", default=str(Path(__file__).resolve().parents[2]))
     p.add_argument("--runs-dir", default=None, help="where runs/<name> go (default: runs/ in the repo root)")
     p.add_argument(
         "--accelerate-config",
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
-        from opsd.recipe import (
+        from opsd.configuration.recipe import (
             BUDGET_KEYS,
             CAPPED_KEYS,
             flag_overrides,

@@ -1,6 +1,6 @@
 """Overrides from a `recipe.env` file and `OPSD_*` environment variables, validated into argv flags.
 
-The precedence is stated in `opsd.config`; it holds because the entry point appends
+The precedence is stated in `opsd.configuration.config`; it holds because the entry point appends
 `to_argv(resolve_overrides(...))` after the user's CLI arguments (argparse keeps the last occurrence). Every value is checked against the type of its `OPSDConfig` field before it reaches argparse,
 so a bad recipe fails with one message naming every bad line instead of a traceback mid-run.
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 from transformers.trainer_utils import SchedulerType
 
-from opsd.config import OPSDConfig
-from opsd.engine_env import KV_CACHE_ENV
+from opsd.configuration.config import OPSDConfig
+from opsd.configuration.engine_env import KV_CACHE_ENV
+from opsd.configuration.legacy import closest
 from opsd.errors import DEBUG_ENV, InvalidValue, UserError
-from opsd.legacy import closest
 from opsd.paths import RECIPE_FILE, read_bytes
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ RECIPE_KEYS = frozenset({
 
 # Settings that change neither the budget nor the method (trackers, logging, memory): the capped harness
 # takes them from recipe.env, OPSD_* variables and its pass-through flags (`train_capped.sh -- --report_to
-# wandb`). Gradient checkpointing, the loss chunk size and the micro-batch (opsd.microbatch) trade memory for
+# wandb`). Gradient checkpointing, the loss chunk size and the micro-batch (opsd.run.microbatch) trade memory for
 # time on identical arithmetic.
 OPERATIONAL_KEYS = frozenset({
     "report_to", "run_name", "logging_steps", "logging_first_step", "log_level", "disable_tqdm",
@@ -108,7 +108,7 @@ BUDGET_KEYS = frozenset({
 _RENAMED = {"warmup_ratio": "transformers 5 removed warmup_ratio; a WARMUP_STEPS value below 1 is a ratio"}
 
 # Inherited choice fields typed plain `str` upstream; OPSD's own choice fields carry their allowed values in
-# their metadata (opsd.choices).
+# their metadata (opsd.configuration.choices).
 _CHOICES: dict[str, tuple[str, ...]] = {
     # The enum holds the names the trainer accepts.
     "lr_scheduler_type": tuple(s.value for s in SchedulerType),
@@ -254,7 +254,7 @@ def _check_field(field: str, name: str, *, allowed: frozenset[str] | set[str] | 
     if field in BUDGET_KEYS:
         raise _Bad(
             f"{name} is fixed by the capped harness (100 steps x 32 problems) and cannot be set in {where}",
-            "remove it; see BUDGET_KEYS in opsd/recipe.py",
+            "remove it; see BUDGET_KEYS in opsd/configuration/recipe.py",
         )
     raise _Bad(
         f"{name} is a config field but not tunable in {where}",
@@ -275,7 +275,7 @@ def _unknown(field: str, name: str, candidates: typing.Iterable[str], prefix: st
             f"{name} is not a config field", f"did you mean {prefix}{anywhere.upper()}? it is {where}"
         )
     nearest = _closest(field, candidates, cutoff=0.0)
-    fix = f"no field is close; the nearest is {prefix}{nearest.upper()} (all fields: opsd/config.py)"
+    fix = f"no field is close; the nearest is {prefix}{nearest.upper()} (all fields: opsd/configuration/config.py)"
     return _Bad(f"{name} is not a config field", fix)
 
 

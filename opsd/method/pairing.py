@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opsd.choices import check_choice
+from opsd.configuration.choices import check_choice
 from opsd.errors import InvalidValue
-from opsd.rundir import PAIRING_FILE
+from opsd.run.rundir import PAIRING_FILE
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -40,7 +40,7 @@ _RANDOM_TRIES = 64
 RULE = (
     "row i's teacher reads the reference of row reference_of[i]; rows are the training table after the data "
     "filter, in order, before the probe hold-out; a derangement that never pairs two rows with the same "
-    "Answer, drawn by opsd.pairing.derangement(rows, seed, answers)"
+    "Answer, drawn by opsd.method.pairing.derangement(rows, seed, answers)"
 )
 
 
@@ -136,8 +136,8 @@ def check_saved(out: Path, record: dict[str, Any] | None, *, allow: bool) -> Non
     Checked only when `out` holds a complete checkpoint (a resume) and a saved pairing; `allow`
     (--allow-config-change) lets the run continue with the new one, which is then saved.
     """
-    from opsd.resume import ALLOW_FLAG
-    from opsd.rundir import latest_complete_checkpoint
+    from opsd.run.resume import ALLOW_FLAG
+    from opsd.run.rundir import latest_complete_checkpoint
 
     path = out / PAIRING_FILE
     if record is None or latest_complete_checkpoint(out) is None or not path.is_file():

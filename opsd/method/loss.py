@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opsd.choices import CLIP_MODES, LOSS_TYPES
+from opsd.configuration.choices import CLIP_MODES, LOSS_TYPES
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
 

@@ -2,16 +2,16 @@
 evaluation sweep and the plots find it.
 
     <output_dir>/
-      opsd_config.json       the resolved settings of the latest segment and their history (opsd.resume)
+      opsd_config.json       the resolved settings of the latest segment and their history (opsd.run.resume)
       metrics.jsonl          one JSON line per logging step, append-only (cut back to the checkpoint on resume)
-      completions.jsonl      the completions log (opsd.completions), cut back like metrics.jsonl
+      completions.jsonl      the completions log (opsd.run.completions), cut back like metrics.jsonl
       <log>.rejected         lines a resume dropped from one of those logs as unreadable (trim_step_log)
-      probe_set.json         the probe's frozen problems and rollouts (opsd.probe)
+      probe_set.json         the probe's frozen problems and rollouts (opsd.run.probe)
       teacher_pairing.json   which problem's reference each teacher reads, teacher_ref_pairing=shuffled
-                             only (opsd.pairing)
+                             only (opsd.method.pairing)
       checkpoint-N/          the trainer's checkpoint at step N; `.complete` once it is fully written,
                              `ema_teacher.pt` with an EMA teacher
-      checkpoint-N-wavgK/    the tail weight average over the last K steps (opsd.callbacks)
+      checkpoint-N-wavgK/    the tail weight average over the last K steps (opsd.run.callbacks)
 
 Only checkpoints with the `.complete` mark are resumed from or swept; a save cut by a kill has none. The
 step logs are read through `read_step_log`, which skips (and names, in a warning) any line that is not a

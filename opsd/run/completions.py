@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from opsd.loss import token_divergence
-from opsd.rundir import COMPLETIONS_FILE
+from opsd.method.loss import token_divergence
+from opsd.run.rundir import COMPLETIONS_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Training curves of a run as one PNG, from its `metrics.jsonl`.
 
-    python -m opsd.curves runs/opsd                     # writes runs/opsd/curves.png
-    python -m opsd.curves runs/a runs/b --out cmp.png   # several runs, one line each
+    python -m opsd.run.curves runs/opsd                     # writes runs/opsd/curves.png
+    python -m opsd.run.curves runs/a runs/b --out cmp.png   # several runs, one line each
 
 One panel per group of metrics that the run logged (loss, divergence, agreement, the probe, rollout
 lengths, time per step); groups without data are left out, so the same command serves runs with and
 without the probe. A resumed run's metrics.jsonl holds each step once (opsd_train.py trims it on resume);
 should a step still appear twice, the last record wins. A line that is not a JSON object is skipped with a
-warning naming its line (`opsd.rundir.read_step_log`).
+warning naming its line (`opsd.run.rundir.read_step_log`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from opsd.rundir import METRICS_FILE, read_step_log
+from opsd.run.rundir import METRICS_FILE, read_step_log
 
 # (panel title, metric keys drawn in it). Keys are the names in metrics.jsonl.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -82,7 +82,7 @@ def training_curves(runs: dict[str, dict[str, list[tuple[int, float]]]], path: s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m opsd.curves", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m opsd.run.curves", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="output_dir(s) of training runs (each holds metrics.jsonl)")
     ap.add_argument("--out", default="", help="PNG path (default: <first run>/curves.png)")
     args = ap.parse_args(argv)

@@ -269,8 +269,8 @@ def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int
     """auto's plan on a GPU with `free_bytes` free of `total_bytes`, before the model and the engine load."""
     from transformers import AutoConfig
 
+    from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer
-    from opsd.prompts import PromptBuilder
 
     shape = ModelShape.from_config(
         AutoConfig.from_pretrained(

@@ -3,7 +3,7 @@
 It extends TRL's `SDFTConfig` (itself a `TrainingArguments`), so every TRL/transformers training argument
 is available too. Precedence, lowest first: field defaults < YAML (`--config`) < CLI flags < `recipe.env`
 < `OPSD_*` environment variables. Every field `name` is also the CLI flag `--name` and the environment
-switch `OPSD_NAME` (upper case); see `opsd.recipe`.
+switch `OPSD_NAME` (upper case); see `opsd.configuration.recipe`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from trl.experimental.sdft import SDFTConfig
 
-from opsd.choices import CHOICES, check_choice
-from opsd.microbatch import parse_micro_batch_size
-from opsd.ranges import check_ranges
+from opsd.configuration.choices import CHOICES, check_choice
+from opsd.configuration.ranges import check_ranges
+from opsd.run.microbatch import parse_micro_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _help(text: str) -> dict:
 
 
 def _choice(name: str, text: str) -> dict:
-    """Metadata of a choice field: its help and its allowed values (opsd.choices), which the CLI enforces too."""
+    """Metadata of a choice field: its help and its allowed values (opsd.configuration.choices), which the CLI enforces too."""
     return {"help": text, "choices": CHOICES[name]}
 
 
@@ -108,7 +108,7 @@ class OPSDConfig(SDFTConfig):
         default="",
         metadata=_help(
             "Rows per forward/backward, keeping per_device_train_batch_size x gradient_accumulation_steps "
-            "problems per process per step (memory, not method; opsd.microbatch): unset = "
+            "problems per process per step (memory, not method; opsd.run.microbatch): unset = "
             "per_device_train_batch_size as given; N (must divide them); auto = the largest that fits beside "
             "the engine on a GPU, the plan as given without one. train_capped.sh uses auto."
         ),
@@ -324,7 +324,7 @@ class OPSDConfig(SDFTConfig):
         self.lora_target_modules = _module_list(self.lora_target_modules)
         for name in CHOICES:
             check_choice(name, getattr(self, name))
-        check_ranges(self)  # every numeric field's range, declared once in opsd/ranges.py
+        check_ranges(self)  # every numeric field's range, declared once in opsd/configuration/ranges.py
         parse_micro_batch_size(self.micro_batch_size)
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}

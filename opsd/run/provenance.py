@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Distribution names; the first one installed of each tuple is reported under the first name.
 PACKAGES = (
     ("torch",),

@@ -30,15 +30,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from opsd.configuration.recipe import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import InvalidValue
-from opsd.recipe import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
-from opsd.rundir import CONFIG_FILE
+from opsd.run.rundir import CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 
 HISTORY_KEY = "history"
 ALLOW_FLAG = "--allow-config-change"
-# How a process splits its problems per step into micro-batches (opsd/microbatch.py: memory, not method):
+# How a process splits its problems per step into micro-batches (opsd/run/microbatch.py: memory, not method):
 # these may change on resume as long as PROBLEMS_PER_PROCESS, their product, does not.
 SPLIT_KEYS = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
@@ -65,7 +65,7 @@ SHOWN_CHARS = 60
 def compared_keys() -> frozenset[str]:
     """Every setting whose change on resume is refused: the recipe, the budget, OPSD's own fields and the
     inherited method settings, less what may change."""
-    from opsd.config import OPSDConfig
+    from opsd.configuration.config import OPSDConfig
 
     inherited = {f.name for f in dataclasses.fields(OPSDConfig.__mro__[1])}
     own = {f.name for f in dataclasses.fields(OPSDConfig)} - inherited
@@ -137,7 +137,7 @@ def check_resume(
 def resume_history(out: Path, current: Mapping[str, Any], *, allow: bool) -> list[dict[str, Any]]:
     """Check this command's settings against the run in `out` (when it holds a complete checkpoint) and
     return the history to save with them. Reads only; raises InvalidValue for a refused change."""
-    from opsd.rundir import checkpoint_step, latest_complete_checkpoint
+    from opsd.run.rundir import checkpoint_step, latest_complete_checkpoint
 
     cfg_path = out / CONFIG_FILE
     resume = latest_complete_checkpoint(out)

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from opsd.loss import pointwise_jsd_terms
-from opsd.rundir import PROBE_FILE
-from opsd.scoring import eval_mode, left_pad, right_pad
+from opsd.method.loss import pointwise_jsd_terms
+from opsd.method.scoring import eval_mode, left_pad, right_pad
+from opsd.run.rundir import PROBE_FILE
 
 if TYPE_CHECKING:
     from datasets import Dataset

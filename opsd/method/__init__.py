@@ -1,0 +1,13 @@
+"""The method (docs/method.md §1): one OPSD step, from the rollout to the loss.
+
+Modules, in the order a step uses them:
+
+* `seeds`: per-row rollout seeds, the same for any number of processes and on resume;
+* `weights`: the student's weights pushed into the running vLLM engine before each rollout;
+* `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution);
+* `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
+* `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
+* `scoring`: rows laid out for one role (positions, padding) and the final hidden states of completion tokens;
+* `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection;
+* `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
+"""

@@ -1,0 +1,12 @@
+"""A training run's bookkeeping: its directory, logs, checkpoints, resume, budget and held-out probe.
+
+* `rundir`: the run directory's layout (file names, `checkpoint-N`, the `.complete` mark, the step logs);
+* `provenance`: package versions and the git revision saved beside the checkpoints;
+* `resume`: a run directory belongs to one configuration; resuming checks it;
+* `callbacks`: metrics.jsonl, step timing, tail weight averaging, non-finite steps;
+* `completions`: a few rows of what the student wrote, and where its teacher disagreed;
+* `probe`: the held-out probe (is the student moving towards its teacher?);
+* `microbatch`: how a process splits its share of a step into micro-batches (memory, not method);
+* `capped`: the 100-step budget's launch plan (`train_capped.sh`);
+* `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).
+"""
