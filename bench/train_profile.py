@@ -143,8 +143,9 @@ def annotate(model) -> list:
 
     def ranged(module, name):
         stack = []
-        enter = lambda *_: stack.append(torch.profiler.record_function(name).__enter__())  # noqa: E731
-        leave = lambda *_: stack.pop().__exit__(None, None, None)  # noqa: E731
+        # Kept out of torch.compile's graphs (bench/train_levers.py compiles the decoder layers).
+        enter = torch.compiler.disable(lambda *_: stack.append(torch.profiler.record_function(name).__enter__()))
+        leave = torch.compiler.disable(lambda *_: stack.pop().__exit__(None, None, None))
         # always_call: checkpointing's recomputation stops a layer's forward early by raising.
         return [
             module.register_forward_pre_hook(enter),
@@ -290,7 +291,8 @@ class Driver(TrainerCallback):
         self.seen |= self.trainer.widths
 
 
-def run_length(a, length: int, model_dir: Path, trace: Path | None) -> dict:
+def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) -> dict:
+    """One length's row; `lever` (bench/train_levers.py) adds config fields and changes the trainer's model."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -306,6 +308,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None) -> dict:
         max_completion_length=length, gradient_checkpointing=True, rollout_engine="transformers", use_vllm=False,
         use_cpu=not cuda, bf16=cuda, dtype="bfloat16" if cuda else "float32", save_strategy="no",
         logging_steps=1, report_to="none", probe_steps=0, completions_steps=0, disable_tqdm=True,
+        **(lever.config if lever else {}),
     )  # fmt: skip
     dataset = build_dataset(config)
     if cuda:  # as opsd_train.py decides it before the model loads, beside a colocated engine
@@ -320,6 +323,8 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None) -> dict:
     trainer = FixedRolloutTrainer(model=model, args=config, train_dataset=dataset,
                                   processing_class=load_tokenizer(str(model_dir)), peft_config=lora)  # fmt: skip
     trainer.length, trainer.spans, trainer.tokens, trainer.widths = length, Spans(cuda), Counter(), set()
+    if lever:
+        lever.apply(trainer.model)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(driver := Driver(trainer, a.steps, cuda))
     try:
