@@ -129,7 +129,13 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
             grad = torch.cat(
                 [p.grad.flatten().float() for n, p in model.named_parameters() if p.grad is not None]
             )
-            out[mode] = {"loss": float(loss), "grad": torch.nan_to_num(grad), "finite": bool(grad.isfinite().all()), "h_s": h_s.detach().float(), "h_t": h_t.float()}
+            out[mode] = {
+                "loss": float(loss),
+                "grad": torch.nan_to_num(grad),
+                "finite": bool(grad.isfinite().all()),
+                "h_s": h_s.detach().float(),
+                "h_t": h_t.float(),
+            }
         return out
 
     before_layers = _lora_layers(model)

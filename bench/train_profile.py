@@ -144,7 +144,9 @@ def annotate(model) -> list:
     def ranged(module, name):
         stack = []
         # Kept out of torch.compile's graphs (bench/train_levers.py compiles the decoder layers).
-        enter = torch.compiler.disable(lambda *_: stack.append(torch.profiler.record_function(name).__enter__()))
+        enter = torch.compiler.disable(
+            lambda *_: stack.append(torch.profiler.record_function(name).__enter__())
+        )
         leave = torch.compiler.disable(lambda *_: stack.pop().__exit__(None, None, None))
         # always_call: checkpointing's recomputation stops a layer's forward early by raising.
         return [
