@@ -10,9 +10,9 @@ which `opsd_train.py --capped` checks against the whitelist in `opsd.configurati
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
-- `demo`: the embedded SmolLM2-135M on the `builtin:easy` problems, 2 problems per step and 64-token
+- `demo`: the embedded SmolLM2-135M on the `builtin:easy` problems, 4 problems per step and 64-token
   rollouts, sized for a 2-core CPU (scripts/demo.sh adds configs/recipes/demo.env);
-- `smoke`: the same shape with 8-token rollouts, for CI on a tiny model.
+- `smoke`: 2 problems per step and 8-token rollouts, for CI on a tiny model.
 
     python -m opsd.run.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
         [--dry-run] [--debug] [-- --report_to wandb --run_name x]
@@ -60,7 +60,7 @@ class Profile:
 PROFILES = {
     "full": Profile("Qwen/Qwen3-1.7B", "siyanzhao/Openthoughts_math_30k_opsd", PROBLEMS_PER_STEP, None),
     "demo": Profile(
-        "", "builtin:easy", 2, 64,
+        "", "builtin:easy", 4, 64,
         ("--gradient_checkpointing=false", "--lora_r=16", "--lora_alpha=32", "--vllm_max_model_length=1024"),
     ),
     "smoke": Profile(
