@@ -22,6 +22,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 # instead of an inductor compile at every engine start (~80 s for the embedded model on 2 cores: vLLM 0.32's
 # compile cache fails to load on the CPU, so every start pays it). A test can set it to "0" to compile.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# One OpenMP thread per process, for the test processes and every subprocess they start: the suite runs two
+# workers on two cores, and training and engine subprocesses beside them; OpenMP threads of parallel processes
+# spin against each other (eval_aime.py subprocesses measured orders of magnitude slower with one per core).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -43,6 +47,7 @@ ENV = {
         "VLLM_ENABLE_V1_MULTIPROCESSING",
         "TRL_EXPERIMENTAL_SILENCE",
         "VLLM_CPU_CI_ENV",
+        "OMP_NUM_THREADS",
     )
 }
 
