@@ -42,14 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, write  # noqa: E402
 from opsd.evaluation.config import EvalConfig  # noqa: E402
-from opsd.evaluation.generate import (  # noqa: E402
-    ListSource,
-    auto_window,
-    plan_requests,
-    stream,
-    stream_chunked,
-    vllm_params,
-)
+from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params  # noqa: E402
+from opsd.evaluation.requests import ListSource, plan_requests  # noqa: E402
 
 PROMPT_LEN = 128
 

@@ -1,8 +1,8 @@
 """`OPSDConfig`: every switch of the method, with the published recipe as defaults (docs/method.md §1–2).
 
 It extends TRL's `SDFTConfig` (itself a `TrainingArguments`), so every TRL/transformers training argument
-is available too. Precedence, lowest first: field defaults < YAML (`--config`) < CLI flags < `recipe.env`
-< `OPSD_*` environment variables. Every field `name` is also the CLI flag `--name` and the environment
+is available too. Which source wins when several set a field: docs/configuration.md (Running and
+precedence). Every field `name` is also the CLI flag `--name` and the environment
 switch `OPSD_NAME` (upper case); see `opsd.configuration.recipe`.
 """
 

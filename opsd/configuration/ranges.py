@@ -1,4 +1,5 @@
-"""The allowed range of every numeric `OPSDConfig` field a user sets, declared once (choices: `opsd.configuration.choices`).
+"""The allowed range of every numeric field a user sets, declared once: `RANGES` for `OPSDConfig` (training),
+`EVAL_RANGES` for `EvalConfig` (eval_aime.py). Choices: `opsd.configuration.choices`.
 
 `OPSDConfig.__post_init__` checks every field of `RANGES` with `check_ranges`, so the CLI, a YAML config,
 `recipe.env`, `OPSD_*` variables and both dry runs (`opsd_train.py --dry-run`, `train_capped.sh --dry-run`)
@@ -7,7 +8,8 @@ must also be finite (`--learning_rate inf` is refused). The bounds are those of 
 value: torch's AdamW refuses betas outside [0, 1) and a negative weight decay or epsilon, peft's dropout
 is a probability below 1, vLLM takes a share of GPU memory in (0, 1], numpy seeds are 32-bit unsigned.
 Refusing here turns a crash after the model has loaded (or a silent no-op such as a run that is all
-warm-up) into one line before anything loads.
+warm-up) into one line before anything loads. `EvalConfig.__post_init__` checks `EVAL_RANGES` with
+`check_table` in eval_aime.py's words: `top_p=1.5 is invalid: must be in (0, 1]`.
 
 Cross-field rules live in `check_cross_fields`: a warm-up of at least `max_steps` steps is refused, and
 one over half of the run is logged as a note. No dependencies, so any module can import it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -126,29 +129,54 @@ RANGES: dict[str, Range] = {
     "completions_rows": POSITIVE,
     "logging_steps": Range(0, lo_open=True, note="a value below 1 is a fraction of max_steps"),
 }
+# EvalConfig field (eval_aime.py's flags) -> allowed range. pass@k's k is a rule between fields (1 <= k <= n),
+# checked by EvalConfig itself.
+EVAL_RANGES: dict[str, Range] = {
+    "n": Range(1, note="at least one sample per problem; the protocol uses --n 12"),
+    "temperature": Range(0, note="0 = greedy"),
+    "top_p": PROBABILITY_OPEN_LOW,
+    "top_k": OFF_AT_ZERO,
+    "min_p": Range(0, 1),
+    "max_tokens": Range(1),
+    "max_model_len": Range(1),
+    "tensor_parallel_size": Range(1),
+    "num_gpus": Range(1),
+    "chunk_size": Range(1),
+    "max_in_flight": Range(0, note="0 = auto"),
+    "limit": Range(0, note="0 = all problems"),
+    "gpu_memory_utilization": PROBABILITY_OPEN_LOW,
+}
 # A warm-up over this share of max_steps is allowed, with a note: most of the run would be warm-up.
 WARMUP_NOTE_SHARE = 0.5
 
 
-def range_error(name: str, value: object) -> str | None:
-    """The message refusing `value` for field `name`, or None when it is allowed (or `name` has no range)."""
-    allowed = RANGES.get(name)
+def range_error(
+    name: str, value: object, table: Mapping[str, Range] = RANGES, verdict: str = "is out of range"
+) -> str | None:
+    """The message refusing `value` for field `name` of `table`, or None when it is allowed (or `name` has no
+    range): `top_p=1.5 is out of range: must be in (0, 1]`, with `verdict` between the value and the rule."""
+    allowed = table.get(name)
     if allowed is None or allowed.contains(value):
         return None
     rule = allowed.rule()
     if isinstance(value, float) and not math.isfinite(value):
         rule = "must be finite and " + rule.removeprefix("must be ")
-    return f"{name}={value!r} is out of range: {rule}"
+    return f"{name}={value!r} {verdict}: {rule}"
+
+
+def check_table(config: object, table: Mapping[str, Range], verdict: str = "is out of range") -> None:
+    """ValueError for the first field of `table`, in its order, whose value on `config` is out of range."""
+    for name in table:
+        if hasattr(config, name):
+            message = range_error(name, getattr(config, name), table, verdict)
+            if message:
+                raise ValueError(message)
 
 
 def check_ranges(config: object) -> None:
     """ValueError for the first field of `RANGES` whose value on `config` is out of range, then the
     cross-field rules."""
-    for name in RANGES:
-        if hasattr(config, name):
-            message = range_error(name, getattr(config, name))
-            if message:
-                raise ValueError(message)
+    check_table(config, RANGES)
     check_cross_fields(config)
 
 

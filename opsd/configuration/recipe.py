@@ -1,6 +1,6 @@
 """Overrides from a `recipe.env` file and `OPSD_*` environment variables, validated into argv flags.
 
-The precedence is stated in `opsd.configuration.config`; it holds because the entry point appends
+The precedence (docs/configuration.md, Running and precedence) holds because the entry point appends
 `to_argv(resolve_overrides(...))` after the user's CLI arguments (argparse keeps the last occurrence). Every value is checked against the type of its `OPSDConfig` field before it reaches argparse,
 so a bad recipe fails with one message naming every bad line instead of a traceback mid-run.
 

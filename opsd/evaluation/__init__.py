@@ -7,14 +7,16 @@ Modules, in the order a run uses them (each imports only those before it):
 * `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
   one builder of vLLM `SamplingParams`;
-* `config`: `EvalConfig` (eval_aime.py's flags), `parse_config`, `EvalSettings` (one evaluation's resolved
-  settings, saved as eval_config.json), the errors the entry point reports;
+* `config`: `EvalConfig` (eval_aime.py's flags; their ranges: `opsd.configuration.ranges.EVAL_RANGES`),
+  `parse_config`, `EvalSettings` (one evaluation's resolved settings, generated from `EvalConfig`'s fields and
+  `Resolved`'s, saved as eval_config.json), the errors the entry point reports;
 * `samples`: the result directory's files: samples.jsonl (read, repaired, appended), shard merging,
   eval_config.json and the resume check, per-sample seeds;
 * `job`: the inputs checked before any engine starts (`resolve` → `Job`, which holds the `EvalSettings`);
 * `engines`: the vLLM or transformers engine, the adapter served, merged or loaded with peft;
-* `generate`: requests built whole (seed, prompt, token cap), the missing samples streamed through vLLM and
-  saved as they finish;
+* `requests`: requests built whole (seed, prompt, token cap), those of the missing samples, and where an engine
+  loop takes them from;
+* `generate`: the missing samples streamed through vLLM (or chunked) and saved as they finish;
 * `workers`: data parallel over GPUs, workers pulling from a shared claim queue;
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
 * `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;

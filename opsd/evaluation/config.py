@@ -1,16 +1,18 @@
 """eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
-eval_config.json), and the errors the entry point reports."""
+eval_config.json: the flags but the mode ones, then `Resolved`), and the errors the entry point reports.
+The numeric flags' ranges are declared in `opsd.configuration.ranges.EVAL_RANGES`."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 from opsd import errors
 from opsd.configuration.choices import ROLLOUT_ENGINES
+from opsd.configuration.ranges import EVAL_RANGES, check_table
 
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
@@ -111,29 +113,11 @@ class EvalConfig:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        if self.n < 1:
-            raise bad("n", "need at least one sample per problem (the protocol uses --n 12)")
+        check_table(self, EVAL_RANGES, verdict="is invalid")  # declared in opsd/configuration/ranges.py
         if self.k is not None and not 1 <= self.k <= self.n:
             raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0 (0 = off)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        for name in ("max_tokens", "max_model_len", "tensor_parallel_size", "num_gpus", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise bad(name, "must be >= 1")
-        if self.max_in_flight < 0:
-            raise bad("max_in_flight", "must be >= 0 (0 = auto)")
-        if self.limit < 0:
-            raise bad("limit", "must be >= 0 (0 = all problems)")
         if self.engine not in ROLLOUT_ENGINES:
             raise bad("engine", f"choose one of {ROLLOUT_ENGINES}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise bad("gpu_memory_utilization", "must be in (0, 1]")
         # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
         value = {True: "true", False: "false", None: "auto"}.get(self.merge_adapter, self.merge_adapter)
         if not isinstance(value, str) or value.lower() not in _MERGE_WORDS:
@@ -206,40 +190,9 @@ MODE_FIELDS = ("compare", "aggregate", "plot_steps", "checkpoints", "base")
 
 
 @dataclass(frozen=True)
-class EvalSettings:
-    """One evaluation's settings once its inputs are checked (`opsd.evaluation.job.resolve`): its flags
-    (`EvalConfig` but `MODE_FIELDS`) and what was resolved from them. Saved as eval_config.json, whose keys
-    are these fields in this order; a resumed run must match it in `opsd.evaluation.samples.RESUME_KEYS`."""
+class Resolved:
+    """What `opsd.evaluation.job.resolve` found from the flags: the last fields of `EvalSettings`."""
 
-    # The flags, as given (merge_adapter canonical: auto | true | false)
-    model: str
-    adapter: str
-    merge_adapter: str
-    dataset: str
-    split: str
-    limit: int
-    n: int
-    k: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    max_tokens: int
-    max_model_len: int
-    thinking: bool
-    prompt_file: str
-    seed: int
-    engine: str
-    gpu_memory_utilization: float
-    tensor_parallel_size: int
-    num_gpus: int
-    stream: bool
-    max_in_flight: int
-    chunk_size: int
-    out: str
-    plot: bool
-    shard: str
-    # Resolved
     model_path: str  # a local model directory made absolute, or what `opsd.models.resolve_model_path` gave
     adapter_path: str  # the adapter directory, absolute; "" without an adapter
     adapter_rank: int | None  # the adapter's LoRA rank r (adapter_config.json)
@@ -250,6 +203,8 @@ class EvalSettings:
     max_model_len_used: int  # --max-model-len, lowered to the model's max_position_embeddings
     step: int | None  # N of a checkpoint-N in the adapter or model path; None without one
 
+
+class _Settings:
     @classmethod
     def of(cls, config: EvalConfig, **resolved: Any) -> EvalSettings:
         """`config`'s flags (but `MODE_FIELDS`) and the `resolved` values."""
@@ -259,3 +214,21 @@ class EvalSettings:
     def to_json(self) -> dict[str, Any]:
         """The contents of eval_config.json (and summary.json's ``config``)."""
         return asdict(self)
+
+
+# One evaluation's settings once its inputs are checked: the flags of `EvalConfig` but `MODE_FIELDS`, as given
+# (merge_adapter canonical: auto | true | false), then the `Resolved` fields, each declared once over there.
+# Frozen. Saved as eval_config.json, whose keys are these fields in this order (the order every run has
+# written them); a resumed run must match it in `opsd.evaluation.samples.RESUME_KEYS`.
+EvalSettings = make_dataclass(
+    "EvalSettings",
+    [(f.name, f.type) for f in fields(EvalConfig) if f.name not in MODE_FIELDS]
+    + [(f.name, f.type) for f in fields(Resolved)],
+    bases=(_Settings,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "One evaluation's settings: `EvalConfig`'s flags but `MODE_FIELDS`, then `Resolved`'s "
+        "fields; saved as eval_config.json.",
+    },
+    frozen=True,
+)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from opsd.evaluation.config import UserError
-from opsd.evaluation.generate import Prompts, Request, plan_requests
 from opsd.evaluation.job import Job
+from opsd.evaluation.requests import Prompts, Request, plan_requests
 from opsd.evaluation.samples import (
     SAMPLES_FILE,
     SUMMARY_FILE,

@@ -8,9 +8,10 @@ import time
 from collections.abc import Sequence
 
 from opsd.evaluation.config import EvalConfig, RunFailed, UserError, parse_config
-from opsd.evaluation.generate import NO_TIMINGS, ListSource, generate_missing
+from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import check_paths, resolve
 from opsd.evaluation.plan import missing_requests, report_lines
+from opsd.evaluation.requests import ListSource
 from opsd.evaluation.samples import SAMPLES_FILE
 from opsd.evaluation.sweep import run_sweep
 from opsd.evaluation.workers import run_shard, run_workers

@@ -51,9 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from opsd.evaluation.config import EvalConfig, UserError
-from opsd.evaluation.generate import NO_TIMINGS, ListSource, Request, generate_missing
+from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job, resolve, resolve_model
 from opsd.evaluation.plan import missing_requests, report_lines
+from opsd.evaluation.requests import ListSource, Request
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from opsd.evaluation.config import EvalConfig, RunFailed, UserError
-from opsd.evaluation.generate import NO_TIMINGS, PromptOf, Prompts, Request, generate_missing, make_request
+from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job
+from opsd.evaluation.requests import PromptOf, Prompts, Request, make_request
 from opsd.evaluation.samples import SAMPLES_FILE, SHARD_DIR, merge_shards
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,9 @@
 
 `python -m opsd.experiment` (docs/experiments.md). Modules, each importing only those before it:
 
-* `stats`: the statistics of the verdict (seed-paired t interval, hierarchical bootstrap, variance components,
-  power, minimum detectable difference, seeds needed); pure functions;
+* `stats`: the statistics of the verdict (seed-paired t interval, hierarchical bootstrap, variance
+  components); pure functions;
+* `power`: planning (the t test's power, the minimum detectable difference, the seeds needed); pure functions;
 * `spec`: an experiment's arms, seeds and shared settings (`DIR/experiment.json`), its directory layout and the
   commands of each cell;
 * `cells`: where each cell stands, read from its files;

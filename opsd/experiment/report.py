@@ -4,8 +4,8 @@ Per arm: avg@n, pass@k, maj@n and format rate of each seed's final checkpoint, t
 between-seed SE, and the gain over the base model. Each arm against the baseline arm (`--baseline`, the first arm
 by default): the difference in accuracy and in format rate with the seed-paired t interval (the reported one;
 `opsd.experiment.stats` says why) and, beside it, the hierarchical bootstrap over seeds then problems; the variance
-components of the per-seed difference; the minimum detectable difference at 80% power for the seeds run; the
-seeds needed to detect `--target-diff` points. Seeds are paired by value (the same seed in both arms) and samples
+components of the per-seed difference; the minimum detectable difference at 80% power for the seeds run and the
+seeds needed to detect `--target-diff` points (`opsd.experiment.power`). Seeds are paired by value (the same seed in both arms) and samples
 by (problem, sample index): every evaluation uses the same sampling seeds. A comparison uses the seeds both arms
 have scored and says so whenever that is fewer than were planned.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, read_samples
 from opsd.experiment import cells as C
+from opsd.experiment import power, stats
 from opsd.experiment import spec as S
-from opsd.experiment import stats
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ def compare(a: stats.CellScores, b: stats.CellScores, target: float, reps: int, 
         "interval": _interval(reported),
         "bootstrap": _interval(stats.hierarchical_bootstrap(a, b, reps=reps)),
         "variance": var,
-        "mde_80": stats.min_detectable_diff(sd, len(seeds)) if sd is not None else None,
+        "mde_80": power.min_detectable_diff(sd, len(seeds)) if sd is not None else None,
         "target_diff": target,
-        "seeds_needed": stats.seeds_needed(target, sd) if sd is not None and target else None,
+        "seeds_needed": power.seeds_needed(target, sd) if sd is not None and target else None,
         "verdict": stats.describe(reported, what=what),
     }
 

@@ -39,7 +39,8 @@ def test_stream_window_bounds_requests_in_flight_and_matches_batched_generate(vl
     from vllm import SamplingParams
 
     from opsd.evaluation.config import EvalConfig
-    from opsd.evaluation.generate import ListSource, plan_requests, stream, vllm_params
+    from opsd.evaluation.generate import stream, vllm_params
+    from opsd.evaluation.requests import ListSource, plan_requests
 
     tok = vllm_tiny.llm.get_tokenizer()
     texts = ["What is 2 + 3?", "Compute 7 * 6.", "x"]
@@ -82,7 +83,7 @@ def test_stream_window_bounds_requests_in_flight_and_matches_batched_generate(vl
 
 
 def test_claim_queue_fair_share_and_a_dead_worker(tmp_path):
-    from opsd.evaluation.generate import plan_requests
+    from opsd.evaluation.requests import plan_requests
     from opsd.evaluation.workers import ClaimQueue, write_queue
 
     problems = [{"id": f"q{i}", "index": i} for i in range(5)]

@@ -1,5 +1,5 @@
 """An evaluation's resolved settings (opsd.evaluation.config.EvalSettings, eval_config.json) and its requests,
-built whole (opsd.evaluation.generate): no model, a stand-in prompt builder."""
+built whole (opsd.evaluation.requests): no model, a stand-in prompt builder."""
 
 import dataclasses
 import json
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from opsd.evaluation.config import EvalConfig, EvalSettings, UserError
-from opsd.evaluation.generate import Prompts, plan_requests
 from opsd.evaluation.plan import missing_requests
+from opsd.evaluation.requests import Prompts, plan_requests
 from opsd.evaluation.samples import CONFIG_FILE, RESUME_KEYS, check_resume, sample_seed
 from opsd.evaluation.workers import ClaimQueue, write_queue
 
@@ -41,6 +41,21 @@ def test_settings_are_the_saved_config_key_for_key():
     assert set(RESUME_KEYS) <= set(SAVED_KEYS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.n = 4
+
+
+def test_every_eval_range_refuses_with_the_flag_the_value_and_the_range():
+    from opsd.configuration.ranges import EVAL_RANGES
+
+    assert set(EVAL_RANGES) <= {f.name for f in dataclasses.fields(EvalConfig)}
+    for name, allowed in EVAL_RANGES.items():
+        default = getattr(EvalConfig(out="x"), name)
+        assert allowed.contains(default), name
+        outside = type(default)(allowed.lo if allowed.lo_open else allowed.lo - 1)
+        with pytest.raises(ValueError) as refused:
+            EvalConfig(out="x", **{name: outside})
+        assert str(refused.value) == f"{name}={outside!r} is invalid: {allowed.rule()}"
+    with pytest.raises(ValueError, match=r"^top_p=1\.5 is invalid: must be in \(0, 1\]$"):
+        EvalConfig(out="x", top_p=1.5)
 
 
 def test_resume_check_writes_accepts_and_refuses(tmp_path):

@@ -23,7 +23,7 @@ from opsd.configuration.recipe import env_overrides, parse_recipe
 from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
-from opsd.experiment import cli, report, schedule, spec, stats
+from opsd.experiment import cli, power, report, schedule, spec
 from opsd.run.capped import make_plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -532,8 +532,8 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     assert comp["target_diff"] == 10.0
     n = comp["seeds_needed"]
     assert isinstance(n, int) and n >= 2
-    assert stats.power_paired_t(10.0, sd, n) >= 0.8 > stats.power_paired_t(10.0, sd, n - 1)
-    assert stats.power_paired_t(comp["mde_80"], sd, 3) == pytest.approx(0.8, abs=1e-6)
+    assert power.power_paired_t(10.0, sd, n) >= 0.8 > power.power_paired_t(10.0, sd, n - 1)
+    assert power.power_paired_t(comp["mde_80"], sd, 3) == pytest.approx(0.8, abs=1e-6)
 
     # B - A, format rate: per seed 2/12, 3/12, 3/12.
     fmt = result["comparisons"]["B"]["format rate"]

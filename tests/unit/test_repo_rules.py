@@ -1,0 +1,296 @@
+"""Rules the repository keeps, checked without a model or an engine: it stands on its own, its configs take
+TRL/open-r1's shape, the published recipe and each choice have one source, its package has no import cycle,
+and its generated docs are current."""
+
+import ast
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- standing on its own -----------------------------------------------------------------------------------
+
+
+def test_no_tracked_file_points_outside_the_repo():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    # Assembled from pieces so that this file does not match itself.
+    words = [r"\.\./" + "shared", "SP" + "EC", "not " + "lent", "with" + "held", "carry" + " call",
+             "device" + " time", "issue" + " #"]  # fmt: skip
+    res = subprocess.run(
+        ["git", "grep", "-nE", "|".join(words)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 1 and not res.stdout, res.stdout
+
+
+def test_method_doc_has_every_section_the_code_cites():
+    method = (ROOT / "docs" / "method.md").read_text()
+    headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)[ .]", method, flags=re.M))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    cited = set()
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in {".py", ".md", ".env", ".yaml", ".sh"} and path.is_file():
+            cited |= set(re.findall(r"docs/method\.md §(\d+(?:\.\d+)?)", path.read_text(errors="ignore")))
+    assert cited, "nothing cites docs/method.md"
+    assert cited <= headings, f"cited sections without a heading: {sorted(cited - headings)}"
+    assert "2601.18734" in method and "github.com/siyan-zhao/OPSD" in method
+
+
+# -- configuration in TRL's shape --------------------------------------------------------------------------
+
+
+def _parse(argv, environ=None):
+    from opsd_train import parse_config
+
+    return parse_config(argv, environ=environ or {})[0]
+
+
+def test_open_r1_style_yaml_is_accepted(tmp_path):
+    cfg_file = tmp_path / "openr1.yaml"
+    cfg_file.write_text(
+        "model_name_or_path: Qwen/Qwen3-1.7B\nmodel_revision: v1.0\ntorch_dtype: bfloat16\n"
+        "lora_target_modules:\n  - q_proj\n  - k_proj\noutput_dir: " + str(tmp_path / "out") + "\n"
+    )
+    cfg = _parse(["--config", str(cfg_file)])
+    assert cfg.model_revision == "v1.0"
+    assert cfg.dtype == "bfloat16"
+    assert cfg.lora_target_modules == ["q_proj", "k_proj"]
+
+
+@pytest.mark.parametrize(
+    "argv, environ, expected",
+    [
+        (["--lora_target_modules", "q_proj", "v_proj"], {}, ["q_proj", "v_proj"]),  # upstream CLI form
+        (["--lora_target_modules", "q_proj,o_proj"], {}, ["q_proj", "o_proj"]),
+        ([], {"OPSD_LORA_TARGET_MODULES": "gate_proj, up_proj"}, ["gate_proj", "up_proj"]),
+        ([], {}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ],
+)
+def test_lora_target_modules_forms(tmp_path, argv, environ, expected):
+    cfg = _parse(["--output_dir", str(tmp_path), *argv], environ)
+    assert cfg.lora_target_modules == expected
+
+
+def test_bad_model_settings_are_refused_before_loading(tmp_path):
+    from opsd.configuration.config import OPSDConfig
+
+    with pytest.raises(ValueError, match="names no module"):
+        OPSDConfig(output_dir=str(tmp_path), lora_target_modules=[" , "])
+    with pytest.raises(ValueError, match="torch_dtype='float16' and dtype='bfloat16' disagree"):
+        OPSDConfig(output_dir=str(tmp_path), torch_dtype="float16", dtype="bfloat16")
+
+
+def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
+    from opsd.configuration.choices import CHOICES
+    from opsd.configuration.config import OPSDConfig
+    from opsd.configuration.recipe import RecipeError, env_overrides
+
+    for name, allowed in CHOICES.items():
+        for value in allowed:  # every allowed value passes config and recipe validation
+            env_overrides({f"OPSD_{name.upper()}": value})
+        with pytest.raises(ValueError, match=re.escape(str(list(allowed)))):
+            OPSDConfig(output_dir=str(tmp_path), **{name: "bogus"})
+        with pytest.raises(RecipeError, match="bogus"):
+            env_overrides({f"OPSD_{name.upper()}": "bogus"})
+    # No module restates a set of choices, in any spelling: the values live only in opsd/configuration/choices.py.
+    home = ROOT / "opsd" / "configuration" / "choices.py"
+    modules = [*(ROOT / "opsd").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    assert home in modules and ROOT / "opsd_train.py" in modules  # subpackages and the entry points
+    restated = {}
+    for path in modules:
+        found = restated_choices(path.read_text()) if path != home else []
+        if found:
+            restated[str(path.relative_to(ROOT))] = found
+    assert not restated, f"import these from opsd.configuration.choices instead: {restated}"
+
+
+def restated_choices(source: str) -> list[str]:
+    """Each tuple, list or set literal of two or more strings in `source` whose values, as a set, are the
+    allowed values of a choice switch (`CHOICES`), as "line N: switch"."""
+    from opsd.configuration.choices import CHOICES
+
+    switch_of = {frozenset(allowed): name for name, allowed in CHOICES.items()}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Tuple, ast.List, ast.Set)) or len(node.elts) < 2:
+            continue
+        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            name = switch_of.get(frozenset(e.value for e in node.elts))
+            if name:
+                found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "modes = ['rescale','none','token','element']",
+        'if mode not in {"none", "element", "rescale", "token"}:\n    pass',
+        "f(engine, allowed=('vllm', 'transformers', 'auto'))",
+        'LOSSES = (\n    "sampled_token",\n    "jsd",\n)',
+        "def f(x=['matched', 'empty', 'shuffled']): return x",
+    ],
+)
+def test_the_restatement_check_finds_any_spelling(snippet):
+    assert restated_choices(snippet), snippet
+
+
+def test_the_restatement_check_passes_what_is_not_a_choice_set():
+    assert restated_choices("from opsd.configuration.choices import CLIP_MODES\nmodes = CLIP_MODES") == []
+    assert restated_choices("modes = ('element', 'token')") == []  # a part of a choice set is not it
+    assert restated_choices("modes = ('element', 'token', 'rescale', 'none', 'other')") == []
+
+
+def test_generation_window_other_than_the_optimizer_step_is_refused(tmp_path):
+    from opsd.configuration.config import OPSDConfig
+
+    # The loss denominator is one generation batch's tokens: it must be exactly one optimizer step's.
+    for extra in ({"steps_per_generation": 1}, {"steps_per_generation": 4}, {"generation_batch_size": 16}):
+        with pytest.raises(ValueError, match="normalises each optimizer step by its own tokens"):
+            OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, **extra)
+    cfg = OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, steps_per_generation=2)
+    assert cfg.steps_per_generation == 2
+
+
+# -- one source for the published recipe -------------------------------------------------------------------
+
+# Keys of a shipped config that say where a run reads and writes, not how it trains.
+RUN_KEYS = {"model_name_or_path", "dataset_name", "output_dir"}
+
+
+def test_published_yaml_restates_the_defaults_exactly(tmp_path):
+    from opsd.configuration.config import OPSDConfig
+
+    defaults = OPSDConfig(output_dir=str(tmp_path))
+    values = yaml.safe_load((ROOT / "configs" / "qwen3_1.7b_published.yaml").read_text())
+    assert set(values) - RUN_KEYS, "the published YAML sets nothing"
+    for key, value in values.items():
+        if key in RUN_KEYS:
+            continue
+        default = getattr(defaults, key)
+        if key == "bf16":  # the config turns bf16 off on a machine without a GPU
+            default = True
+        assert default == value, f"{key}: YAML {value!r} != default {default!r}"
+
+
+def test_accelerate_configs_differ_only_in_the_number_of_processes():
+    main = yaml.safe_load((ROOT / "accelerate.yaml").read_text())
+    assert main["num_processes"] == 4 and main["deepspeed_config"]["zero_stage"] == 2
+    for name, processes in [("zero2_1gpu.yaml", 1), ("zero2_2gpu.yaml", 2), ("zero2_8gpu.yaml", 8)]:
+        other = yaml.safe_load((ROOT / "configs" / "accelerate" / name).read_text())
+        assert other["num_processes"] == processes, name
+        assert {**other, "num_processes": 4} == main, (
+            f"{name} differs from accelerate.yaml beyond num_processes"
+        )
+
+
+# -- provenance --------------------------------------------------------------------------------------------
+
+
+def test_provenance_names_versions_and_revision():
+    from opsd.run.provenance import provenance
+
+    found = provenance()
+    assert found["versions"]["torch"] == torch.__version__
+    assert found["versions"]["trl"] and found["versions"]["transformers"]
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert found["git"]["commit"] == head.strip()
+        assert isinstance(found["git"]["dirty"], bool)
+
+
+# -- training curves ---------------------------------------------------------------------------------------
+
+
+def _metrics_file(run, records):
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')
+
+
+def test_plot_draws_the_panels_a_run_has(tmp_path):
+    from opsd.run.curves import main, read_metrics
+
+    run = tmp_path / "run"
+    records = [
+        {"step": s, "loss": 1.0 / s, "opsd/divergence": 0.5 / s, "time/step_s": 2.0, "grad_norm": 0.1}
+        for s in range(1, 6)
+    ]
+    records += [{"step": 0, "probe/divergence": 0.4}, {"step": 5, "probe/divergence": 0.2}]
+    _metrics_file(run, records)
+    metrics = read_metrics(run)
+    assert metrics["loss"] == [(s, 1.0 / s) for s in range(1, 6)]
+    assert metrics["probe/divergence"] == [(0, 0.4), (5, 0.2)]  # the cut last line is skipped
+    assert main([str(run)]) == 0
+    png = run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from opsd.run.curves import training_curves
+
+    titles = training_curves({"run": metrics}, tmp_path / "x.png")
+    assert titles == ["loss", "divergence D_β (per token)", "seconds per step", "gradient norm"]
+
+
+def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
+    from opsd.run.curves import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+# -- the package and its generated docs --------------------------------------------------------------------
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """No module of opsd imports (at the top or inside a function) one that imports it back, directly or not."""
+    modules = {}
+    for path in (ROOT / "opsd").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    assert "opsd.evaluation.config" in graph["opsd.evaluation.run"]  # the walk sees real edges
+
+    def path_back(start, node, seen):
+        for nxt in graph[node]:
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                rest = path_back(start, nxt, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    for name in graph:
+        cycle = path_back(name, name, set())
+        assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_configuration_doc_is_generated_from_the_config():
+    """docs/configuration.md's switch table is what OPSDConfig says (python -m opsd.configuration.config_docs rewrites it)."""
+    from opsd.configuration import config_docs
+    from opsd.configuration.config import OPSDConfig
+
+    text = config_docs.DOC.read_text(encoding="utf-8")
+    assert config_docs.replaced(text) == text, (
+        "docs/configuration.md is out of date: python -m opsd.configuration.config_docs"
+    )
+    table = config_docs.render()
+    for name in OPSDConfig.__dict__["__annotations__"]:
+        assert f"| `{name}` | `OPSD_{name.upper()}` |" in table
+    assert config_docs.main(["--check"]) == 0
