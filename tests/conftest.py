@@ -89,7 +89,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from opsd.tiny import build_tiny_model
+    from bench.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opsd.method.scoring import lm_head_weight, positions
+from opsd.method.hidden import lm_head_weight, positions
 from tests.conftest import free_port
 
 
@@ -69,7 +69,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 def _scoring_batch(trainer, tok):
     """Prompts of different lengths with fixed completions, laid out like a training batch."""
-    from opsd.method.scoring import left_pad
+    from opsd.method.hidden import left_pad
 
     problems = [
         "What is 2 + 3?",

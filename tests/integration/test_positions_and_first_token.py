@@ -11,7 +11,7 @@ import torch
 
 from opsd.configuration.config import IGNORED_SDFT_OPTIONS, OPSDConfig
 from opsd.method.loss import token_divergence
-from opsd.method.scoring import completion_hidden, left_pad, loss_token_mask, positions, right_pad
+from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from tests.conftest import make_trainer
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from opsd.method.prompts import PromptBuilder, reference_text
-from opsd.tiny import build_tokenizer
+from bench.tiny import build_tokenizer
 
 MARK = "\n[... reference truncated ...]"
 BEGIN = "=== BEGIN REFERENCE ==="
