@@ -33,7 +33,6 @@ from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib, training
 
 training_process_env()
 
-from opsd.configuration.cli import parse_config  # noqa: E402, F401  (the parser, also for tests)
 from opsd.configuration.config import OPSDConfig  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
 from opsd.run import preflight  # noqa: E402

@@ -179,7 +179,11 @@ def main() -> None:
         "what": "per-token loss gradient norm (w.r.t. student logits) and divergence at completion token 0 "
         "vs the median of the other tokens; tiny Qwen3 taught Qwen3's thinking format",
         "machine": machine(),
-        "config": {**vars(args), "loss": dataclasses.asdict(loss_settings("element")), "sft_final_loss": statistics.mean(curve[-20:])},
+        "config": {
+            **vars(args),
+            "loss": dataclasses.asdict(loss_settings("element")),
+            "sft_final_loss": statistics.mean(curve[-20:]),
+        },
         "rollout_tokens": sum(map(len, rollouts)),
         "results": results,
         "elapsed_s": round(time.perf_counter() - t0, 1),

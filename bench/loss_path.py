@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opsd.method.hidden import completion_hidden, lm_head_weight  # noqa: E402
 from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
+from opsd.method.hidden import completion_hidden, lm_head_weight  # noqa: E402
 from opsd.method.loss import LossSettings, chunked_opsd_loss  # noqa: E402
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]
@@ -117,7 +117,9 @@ def project_step(model, p, pm, t, tm, cids, cm):
     with torch.no_grad(), model.disable_adapter():
         ht = completion_hidden(model, t, tm, cids, cm)
     w = lm_head_weight(model)
-    loss, _ = chunked_opsd_loss(hs, ht, w, w.detach(), settings=published_loss(), target_ids_N=cids[cm.bool()])
+    loss, _ = chunked_opsd_loss(
+        hs, ht, w, w.detach(), settings=published_loss(), target_ids_N=cids[cm.bool()]
+    )
     (loss / cm.sum()).backward()
 
 

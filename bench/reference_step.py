@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 import opsd_train  # noqa: E402  (first: it sets the engine's environment before vLLM loads)
 import opsd_trainer  # noqa: E402
+from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
 from opsd.method.hidden import positions  # noqa: E402
-from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
 
 
 class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):

@@ -128,7 +128,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     settings = dict(
@@ -150,7 +150,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
         else None
     )
     return OPSDTrainer(
-        model=model, args=cfg, train_dataset=build_dataset(cfg),
+        model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft,
     )  # fmt: skip
 

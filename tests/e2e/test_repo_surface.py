@@ -75,7 +75,7 @@ def test_gpu_setup_refuses_a_cpu_torch_with_one_clear_line():
 
 
 def _parse(argv, environ=None):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     return parse_config(argv, environ=environ or {})[0]
 

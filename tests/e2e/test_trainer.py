@@ -29,7 +29,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     cfg = OPSDConfig(
@@ -54,7 +54,7 @@ def trained(tiny_model_dir, tmp_path_factory):
         trainer = OPSDTrainer(
             model=model,
             args=cfg,
-            train_dataset=build_dataset(cfg),
+            train_dataset=build_paired_dataset(cfg)[0],
             processing_class=tok,
             peft_config=LoraConfig(
                 r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from opsd.method.prompts import PromptBuilder, reference_text
 from bench.tiny import build_tokenizer
+from opsd.method.prompts import PromptBuilder, reference_text
 
 MARK = "\n[... reference truncated ...]"
 BEGIN = "=== BEGIN REFERENCE ==="
