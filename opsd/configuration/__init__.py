@@ -1,9 +1,14 @@
 """Configuration: every switch of training, its default, its check and where a value can come from.
 
 * `choices`: the allowed values of every choice switch; `ranges`: the allowed range of every numeric one;
-* `config`: `OPSDConfig`, the published recipe as defaults, and the precedence of the value sources;
-* `recipe`: `recipe.env` files and `OPSD_*` variables, validated into command-line flags;
+* `config`: `OPSDConfig`, the published recipe as defaults, the precedence of the value sources, and the loss's
+  settings (`loss_settings`);
+* `aliases`: older names of fields, still accepted (`jsd_token_clip` is `divergence_clip`);
+* `keys`: which fields `recipe.env`, `OPSD_*` and the harness's flags may set (method, operational, budget);
+* `values`: one value from those sources checked against its field's type and choices;
+* `recipe`: `recipe.env` files, `OPSD_*` variables and pass-through flags, validated into command-line flags;
 * `legacy`: TRL/open-r1 YAML keys that transformers 5 removed, translated or ignored;
+* `cli`: opsd_train.py's command line (flags, YAML, recipe, environment) into one checked `OPSDConfig`;
 * `engine_env`: the environment every vLLM engine of the repo starts with;
 * `config_docs`: docs/configuration.md's switch table, generated from `OPSDConfig`.
 """

@@ -255,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
+        from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS
         from opsd.configuration.recipe import (
-            BUDGET_KEYS,
-            CAPPED_KEYS,
             flag_overrides,
             replaced_message,
             resolve_with_replaced,

@@ -6,9 +6,8 @@ import os
 
 import pytest
 
+from opsd.configuration.keys import CAPPED_KEYS, OPERATIONAL_KEYS
 from opsd.configuration.recipe import (
-    CAPPED_KEYS,
-    OPERATIONAL_KEYS,
     RecipeError,
     env_overrides,
     flag_overrides,

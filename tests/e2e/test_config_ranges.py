@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from opsd.configuration.choices import CHOICES
+from opsd.configuration.keys import CAPPED_KEYS
 from opsd.configuration.ranges import RANGES, range_error
-from opsd.configuration.recipe import CAPPED_KEYS, RecipeError, parse_recipe
+from opsd.configuration.recipe import RecipeError, parse_recipe
 from opsd.errors import InvalidValue, UserError
 
 # field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:

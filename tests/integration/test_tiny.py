@@ -1,4 +1,4 @@
-"""Tests for opsd.tiny: the locally trained tokenizer, its Qwen3-style chat template, and the tiny Qwen3."""
+"""Tests for bench/tiny.py: the locally trained tokenizer, its Qwen3-style chat template, and the tiny Qwen3."""
 
 from __future__ import annotations
 
