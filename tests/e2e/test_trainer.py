@@ -233,12 +233,15 @@ def test_the_trl_hooks_the_trainer_overrides_exist_in_trl():
 
     from opsd_trainer import OPSDTrainer
 
+    # OPSDTrainer and the OPSD classes mixed in ahead of SDFTTrainer (opsd.method.rollouts, opsd.method.loss_step).
+    own = OPSDTrainer.__mro__[: OPSDTrainer.__mro__.index(SDFTTrainer)]
+    defined = {name: member for cls in reversed(own) for name, member in vars(cls).items()}
     for name in OPSDTrainer.TRL_HOOKS:
-        assert name in OPSDTrainer.__dict__, f"{name} is listed but not overridden"
+        assert name in defined, f"{name} is listed but not overridden"
         assert callable(getattr(SDFTTrainer, name, None)), f"TRL's SDFTTrainer no longer has {name}"
     overrides = {
         name
-        for name, member in OPSDTrainer.__dict__.items()
+        for name, member in defined.items()
         if inspect.isfunction(member) and name != "__init__" and hasattr(SDFTTrainer, name)
     }
     assert overrides == set(OPSDTrainer.TRL_HOOKS)
