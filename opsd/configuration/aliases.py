@@ -1,7 +1,7 @@
 """Older names of `OPSDConfig` fields, still accepted where users' recipes carry them.
 
 A recipe line (`JSD_TOKEN_CLIP=0.1`), an `OPSD_*` variable, a YAML key or a flag (`--jsd_token_clip 0.1`)
-under an older name is read as the field's canonical name, with a logged note that names it; giving both
+under an older name is read as the field's canonical name, with a logged note (INFO) that names it; giving both
 names is refused. A run directory's `opsd_config.json` written under an older name is read the same way on
 resume. Everything else (the config, `--help`, docs/configuration.md, error messages) uses the canonical name.
 """
@@ -24,7 +24,9 @@ def canonical(name: str, *, source: str) -> str:
     """The canonical field name for `name` (a note when `name` is an older one); other names unchanged."""
     if name not in ALIASES:
         return name
-    logger.warning(
+    # INFO: shown in training's log; the harness's one-line errors and JSON plan stay as they are (its plan
+    # lists each override under the canonical name with its source).
+    logger.info(
         "%s: note: %s is the older name of %s, the canonical name; read as %s", source, name, ALIASES[name],
         ALIASES[name],
     )  # fmt: skip

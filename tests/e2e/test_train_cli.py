@@ -216,7 +216,7 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
     }
     for route, (argv, environ, expected) in routes.items():
         caplog.clear()
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.INFO):
             cfg, _ = parse_config(argv, environ=environ)
         assert cfg.divergence_clip == expected, route
         assert not hasattr(cfg, "jsd_token_clip")
