@@ -54,7 +54,7 @@ SCRIPT = REPO / "eval_aime.py"
 
 def base_model(kind: str, work: Path) -> str:
     if kind == "tiny":
-        from opsd.tiny import build_tiny_model
+        from bench.tiny import build_tiny_model
 
         path = work / "tiny-model"
         if not (path / "config.json").is_file():

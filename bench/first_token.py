@@ -20,6 +20,7 @@ it starts right after the empty block. It stands in for a model that follows tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -31,14 +32,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, write  # noqa: E402
+from bench.reference_loss import token_divergence  # noqa: E402
+from bench.tiny import build_tiny_model  # noqa: E402
 from opsd.data.builtin import builtin_train_rows  # noqa: E402
-from opsd.method.loss import token_divergence  # noqa: E402
+from opsd.method.hidden import completion_hidden, left_pad, right_pad  # noqa: E402
 from opsd.method.prompts import PromptBuilder  # noqa: E402
-from opsd.method.scoring import completion_hidden, left_pad, right_pad  # noqa: E402
-from opsd.tiny import build_tiny_model  # noqa: E402
 
-LOSS = dict(beta=0.0, temperature=1.1, clip=0.05)
-MODES = {"none": dict(clip_mode="none"), "element": dict(clip_mode="element"), "sampled_token": {}}
+# The published loss (beta 0, temperature 1.1, clip 0.05) in each mode.
+MODES = {
+    "none": dict(clip_mode="none"),
+    "element": dict(clip_mode="element"),
+    "sampled_token": dict(loss_type="sampled_token"),
+}
+
+
+def loss_settings(mode: str):
+    from opsd.configuration.config import OPSDConfig
+
+    return dataclasses.replace(OPSDConfig(report_to="none").loss_settings(), **MODES[mode])
 
 
 def teach_think_protocol(model, tok, rows, steps: int, seed: int) -> list[float]:
@@ -100,14 +111,12 @@ def per_token(model, tok, student_ids, teacher_ids, rollouts, mode: str):
         h_t = completion_hidden(model, *left_pad(teacher_ids, pad, "cpu"), c_ids, c_mask)
     s_logits = (h_s @ w.T).detach().requires_grad_(True)
     t_logits = (h_t @ w.T).detach()
-    loss_type = "sampled_token" if mode == "sampled_token" else "jsd"
-    loss_N, stats = token_divergence(
-        s_logits, t_logits, loss_type=loss_type, target_ids_N=c_ids[c_mask.bool()], **LOSS, **MODES[mode]
-    )
+    settings = loss_settings(mode)
+    loss_N, stats = token_divergence(s_logits, t_logits, settings=settings, target_ids_N=c_ids[c_mask.bool()])
     loss_N.sum().backward()
     first_N = (torch.arange(c_mask.size(1)).expand_as(c_mask) == 0)[c_mask.bool()]
     think = tok.convert_tokens_to_ids("<think>")
-    p_think = (t_logits[first_N] / LOSS["temperature"]).softmax(-1)[:, think]
+    p_think = (t_logits[first_N] / settings.temperature).softmax(-1)[:, think]
     return s_logits.grad.norm(dim=-1), stats["divergence"], first_N, p_think
 
 
@@ -170,7 +179,11 @@ def main() -> None:
         "what": "per-token loss gradient norm (w.r.t. student logits) and divergence at completion token 0 "
         "vs the median of the other tokens; tiny Qwen3 taught Qwen3's thinking format",
         "machine": machine(),
-        "config": {**vars(args), **LOSS, "sft_final_loss": statistics.mean(curve[-20:])},
+        "config": {
+            **vars(args),
+            "loss": dataclasses.asdict(loss_settings("element")),
+            "sft_final_loss": statistics.mean(curve[-20:]),
+        },
         "rollout_tokens": sum(map(len, rollouts)),
         "results": results,
         "elapsed_s": round(time.perf_counter() - t0, 1),

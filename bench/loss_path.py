@@ -7,7 +7,7 @@ One micro-batch = student forward+backward on [prompt 256 ; completion C], teach
 [teacher prompt 1024 ; completion C], and the clipped-JSD loss (docs/method.md §1, published settings), with LoRA r64
 on all projections and gradient checkpointing, as in training.
 - reference: both roles' logits materialised over the whole vocabulary (`model(...).logits`, as the
-  reference code does) and the loss computed from them (`opsd.method.loss.opsd_loss_from_logits`, the unchunked
+  reference code does) and the loss computed from them (`bench.reference_loss.opsd_loss_from_logits`, the unchunked
   function that the tests check against the naive oracle);
 - project: final hidden states only, and `opsd.method.loss.chunked_opsd_loss` (logits in chunks of 1024 tokens,
   gradient computed in the forward, never all at once).
@@ -17,6 +17,8 @@ Writes bench/results/loss_path_<gpu>.json: machine, versions, config, peak memor
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import platform
 import statistics
@@ -28,18 +30,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opsd.method.loss import chunked_opsd_loss, opsd_loss_from_logits  # noqa: E402
-from opsd.method.scoring import completion_hidden, lm_head_weight  # noqa: E402
+from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
+from opsd.method.hidden import completion_hidden, lm_head_weight  # noqa: E402
+from opsd.method.loss import LossSettings, chunked_opsd_loss  # noqa: E402
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]
-LOSS = dict(beta=0.0, temperature=1.1, clip=0.05, clip_mode="element", top_k=0, loss_type="jsd")
+
+
+@functools.cache
+def published_loss() -> LossSettings:
+    """The published recipe's loss settings (OPSDConfig's defaults)."""
+    from opsd.configuration.config import OPSDConfig
+
+    return OPSDConfig(report_to="none").loss_settings()
 
 
 def build_model(tiny: bool, device: str):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from opsd.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
+    from bench.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
 
     shape = dict(tiny_qwen3_shape(), vocab_size=512) if tiny else qwen3_1p7b_shape()
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -82,7 +92,7 @@ def batch(b: int, c: int, prompt: int, teacher_prompt: int, vocab: int, device: 
 
 def reference_step(model, p, pm, t, tm, cids, cm):
     """Materialised logits for both roles, then the unchunked loss."""
-    from opsd.method.scoring import positions
+    from opsd.method.hidden import positions
 
     def logits(prompt_ids, prompt_mask):
         ids = torch.cat([prompt_ids, cids], 1)
@@ -98,7 +108,7 @@ def reference_step(model, p, pm, t, tm, cids, cm):
     student = logits(p, pm)
     with torch.no_grad(), model.disable_adapter():
         teacher = logits(t, tm)
-    loss, _ = opsd_loss_from_logits(student, teacher, cm, **LOSS)
+    loss, _ = opsd_loss_from_logits(student, teacher, cm, settings=published_loss(), target_ids_BT=cids)
     (loss / cm.sum()).backward()
 
 
@@ -107,7 +117,9 @@ def project_step(model, p, pm, t, tm, cids, cm):
     with torch.no_grad(), model.disable_adapter():
         ht = completion_hidden(model, t, tm, cids, cm)
     w = lm_head_weight(model)
-    loss, _ = chunked_opsd_loss(hs, ht, w, w.detach(), chunk_size=1024, **LOSS)
+    loss, _ = chunked_opsd_loss(
+        hs, ht, w, w.detach(), settings=published_loss(), target_ids_N=cids[cm.bool()]
+    )
     (loss / cm.sum()).backward()
 
 
@@ -179,7 +191,7 @@ def main() -> None:
             "gradient_checkpointing": True,
             "prompt": a.prompt,
             "teacher_prompt": a.teacher_prompt,
-            "loss": LOSS,
+            "loss": dataclasses.asdict(published_loss()),
             "chunk_size": 1024,
             "repeats": a.repeats,
             "weights_gib": base_gib,

@@ -8,7 +8,7 @@ from `OPSDTrainer` is what the published OPSD code does, and nothing else:
   detokenised outputs;
 - weight sync: TRL's `sync_weights` (merge the LoRA adapter into the base weights, push them, unmerge);
 - scoring and loss: both roles' logits over the whole vocabulary (`model(...).logits`, prompt positions
-  included), then the clipped divergence on the completion positions (`opsd.method.loss.opsd_loss_from_logits`,
+  included), then the clipped divergence on the completion positions (`bench.reference_loss.opsd_loss_from_logits`,
   the same formula as the chunked loss);
 - micro-batch and checkpointing: whatever the arguments say (the reference used 4 and checkpointing on).
 """
@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 import opsd_train  # noqa: E402  (first: it sets the engine's environment before vLLM loads)
 import opsd_trainer  # noqa: E402
+from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
-from opsd.method.loss import opsd_loss_from_logits  # noqa: E402
-from opsd.method.scoring import positions  # noqa: E402
+from opsd.method.hidden import positions  # noqa: E402
 
 
 class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
@@ -80,11 +80,8 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             student_BCV,
             teacher_BCV,
             self._loss_mask(completion_ids, completion_mask),
-            beta=a.beta,
-            temperature=a.effective_loss_temperature,
-            clip=a.jsd_token_clip,
-            clip_mode=a.clip_mode,
-            top_k=a.top_k_loss,
+            settings=a.loss_settings(),
+            target_ids_BT=completion_ids,
         )
         loss = loss_sum / inputs["num_loss_tokens"].clamp(min=1) * self.accelerator.num_processes
         self._record_loss_stats(loss_sum.detach(), stats)

@@ -90,7 +90,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
     from opsd.configuration.choices import CLIP_MODES
     from opsd.configuration.config import OPSDConfig
     from opsd.method.loss import chunked_opsd_loss
-    from opsd.method.scoring import completion_hidden, left_pad, lm_head_weight, right_pad
+    from opsd.method.hidden import completion_hidden, left_pad, lm_head_weight, right_pad
 
     work = tempfile.mkdtemp(prefix="liger-check-")
     cfg = OPSDConfig(output_dir=work, model_name_or_path=str(model_dir))
@@ -122,9 +122,10 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
             with torch.no_grad():
                 h_t = completion_hidden(model, t_ids, t_mask, c_ids, c_mask)
             w = lm_head_weight(model)
-            kw = dict(beta=cfg.beta, temperature=cfg.effective_loss_temperature, clip=cfg.jsd_token_clip,
-                      clip_mode=mode, top_k=cfg.top_k_loss, loss_type=cfg.loss_type)  # fmt: skip
-            loss, _ = chunked_opsd_loss(h_s, h_t, w, w.detach(), target_ids_N=c_ids[c_mask.bool()], **kw)
+            settings = dataclasses.replace(cfg.loss_settings(), clip_mode=mode)
+            loss, _ = chunked_opsd_loss(
+                h_s, h_t, w, w.detach(), settings=settings, target_ids_N=c_ids[c_mask.bool()]
+            )
             loss.backward()
             grad = torch.cat(
                 [p.grad.flatten().float() for n, p in model.named_parameters() if p.grad is not None]

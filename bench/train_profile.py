@@ -301,7 +301,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) 
     from opsd.configuration.config import OPSDConfig
     from opsd.models import load_tokenizer, resolve_attn_implementation
     from opsd.run import microbatch
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
 
     cuda, work = a.device == "cuda", tempfile.mkdtemp(prefix="train-profile-")
     config = OPSDConfig(
@@ -312,7 +312,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) 
         logging_steps=1, report_to="none", probe_steps=0, completions_steps=0, disable_tqdm=True,
         **(lever.config if lever else {}),
     )  # fmt: skip
-    dataset = build_dataset(config)
+    dataset, _ = build_paired_dataset(config)
     if cuda:  # as opsd_train.py decides it before the model loads, beside a colocated engine
         config, plan = microbatch.resolve(config, dataset, str(model_dir), colocated_engine=True)
     else:
@@ -337,7 +337,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) 
         if trace is not None:
             driver.prof.export_chrome_trace(str(trace))
         recipe = ("lora_r", "lora_alpha", "lora_target_modules", "teacher_mode", "beta", "clip_mode",
-                  "jsd_token_clip", "loss_chunk_size", "gradient_checkpointing", "bf16")  # fmt: skip
+                  "divergence_clip", "loss_chunk_size", "gradient_checkpointing", "bf16")  # fmt: skip
         row = {
             "length": length, "status": "ok", "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
             "micro_batch_plan": dataclasses.asdict(plan), "recipe": {k: getattr(config, k) for k in recipe},

@@ -6,9 +6,9 @@
 * `data/`: training and evaluation tables, and the built-in sets;
 * `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
 * `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);
-* `errors`, `paths`, `models`: user errors, the paths a user names, model and tokenizer loading;
-* `tiny`: small models built locally, for tests and benchmarks.
+* `errors`, `paths`, `models`: user errors, the paths a user names, model and tokenizer loading.
 
 The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
-`train_capped.sh`); the package never imports them.
+`train_capped.sh`); the package never imports them. Small models built locally for tests and benchmarks
+are `bench/tiny.py`; the loss from full logits, the benchmarks' baseline, `bench/reference_loss.py`.
 """

@@ -6,6 +6,8 @@ traceback (a recipe with several bad lines gets one line per problem) and exit w
 `--debug` flag or `OPSD_DEBUG=1` prints the traceback first. Every other exception is a bug and keeps its
 traceback.
 
+`closest` finds the name a user probably meant (a typo of a field, key or flag) for the "did you mean" hints.
+
 `InvalidValue` and `MissingPath` are also a `ValueError` and a `FileNotFoundError`, so code that catches
 those still catches them.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "OPSD_DEBUG"
@@ -67,3 +69,28 @@ def run_main(main: Callable[[list[str]], object], prog: str, argv: Sequence[str]
     except UserError as err:
         return report(err, prog, debug=debug)
     return 0
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with adjacent transpositions counted as one edit."""
+    prev2: list[int] | None = None
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            row.append(cost)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def closest(word: str, candidates: Iterable[str], *, any_distance: bool = False) -> str | None:
+    """The candidate nearest to `word` by edit distance (case-insensitive), if it is close enough to be a
+    typo (at most a third of the word's length, at least 2 edits), or at any distance with `any_distance`."""
+    lowered = word.lower()
+    best = min(sorted(candidates), key=lambda c: edit_distance(lowered, c.lower()), default=None)
+    if best is None or any_distance:
+        return best
+    return best if edit_distance(lowered, best.lower()) <= max(2, len(word) // 3) else None

@@ -94,7 +94,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from opsd.tiny import build_tiny_model
+    from bench.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
@@ -133,7 +133,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     settings = dict(
@@ -155,7 +155,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
         else None
     )
     return OPSDTrainer(
-        model=model, args=cfg, train_dataset=build_dataset(cfg),
+        model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft,
     )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """The allowed values of every choice switch, declared once.
 
 `OPSDConfig` validates its fields against these (and hands them to the CLI parser as `choices`), the
-recipe parser checks `recipe.env` / `OPSD_*` values against them, and the loss and data modules validate
-their own arguments with the same tuples. No dependencies, so any module can import it.
+recipe parser checks `recipe.env` / `OPSD_*` values against them, and the data modules validate their own
+arguments with the same tuples. The loss checks nothing again: its settings come from a checked config
+(`OPSDConfig.loss_settings`). No dependencies, so any module can import it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from trl.experimental.sdft import SDFTConfig
 
 from opsd.configuration.choices import CHOICES, check_choice
 from opsd.configuration.ranges import check_ranges
+from opsd.method.loss import LossSettings
 from opsd.run.microbatch import parse_micro_batch_size
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ IGNORED_SDFT_OPTIONS = {
     "distillation_alpha": "set the OPSD divergence with beta instead",
     "distillation_mode": "set the OPSD objective with loss_type (jsd | sampled_token) instead",
     "distillation_topk": "restrict the OPSD loss with top_k_loss instead",
-    "distillation_is_clip": "clip the OPSD loss with jsd_token_clip and clip_mode instead",
+    "distillation_is_clip": "clip the OPSD loss with divergence_clip and clip_mode instead",
     "distillation_add_tail": "the OPSD loss has no tail bucket; leave it unset",
     "teacher_prompt_template": "give a teacher template file with teacher_prompt_file ({problem}, {reference})",
     "use_teacher_server": "OPSD scores the teacher locally on the full vocabulary; leave it unset",
@@ -104,13 +105,14 @@ class OPSDConfig(SDFTConfig):
         default=4, metadata=_help("Problems per device per micro-batch.")
     )
     gradient_accumulation_steps: int = field(default=2, metadata=_help("Micro-batches per optimizer step."))
-    micro_batch_size: str = field(
-        default="",
+    micro_batch_size: str | None = field(
+        default=None,
         metadata=_help(
             "Rows per forward/backward, keeping per_device_train_batch_size x gradient_accumulation_steps "
             "problems per process per step (memory, not method; opsd.run.microbatch): unset = "
             "per_device_train_batch_size as given; N (must divide them); auto = the largest that fits beside "
-            "the engine on a GPU, the plan as given without one. train_capped.sh uses auto."
+            "the engine on a GPU, the plan as given without one. train_capped.sh uses auto. Parsed once, here, "
+            "into None, an int or 'auto'."
         ),
     )
     gradient_checkpointing: bool = field(default=True, metadata=_help("Recompute activations in backward."))
@@ -227,7 +229,13 @@ class OPSDConfig(SDFTConfig):
     loss_temperature: float = field(
         default=0.0, metadata=_help("Temperature of both distributions in the loss; 0 = rollout temperature.")
     )
-    jsd_token_clip: float = field(default=0.05, metadata=_help("Clip threshold of the divergence terms."))
+    divergence_clip: float = field(
+        default=0.05,
+        metadata=_help(
+            "Clip threshold of the divergence: of each vocabulary entry's term (clip_mode=element), or of a "
+            "token's sum (token, rescale). Formerly jsd_token_clip, still accepted."
+        ),
+    )
     clip_mode: str = field(
         default="element",
         metadata=_choice("clip_mode", "element | token | rescale | none (docs/method.md §1.4)."),
@@ -325,7 +333,7 @@ class OPSDConfig(SDFTConfig):
         for name in CHOICES:
             check_choice(name, getattr(self, name))
         check_ranges(self)  # every numeric field's range, declared once in opsd/configuration/ranges.py
-        parse_micro_batch_size(self.micro_batch_size)
+        self.micro_batch_size = parse_micro_batch_size(self.micro_batch_size)
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}
         for name, instead in IGNORED_SDFT_OPTIONS.items():
@@ -363,6 +371,14 @@ class OPSDConfig(SDFTConfig):
                 "so rollouts are generated one optimizer step at a time; leave both generation settings unset"
             )
 
-    @property
-    def effective_loss_temperature(self) -> float:
-        return self.loss_temperature or self.temperature
+    def loss_settings(self) -> LossSettings:
+        """The loss's arguments, for every caller of the loss (trainer, probe, completions log, benchmarks)."""
+        return LossSettings(
+            beta=self.beta,
+            temperature=self.loss_temperature or self.temperature,
+            clip=self.divergence_clip,
+            clip_mode=self.clip_mode,
+            teacher_support_k=self.top_k_loss,
+            loss_type=self.loss_type,
+            chunk_size=self.loss_chunk_size,
+        )

@@ -27,6 +27,19 @@ SINGLE_NODE_ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE":
 KV_CACHE_ENV = "OPSD_KV_CACHE_GIB"
 
 
+# A training process: colocated vLLM runs in it (the trainer pushes weights into the engine), and TRL's
+# experimental trainers are imported without their warning.
+TRAINING_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+def training_process_env(environ=os.environ) -> None:
+    """The environment of a process that trains or checks a training run, set before vLLM or TRL load (a
+    user's own setting of each wins): `TRAINING_PROCESS_ENV` and the single-node engine settings."""
+    for name, value in TRAINING_PROCESS_ENV.items():
+        environ.setdefault(name, value)
+    single_node_engine_env(environ)
+
+
 def single_node_engine_env(environ=os.environ) -> None:
     """Fill in the engine settings above that the environment does not set already."""
     for name, value in SINGLE_NODE_ENGINE_ENV.items():

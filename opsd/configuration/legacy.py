@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from opsd.errors import InvalidValue
+from opsd.errors import InvalidValue, closest
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,6 @@ REFUSED = {
     "per_gpu_train_batch_size": "use per_device_train_batch_size",
     "per_gpu_eval_batch_size": "OPSD trains on no evaluation set; remove it",
 }
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance with adjacent transpositions counted as one edit."""
-    prev2: list[int] | None = None
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        row = [i]
-        for j, cb in enumerate(b, 1):
-            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
-            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                cost = min(cost, prev2[j - 2] + 1)
-            row.append(cost)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
-def closest(word: str, candidates: Iterable[str], *, any_distance: bool = False) -> str | None:
-    """The candidate nearest to `word` by edit distance (case-insensitive), if it is close enough to be a
-    typo (at most a third of the word's length, at least 2 edits), or at any distance with `any_distance`."""
-    lowered = word.lower()
-    best = min(sorted(candidates), key=lambda c: edit_distance(lowered, c.lower()), default=None)
-    if best is None or any_distance:
-        return best
-    return best if edit_distance(lowered, best.lower()) <= max(2, len(word) // 3) else None
 
 
 def translate_yaml(config: Mapping[str, Any], known: Iterable[str], *, source: str) -> dict[str, Any]:

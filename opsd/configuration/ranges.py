@@ -108,7 +108,7 @@ RANGES: dict[str, Range] = {
     # loss
     "beta": Range(0, 1),
     "loss_temperature": Range(0, note="0 = rollout temperature"),
-    "jsd_token_clip": Range(0, lo_open=True, note="use clip_mode=none to disable clipping"),
+    "divergence_clip": Range(0, lo_open=True, note="use clip_mode=none to disable clipping"),
     "top_k_loss": OFF_AT_ZERO,
     "loss_chunk_size": POSITIVE,
     "num_loss_tokens_to_skip": Range(0, note="0 = none"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from opsd.configuration.engine_env import fixed_kv_cache, single_node_engine_env
-from opsd.method.scoring import left_pad
+from opsd.method.hidden import left_pad
 
 logger = logging.getLogger(__name__)
 

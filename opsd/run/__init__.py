@@ -7,6 +7,7 @@
 * `completions`: a few rows of what the student wrote, and where its teacher disagreed;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
 * `microbatch`: how a process splits its share of a step into micro-batches (memory, not method);
+* `preflight`: every input of a run checked before any model loads, and the dry run (opsd_train.py, train_capped.sh);
 * `capped`: the 100-step budget's launch plan (`train_capped.sh`);
 * `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).
 """

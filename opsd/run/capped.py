@@ -18,8 +18,9 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
         [--dry-run] [--debug] [-- --report_to wandb --run_name x]
 
 prints the launch command as a JSON plan (`train_capped.sh` executes it). Before launching, and in a dry run,
-it runs `opsd_train.py --dry-run` on the planned arguments, in this interpreter: the configuration is
-validated by the code a real run uses, with no model loaded. `--allow-config-change` is passed on to
+it runs training's dry run (`opsd.run.preflight`, what `opsd_train.py --dry-run` runs) on the planned
+arguments, in this interpreter: the configuration is validated by the code a real run uses, with no model
+loaded. `--allow-config-change` is passed on to
 training (resuming a run whose recipe changed, recorded in its history). Flags after `--` pass through to
 training; only `OPERATIONAL_KEYS` (trackers, logging, memory) are accepted there, budget keys are refused
 and method keys belong in `recipe.env`. Without `--num-gpus` the plan is 4 GPU processes where a GPU is present and one CPU process
@@ -150,27 +151,29 @@ def make_plan(
 
 
 def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
-    """`opsd_train.py --dry-run` on the planned arguments: the checks a real run makes before loading a
-    model (config values, recipe and `OPSD_*`, prompt files, local model and data). Returns its JSON.
+    """The dry run of training (`opsd.run.preflight.dry_run`) on the planned arguments: the checks a real run
+    makes before loading a model (config values, recipe and `OPSD_*`, prompt files, local model and data).
+    Returns its report (resolved config, data rows, micro-batch plan, teacher pairing).
 
-    It runs in this interpreter (`opsd_train.main`), so the training stack is imported once, not a second
-    time in a child process (docs/performance.md h). Its log and progress
-    output is kept out of the plan's terminal, as the child's was; under `--debug` it is shown."""
+    It runs in this interpreter, so the training stack is imported once, not a second time in a child process
+    (docs/performance.md h). Its log and progress output is kept out of the plan's terminal; under `--debug`
+    it is shown."""
     import contextlib
     import io
     import logging
 
+    from opsd.configuration.engine_env import training_process_env
+
+    training_process_env()  # as opsd_train.py sets it, before TRL loads
+    from opsd.run.preflight import dry_run
+
     script = str(root / "opsd_train.py")
     args = plan.command[plan.command.index(script) + 1 :]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    import opsd_train
-
     out, err = io.StringIO(), io.StringIO()
     handlers = list(logging.getLogger().handlers)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            opsd_train.main([*args, "--dry-run"])
+            return dry_run(args)
     except BaseException:
         if debug:
             sys.stderr.write(err.getvalue())
@@ -178,7 +181,6 @@ def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
     finally:
         for handler in set(logging.getLogger().handlers) - set(handlers):  # the dry run's, bound to `err`
             logging.getLogger().removeHandler(handler)
-    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
+        from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS
         from opsd.configuration.recipe import (
-            BUDGET_KEYS,
-            CAPPED_KEYS,
             flag_overrides,
             replaced_message,
             resolve_with_replaced,
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{micro['accumulation']} accumulation x {plan.num_processes} process(es) ({micro['reason']})"
     )
     out["shell"] = shlex.join(plan.command)
-    print(json.dumps(out, indent=1), file=sys.stderr if not a.dry_run else sys.stdout)
+    print(json.dumps(out, indent=1, default=str), file=sys.stderr if not a.dry_run else sys.stdout)
     if a.dry_run:
         return 0
     rc = subprocess.run(plan.command).returncode

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from opsd.method.loss import token_divergence
+from opsd.method.loss import LossSettings, token_divergence_with_grad
 from opsd.run.rundir import COMPLETIONS_FILE
 
 logger = logging.getLogger(__name__)
 
 FILENAME = COMPLETIONS_FILE
+TOP_TOKENS = 5  # tokens of largest divergence listed per row
 COLUMNS = (
     "step",
     "problem",
@@ -57,12 +58,12 @@ def completion_rows(
     teacher_weight_VH: torch.Tensor,
     tokenizer,
     rows: int,
-    beta: float,
-    temperature: float,
-    top_k: int = 0,
-    top_tokens: int = 5,
+    settings: LossSettings,
 ) -> list[dict[str, Any]]:
-    """Rows for the first `rows` completions of a micro-batch; hidden states are (N, H) over its valid tokens."""
+    """Rows for the first `rows` completions of a micro-batch; hidden states are (N, H) over its valid tokens.
+
+    The divergence is the loss's own per-token statistic (`token_divergence_with_grad`, no gradient): D_β at
+    the loss's β, temperature and teacher support, unclipped."""
     lengths = completion_mask_BC.sum(dim=1).tolist()
     out = []
     start = 0
@@ -73,16 +74,15 @@ def completion_rows(
             start += n
             continue
         h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
-        _, stats = token_divergence(
+        _, stats, _ = token_divergence_with_grad(
             h_s.to(student_weight_VH.dtype) @ student_weight_VH.T,
             h_t.to(teacher_weight_VH.dtype) @ teacher_weight_VH.T,
-            beta=beta,
-            temperature=temperature,
-            clip_mode="none",
-            top_k=top_k,
+            settings=settings,
+            target_ids_N=ids,
+            need_grad=False,
         )
         d = stats["divergence"]
-        worst = d.topk(min(top_tokens, n)).indices.tolist()
+        worst = d.topk(min(TOP_TOKENS, n)).indices.tolist()
         out.append(
             {
                 "step": step,

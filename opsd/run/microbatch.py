@@ -5,10 +5,11 @@ once, each row with its own seed, and the loss is normalised by the valid tokens
 micro-batches and processes (docs/method.md §1.5). So splitting those rows into m micro-batches of the same
 total changes nothing but the order of float sums; a larger m only costs memory and saves time.
 
-`micro_batch_size` chooses m and re-derives the accumulation from the problems per process:
-- "" (default): `per_device_train_batch_size` as given;
+`micro_batch_size` chooses m and re-derives the accumulation from the problems per process. `OPSDConfig`
+parses it once (`parse_micro_batch_size`) into one of:
+- None (unset, the default; "" reads as unset): `per_device_train_batch_size` as given;
 - a positive integer: that m, which must divide the problems per process;
-- "auto": on a GPU, the largest divisor whose estimated memory fits beside the colocated engine
+- `AUTO` ("auto"): on a GPU, the largest divisor whose estimated memory fits beside the colocated engine
   (`estimate_micro_batch_bytes`, from the model's shape and the step's sequence lengths) and whose student
   tokens stay under `AUTO_MAX_TOKENS`; without a GPU, the plan as given.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 from opsd.errors import InvalidValue
 
@@ -74,11 +76,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def parse_micro_batch_size(value: str) -> int | str:
-    """ "" or "auto" as they are, else a positive int; ValueError naming the allowed values."""
+AUTO = "auto"
+# micro_batch_size once parsed: unset, a number of rows, or auto.
+MicroBatchSize = int | Literal["auto"] | None
+
+
+def parse_micro_batch_size(value: str | int | None) -> MicroBatchSize:
+    """None for unset ("" or None), `AUTO` for auto (any case), else a positive int; ValueError naming the allowed
+    values. A value already parsed is returned as it is (`dataclasses.replace` of a config parses it again)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
     text = str(value).strip().lower()
-    if text in ("", "auto"):
-        return text
+    if text in ("", AUTO):
+        return text or None
     if text.isdigit() and int(text) > 0:
         return int(text)
     raise ValueError(
@@ -200,10 +210,10 @@ def plan_for(
     `shape` are only read by auto, which keeps the plan as given when they are None (no GPU)."""
     per_device = config.per_device_train_batch_size
     per_process = per_device * config.gradient_accumulation_steps
-    choice = parse_micro_batch_size(config.micro_batch_size)
-    if choice == "":
+    choice = config.micro_batch_size  # parsed by the config (`parse_micro_batch_size`)
+    if choice is None:
         return fixed_plan(per_process, per_device, "per_device_train_batch_size")
-    if isinstance(choice, int):
+    if choice != AUTO:
         return fixed_plan(per_process, choice, "micro_batch_size")
     if shape is None or free_bytes is None:
         return fixed_plan(per_process, per_device, "auto: no GPU, the plan as given")
@@ -242,7 +252,7 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
     """
     import torch
 
-    if parse_micro_batch_size(config.micro_batch_size) != "auto" or not torch.cuda.is_available():
+    if config.micro_batch_size != AUTO or not torch.cuda.is_available():
         plan = plan_for(config)
         return apply(config, plan), plan
     if model_path is None:

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from opsd.method.loss import pointwise_jsd_terms
-from opsd.method.scoring import eval_mode, left_pad, right_pad
+from opsd.method.hidden import eval_mode, left_pad, right_pad
+from opsd.method.loss import LossSettings, pointwise_jsd_terms
 from opsd.run.rundir import PROBE_FILE
 
 if TYPE_CHECKING:
@@ -65,15 +65,15 @@ def probe_token_sums(
     student_weight_VH: torch.Tensor,
     teacher_weight_VH: torch.Tensor,
     *,
-    beta: float,
-    temperature: float,
-    chunk_size: int = 1024,
+    settings: LossSettings,
 ) -> torch.Tensor:
     """Sums over N tokens of (D_beta, top-1 agreement, student log-prob of the teacher's argmax), float32 (3,).
 
-    Logits are h @ W.T (lm_head without bias) computed `chunk_size` tokens at a time in the weight's dtype;
-    both distributions are log_softmax(logits / temperature) over the full vocabulary; D_beta is unclipped.
+    Logits are h @ W.T (lm_head without bias) computed `settings.chunk_size` tokens at a time in the weight's
+    dtype; both distributions are log_softmax(logits / settings.temperature) over the full vocabulary (the
+    loss's teacher support and clip do not apply); D_beta, at settings.beta, is unclipped.
     """
+    beta, temperature, chunk_size = settings.beta, settings.temperature, settings.chunk_size
     sums_3 = torch.zeros(3, dtype=torch.float32, device=student_hidden_NH.device)
     with torch.no_grad():
         for start in range(0, student_hidden_NH.shape[0], chunk_size):
@@ -178,6 +178,7 @@ class Probe(TrainerCallback):
         pad = t.processing_class.pad_token_id
         unwrapped = acc.unwrap_model(t.model)
         sums_4 = torch.zeros(4, dtype=torch.float32, device=device)
+        settings = a.loss_settings()
         batch = a.per_device_train_batch_size
         with torch.no_grad(), eval_mode(unwrapped):
             for start in range(0, len(rows), batch):
@@ -187,13 +188,14 @@ class Probe(TrainerCallback):
                 c_ids, c_mask = right_pad([r["completion_ids"] for r in part], pad, device)
                 s_ids, s_mask = left_pad([r["student_ids"] for r in part], pad, device)
                 t_ids, t_mask = left_pad([r["teacher_ids"] for r in part], pad, device)
-                scores = t.score_completions(t.model_wrapped, s_ids, s_mask, t_ids, t_mask, c_ids, c_mask)
+                hidden = t.completion_hidden_states(
+                    t.model_wrapped, s_ids, s_mask, t_ids, t_mask, c_ids, c_mask
+                )
                 sums_4[:3] += probe_token_sums(
-                    scores.student_hidden_NH, scores.teacher_hidden_NH, scores.student_weight_VH,
-                    scores.teacher_weight_VH, beta=a.beta, temperature=a.effective_loss_temperature,
-                    chunk_size=a.loss_chunk_size,
+                    hidden.student_hidden_NH, hidden.teacher_hidden_NH, hidden.student_weight_VH,
+                    hidden.teacher_weight_VH, settings=settings,
                 )  # fmt: skip
-                sums_4[3] += scores.student_hidden_NH.shape[0]
+                sums_4[3] += hidden.student_hidden_NH.shape[0]
         sums_4 = acc.reduce(sums_4, reduction="sum")
         n = max(float(sums_4[3]), 1.0)
         return dict(zip(PROBE_KEYS, (float(sums_4[i]) / n for i in range(3)), strict=True))

@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from opsd.configuration.recipe import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
+from opsd.configuration.aliases import canonical_keys
+from opsd.configuration.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import InvalidValue
 from opsd.run.rundir import CONFIG_FILE
 
@@ -105,8 +106,10 @@ def check_resume(
     """The run's history with this resume's changes appended; raises InvalidValue for a refused change.
 
     `saved` is the run's opsd_config.json, `current` the resolved settings of this command (JSON values),
-    `where` the output directory, `at_step` the step of the checkpoint being resumed.
+    `where` the output directory, `at_step` the step of the checkpoint being resumed. A setting saved under
+    an older name (`opsd.configuration.aliases`) is compared under its canonical one.
     """
+    saved = canonical_keys(saved, source=where, quiet=True)
     history = list(saved.get(HISTORY_KEY) or [])
     changes = config_changes(_with_problems_per_process(saved), _with_problems_per_process(current))
     if not changes:

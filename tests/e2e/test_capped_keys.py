@@ -6,9 +6,8 @@ import os
 
 import pytest
 
+from opsd.configuration.keys import CAPPED_KEYS, OPERATIONAL_KEYS
 from opsd.configuration.recipe import (
-    CAPPED_KEYS,
-    OPERATIONAL_KEYS,
     RecipeError,
     env_overrides,
     flag_overrides,
@@ -45,7 +44,8 @@ def one_error_line(err: str) -> str:
     ("key", "value", "message"),
     [
         ("BETA", "2", "beta=2.0 is out of range: must be in [0, 1]"),
-        ("JSD_TOKEN_CLIP", "-1", "jsd_token_clip=-1.0 is out of range"),
+        ("DIVERGENCE_CLIP", "-1", "divergence_clip=-1.0 is out of range"),
+        ("JSD_TOKEN_CLIP", "-1", "divergence_clip=-1.0 is out of range"),  # the older name, the same check
         ("TOP_K_LOSS", "-3", "top_k_loss=-3 is out of range"),
         ("LOSS_TEMPERATURE", "-1", "loss_temperature=-1.0 is out of range"),
         ("LEARNING_RATE", "-1", "learning_rate=-1.0 is out of range: must be > 0"),
@@ -60,7 +60,7 @@ def test_dry_run_validates_values_as_training_does(tmp_path, key, value, message
 
 def test_zero_steps_are_refused_before_training(tmp_path):
     # Outside the harness max_steps is settable; 0 used to start a run that trained one step.
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with pytest.raises(ValueError, match="max_steps=0 is out of range: must be > 0"):
         parse_config(["--output_dir", str(tmp_path), "--max_steps", "0"], environ={})

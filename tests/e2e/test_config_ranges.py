@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from opsd.configuration.choices import CHOICES
+from opsd.configuration.keys import CAPPED_KEYS
 from opsd.configuration.ranges import RANGES, range_error
-from opsd.configuration.recipe import CAPPED_KEYS, RecipeError, parse_recipe
+from opsd.configuration.recipe import RecipeError, parse_recipe
 from opsd.errors import InvalidValue, UserError
 
 # field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:
@@ -48,7 +49,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "dataloader_num_workers": (2, 0, -1),
     "beta": (0.5, 1.0, 1.5),
     "loss_temperature": (1.0, 0.0, -1.0),
-    "jsd_token_clip": (0.05, 1e-6, 0.0),
+    "divergence_clip": (0.05, 1e-6, 0.0),
     "top_k_loss": (64, 0, -3),
     "loss_chunk_size": (512, 1, 0),
     "num_loss_tokens_to_skip": (1, 0, -1),
@@ -96,7 +97,8 @@ def _text(value: object) -> str:
 
 def _via(path: str, name: str, value: object, tmp_path, data):
     """Parse `name=value` through one entry path; returns the config (the dry run: its printed config)."""
-    from opsd_train import main, parse_config
+    from opsd.configuration.cli import parse_config
+    from opsd_train import main
 
     out = ["--output_dir", str(tmp_path / "run")]
     if path == "cli":
@@ -179,7 +181,7 @@ def test_every_choice_through_every_entry_path(name, tmp_path, tiny_data, capsys
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with pytest.raises(
         InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and > 0"
@@ -188,7 +190,7 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
 
 
 def test_warmup_over_half_is_a_note(tmp_path, caplog):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.ranges"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
@@ -211,7 +213,7 @@ def test_warmup_over_half_is_a_note(tmp_path, caplog):
     ],
 )
 def test_trl_teacher_options_are_refused(args, message, tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with pytest.raises(InvalidValue, match=message) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -219,7 +221,7 @@ def test_trl_teacher_options_are_refused(args, message, tmp_path):
 
 
 def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     out = ["--output_dir", str(tmp_path)]
     cfg, _ = parse_config([*out, "--teacher_mode", "dynamic", "--teacher_model_kind", "live"], environ={})
@@ -287,7 +289,7 @@ warmup_ratio: 0.1
 
 
 def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     cfg_path = tmp_path / "config_opsd.yaml"
     cfg_path.write_text(OPEN_R1_YAML)
@@ -318,7 +320,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     ],
 )
 def test_yaml_mistakes_are_one_line(text, message, tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(text)
@@ -354,7 +356,7 @@ def test_recipe_hints_name_the_field_meant(tmp_path, line, expected):
 
 
 def test_edit_distance():
-    from opsd.configuration.legacy import closest, edit_distance
+    from opsd.errors import closest, edit_distance
 
     assert edit_distance("kitten", "sitting") == 3
     assert edit_distance("lerning_rate", "learning_rate") == 1
@@ -403,7 +405,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
     ],
 )
 def test_cli_mistakes_get_the_hint(args, message, tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with pytest.raises(InvalidValue) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -427,7 +429,7 @@ def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
     and never cuts one, so a recipe's value is named as ignored instead of passing silently."""
     import logging
 
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
         cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})

@@ -163,7 +163,7 @@ def test_bad_recipe_line_is_named(tmp_path):
 
 
 def test_precedence_defaults_yaml_cli_recipe_env(tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     yaml = tmp_path / "c.yaml"
     yaml.write_text("beta: 0.1\ntemperature: 0.9\ntop_k_loss: 3\nwavg_last: 2\n")
@@ -188,11 +188,50 @@ def test_precedence_defaults_yaml_cli_recipe_env(tmp_path):
     assert cfg.wavg_last == 3  # CLI over YAML
     assert cfg.temperature == 0.8  # recipe over CLI
     assert cfg.top_k_loss == 6  # env over recipe
-    assert cfg.learning_rate == 5e-6 and cfg.jsd_token_clip == 0.05  # published defaults
+    assert cfg.learning_rate == 5e-6 and cfg.divergence_clip == 0.05  # published defaults
+
+
+def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
+    """divergence_clip was called jsd_token_clip: every source still takes the older name, reads it as the
+    canonical one with a note that names it, and refuses both names at once."""
+    import logging
+
+    from opsd.configuration.aliases import ALIASES
+    from opsd.configuration.cli import parse_config
+    from opsd.configuration.recipe import RecipeError
+    from opsd.errors import InvalidValue
+
+    assert ALIASES == {"jsd_token_clip": "divergence_clip"}
+    out = ["--output_dir", str(tmp_path)]
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("jsd_token_clip: 0.2\n")
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("JSD_TOKEN_CLIP=0.3\n")
+    routes = {
+        "flag": ([*out, "--jsd_token_clip", "0.1"], {}, 0.1),
+        "flag=": ([*out, "--jsd_token_clip=0.15"], {}, 0.15),
+        "yaml": (["--config", str(yaml), *out], {}, 0.2),
+        "recipe": ([*out, "--recipe", str(recipe)], {}, 0.3),
+        "env": (out, {"OPSD_JSD_TOKEN_CLIP": "0.4"}, 0.4),
+    }
+    for route, (argv, environ, expected) in routes.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            cfg, _ = parse_config(argv, environ=environ)
+        assert cfg.divergence_clip == expected, route
+        assert not hasattr(cfg, "jsd_token_clip")
+        assert "jsd_token_clip is the older name of divergence_clip, the canonical name" in caplog.text, route
+    both = tmp_path / "both.yaml"
+    both.write_text("jsd_token_clip: 0.2\ndivergence_clip: 0.1\n")
+    with pytest.raises(InvalidValue, match="keep only divergence_clip"):
+        parse_config(["--config", str(both), *out], environ={})
+    recipe.write_text("JSD_TOKEN_CLIP=0.3\nDIVERGENCE_CLIP=0.2\n")
+    with pytest.raises(RecipeError, match="DIVERGENCE_CLIP is set twice"):
+        parse_config([*out, "--recipe", str(recipe)], environ={})
 
 
 def test_every_shipped_config_loads(tmp_path):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     configs = sorted((ROOT / "configs").rglob("*.yaml"))
     assert configs

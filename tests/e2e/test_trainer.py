@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opsd.method.scoring import lm_head_weight, positions
+from opsd.method.hidden import lm_head_weight, positions
 from tests.conftest import free_port
 
 
@@ -29,7 +29,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     cfg = OPSDConfig(
@@ -54,7 +54,7 @@ def trained(tiny_model_dir, tmp_path_factory):
         trainer = OPSDTrainer(
             model=model,
             args=cfg,
-            train_dataset=build_dataset(cfg),
+            train_dataset=build_paired_dataset(cfg)[0],
             processing_class=tok,
             peft_config=LoraConfig(
                 r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
@@ -69,7 +69,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 def _scoring_batch(trainer, tok):
     """Prompts of different lengths with fixed completions, laid out like a training batch."""
-    from opsd.method.scoring import left_pad
+    from opsd.method.hidden import left_pad
 
     problems = [
         "What is 2 + 3?",
@@ -233,12 +233,15 @@ def test_the_trl_hooks_the_trainer_overrides_exist_in_trl():
 
     from opsd_trainer import OPSDTrainer
 
+    # OPSDTrainer and the OPSD classes mixed in ahead of SDFTTrainer (opsd.method.rollouts, opsd.method.loss_step).
+    own = OPSDTrainer.__mro__[: OPSDTrainer.__mro__.index(SDFTTrainer)]
+    defined = {name: member for cls in reversed(own) for name, member in vars(cls).items()}
     for name in OPSDTrainer.TRL_HOOKS:
-        assert name in OPSDTrainer.__dict__, f"{name} is listed but not overridden"
+        assert name in defined, f"{name} is listed but not overridden"
         assert callable(getattr(SDFTTrainer, name, None)), f"TRL's SDFTTrainer no longer has {name}"
     overrides = {
         name
-        for name, member in OPSDTrainer.__dict__.items()
+        for name, member in defined.items()
         if inspect.isfunction(member) and name != "__init__" and hasattr(SDFTTrainer, name)
     }
     assert overrides == set(OPSDTrainer.TRL_HOOKS)

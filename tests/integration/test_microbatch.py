@@ -22,6 +22,7 @@ QWEN3_1P7B = SimpleNamespace(
 
 
 def cfg(**kw):
+    """A config's micro-batch fields; micro_batch_size is parsed as OPSDConfig parses it."""
     base = dict(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=8,
@@ -30,7 +31,9 @@ def cfg(**kw):
         gradient_checkpointing=True,
         loss_chunk_size=1024,
     )
-    return SimpleNamespace(**{**base, **kw})
+    out = SimpleNamespace(**{**base, **kw})
+    out.micro_batch_size = microbatch.parse_micro_batch_size(out.micro_batch_size)
+    return out
 
 
 def test_shape_of_qwen3_1p7b():
@@ -42,7 +45,8 @@ def test_shape_of_qwen3_1p7b():
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"), [("", ""), ("auto", "auto"), ("AUTO", "auto"), ("8", 8), (" 2 ", 2)]
+    ("value", "expected"),
+    [("", None), (None, None), ("auto", microbatch.AUTO), ("AUTO", "auto"), ("8", 8), (" 2 ", 2), (8, 8)],
 )
 def test_parse(value, expected):
     assert microbatch.parse_micro_batch_size(value) == expected

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.reference_loss import token_divergence
 from opsd.configuration.config import IGNORED_SDFT_OPTIONS, OPSDConfig
-from opsd.method.loss import token_divergence
-from opsd.method.scoring import completion_hidden, left_pad, loss_token_mask, positions, right_pad
+from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from tests.conftest import make_trainer
 
 
@@ -151,9 +151,7 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
                     c_mask,
                 )
         w = trainer.model.get_output_embeddings().weight
-        loss_N, stats = token_divergence(
-            h_s @ w.T, h_t @ w.T, beta=a.beta, temperature=a.effective_loss_temperature, clip_mode="none"
-        )
+        loss_N, stats = token_divergence(h_s @ w.T, h_t @ w.T, settings=a.loss_settings(), target_ids_N=None)
         keep_N = kept_BC[c_mask.bool()]
         expected = loss_N[keep_N].sum() / keep_N.sum()
         torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from opsd.method.loss import LossSettings
 from opsd.run.probe import PROBE_FILE, Probe, probe_token_sums, split_probe
 
 
@@ -32,6 +33,14 @@ def _naive_sums(h_s, h_t, w_s, w_t, beta, tau):
     return torch.tensor([div, agree, logp], dtype=torch.float64)
 
 
+def _settings(*, beta, temperature, chunk_size=1024):
+    """The loss's settings the probe reads (beta, temperature, chunk size); the clip and support do not apply."""
+    return LossSettings(
+        beta=beta, temperature=temperature, clip=0.05, clip_mode="element", teacher_support_k=0, loss_type="jsd",
+        chunk_size=chunk_size,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_probe_sums_match_naive(beta, chunk):
@@ -39,14 +48,16 @@ def test_probe_sums_match_naive(beta, chunk):
     n, h, v = 7, 6, 11
     h_s, h_t = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
     w_s, w_t = torch.randn(v, h, generator=g), torch.randn(v, h, generator=g)
-    got = probe_token_sums(h_s, h_t, w_s, w_t, beta=beta, temperature=1.3, chunk_size=chunk)
+    got = probe_token_sums(
+        h_s, h_t, w_s, w_t, settings=_settings(beta=beta, temperature=1.3, chunk_size=chunk)
+    )
     torch.testing.assert_close(got.double(), _naive_sums(h_s, h_t, w_s, w_t, beta, 1.3), rtol=1e-5, atol=1e-5)
 
 
 def test_probe_sums_of_identical_roles():
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(5, 4, generator=g), torch.randn(9, 4, generator=g)
-    div, agree, logp = probe_token_sums(h, h, w, w, beta=0.0, temperature=1.0).tolist()
+    div, agree, logp = probe_token_sums(h, h, w, w, settings=_settings(beta=0.0, temperature=1.0)).tolist()
     assert abs(div) < 1e-6 and agree == 5.0
     assert logp == pytest.approx(float(F.log_softmax(h @ w.T, -1).max(-1).values.sum()), rel=1e-5)
 
@@ -117,7 +128,7 @@ def _probe_run(model_dir, out, *, clip_mode, probe=True, steps=6, lr=1e-2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd_train import build_dataset
+    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     cfg = OPSDConfig(
@@ -127,7 +138,7 @@ def _probe_run(model_dir, out, *, clip_mode, probe=True, steps=6, lr=1e-2):
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    train_rows, probe_rows = split_probe(build_dataset(cfg), cfg.probe_size, seed=cfg.seed)
+    train_rows, probe_rows = split_probe(build_paired_dataset(cfg)[0], cfg.probe_size, seed=cfg.seed)
     trainer = OPSDTrainer(
         model=model, args=cfg, train_dataset=train_rows, processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(

@@ -1,4 +1,5 @@
-"""Tests for opsd.method.loss against a naive float64 oracle written independently below."""
+"""Tests for opsd.method.loss (the training loss) and bench/reference_loss.py (the same loss from materialised
+logits, through autograd) against a naive float64 oracle written independently below."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import math
 import pytest
 import torch
 
-from opsd.method.loss import (
-    chunked_opsd_loss,
-    opsd_loss_from_logits,
-    token_divergence,
-    token_divergence_with_grad,
-)
+from bench import reference_loss
+from opsd.configuration.config import OPSDConfig
+from opsd.method import loss
+from opsd.method.loss import LossSettings
 
 ATOL = RTOL = 1e-5
 BETAS = (0.0, 0.3, 0.5, 1.0)  # 0.3: asymmetric, so swapped mixture weights are caught
@@ -78,6 +77,39 @@ def oracle(
         clipped = torch.zeros_like(div) > 0
         loss = div
     return {"loss": loss, "divergence": div, "terms": terms, "clipped": clipped}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The code under test, called with the loss's settings (OPSDConfig.loss_settings builds them in training; here a
+# test names the values it needs and the rest keep the published recipe's). top_k is the teacher support.
+# --------------------------------------------------------------------------------------------------------------
+def settings(
+    *, beta, temperature=1.0, clip=0.05, clip_mode="element", top_k=0, loss_type="jsd", chunk_size=1024
+) -> LossSettings:
+    return LossSettings(
+        beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, teacher_support_k=top_k,
+        loss_type=loss_type, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def token_divergence(s, t, *, target_ids_N=None, **kw):
+    return reference_loss.token_divergence(s, t, settings=settings(**kw), target_ids_N=target_ids_N)
+
+
+def opsd_loss_from_logits(s, t, mask, *, target_ids_BT=None, **kw):
+    return reference_loss.opsd_loss_from_logits(
+        s, t, mask, settings=settings(**kw), target_ids_BT=target_ids_BT
+    )
+
+
+def token_divergence_with_grad(s, t, *, target_ids_N=None, need_grad=True, **kw):
+    return loss.token_divergence_with_grad(
+        s, t, settings=settings(**kw), target_ids_N=target_ids_N, need_grad=need_grad
+    )
+
+
+def chunked_opsd_loss(h_s, h_t, w_s, w_t, *, target_ids_N=None, **kw):
+    return loss.chunked_opsd_loss(h_s, h_t, w_s, w_t, settings=settings(**kw), target_ids_N=target_ids_N)
 
 
 def midpoint_threshold(values: torch.Tensor, q: float) -> float:
@@ -254,16 +286,17 @@ def test_hand_computed_v3():
     assert g_tok.abs().sum() == 0
 
 
-def test_invalid_arguments():
-    s, t = make_logits(2, 5, seed=5)
+def test_invalid_arguments(tmp_path):
+    # The loss's settings are checked once, where they enter: the config (opsd/configuration/ranges.py, choices.py).
     with pytest.raises(ValueError):
-        token_divergence(s, t, beta=1.5)
+        OPSDConfig(output_dir=str(tmp_path), report_to="none", beta=1.5)
     with pytest.raises(ValueError):
-        token_divergence(s, t, beta=0.5, clip_mode="bogus")
+        OPSDConfig(output_dir=str(tmp_path), report_to="none", beta=0.5, clip_mode="bogus")
+    h, w = torch.zeros(2, 3), torch.zeros(5, 3)
     with pytest.raises(ValueError):
-        token_divergence(s, t, beta=0.5, loss_type="sampled_token")
+        chunked_opsd_loss(h, h, w, w, beta=0.5, loss_type="sampled_token")
     with pytest.raises(TypeError):
-        chunked_opsd_loss(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(5, 3), torch.zeros(5, 3))
+        loss.chunked_opsd_loss(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(5, 3), torch.zeros(5, 3))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from bench.tiny import build_tokenizer
 from opsd.method.prompts import PromptBuilder, reference_text
-from opsd.tiny import build_tokenizer
 
 MARK = "\n[... reference truncated ...]"
 BEGIN = "=== BEGIN REFERENCE ==="

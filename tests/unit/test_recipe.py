@@ -11,20 +11,18 @@ import pytest
 from transformers import HfArgumentParser
 
 from opsd.configuration.config import OPSDConfig
+from opsd.configuration.keys import BUDGET_KEYS, RECIPE_KEYS
 from opsd.configuration.recipe import (
-    BUDGET_KEYS,
-    MAX_COMPLETION_CAP,
     MAX_FILE_BYTES,
-    RECIPE_KEYS,
     Override,
     RecipeError,
-    _specs,
     env_overrides,
     flag_overrides,
     parse_recipe,
     resolve_overrides,
     to_argv,
 )
+from opsd.configuration.values import MAX_COMPLETION_CAP, field_specs
 
 BUDGET_MESSAGE = "fixed by the capped harness"
 
@@ -50,7 +48,7 @@ def parse_argv(tmp_path: Path, argv: list[str]) -> OPSDConfig:
 
 def typed(field: str, value: str) -> object:
     """What the config attribute must equal after argparse reads `value`."""
-    kind = _specs()[field].kind
+    kind = field_specs()[field].kind
     return {"bool": lambda v: v == "true", "int": int, "float": float}.get(kind, str)(value)
 
 
@@ -62,7 +60,7 @@ def test_key_tables_name_real_settable_fields():
     assert RECIPE_KEYS <= fields
     assert BUDGET_KEYS <= fields
     assert not RECIPE_KEYS & BUDGET_KEYS
-    assert all(_specs()[k].kind != "unsupported" for k in RECIPE_KEYS)
+    assert all(field_specs()[k].kind != "unsupported" for k in RECIPE_KEYS)
 
 
 # ------------------------------------------------------------------------------------------------------------

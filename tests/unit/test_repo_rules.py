@@ -48,7 +48,7 @@ def test_method_doc_has_every_section_the_code_cites():
 
 
 def _parse(argv, environ=None):
-    from opsd_train import parse_config
+    from opsd.configuration.cli import parse_config
 
     return parse_config(argv, environ=environ or {})[0]
 
