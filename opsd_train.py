@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.run.probe import Probe, split_probe
     from opsd.run.provenance import provenance
-    from opsd.run.rundir import (
+    from opsd.rundir import (
         CONFIG_FILE,
         STEP_LOGS,
         checkpoint_dir,

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
-from opsd.run.rundir import latest_complete_checkpoint, read_step_log  # noqa: E402
+from opsd.rundir import latest_complete_checkpoint, read_step_log  # noqa: E402
 
 
 class GPUMemoryPoller:

@@ -2,11 +2,12 @@
 
 * `method/`: one OPSD step, from the rollout to the loss;
 * `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
-* `run/`: a training run's directory, logs, resume, budget and probe;
+* `run/`: a training run's logs, resume, budget and probe;
 * `data/`: training and evaluation tables, and the built-in sets;
 * `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
 * `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);
-* `errors`, `paths`, `models`: user errors, the paths a user names, model and tokenizer loading.
+* `errors`, `paths`, `rundir`, `models`: user errors, the paths a user names, a run directory's layout
+  (file names, checkpoints, step logs), model and tokenizer loading.
 
 The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
 `train_capped.sh`); the package never imports them. Small models built locally for tests and benchmarks

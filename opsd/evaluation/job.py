@@ -115,7 +115,7 @@ def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
 
 def checkpoint_step(*paths: str) -> int | None:
     """N of the last `checkpoint-N` path component among `paths` (first path that has one)."""
-    from opsd.run.rundir import step_in_path
+    from opsd.rundir import step_in_path
 
     return next((n for n in (step_in_path(p) for p in paths if p) if n is not None), None)
 

@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opsd.evaluation.grading import normalize_answer
-from opsd.experiment.stats import t_critical
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +30,13 @@ SAMPLE_KEYS = ("correct", "extracted", "has_box", "n_tokens", "truncated")
 
 
 def t_critical_975(df: int) -> float:
-    """Two-sided 95% critical value t_{0.975, df} of Student's t (`opsd.experiment.stats.t_critical`).
+    """Two-sided 95% critical value t_{0.975, df} of Student's t (scipy; the experiment's intervals take any
+    level through `opsd.experiment.stats.t_critical`, which sits above evaluation and is not imported here)."""
+    from scipy import stats
 
-    `opsd.experiment.stats` imports nothing from opsd, so importing it here makes no cycle.
-    """
-    return t_critical(df, 0.95)
+    if df < 1:
+        raise ValueError(f"t critical value needs df >= 1, got {df}")
+    return float(stats.t.ppf(0.975, df))
 
 
 # --- basic statistics ----------------------------------------------------------------------------

@@ -80,7 +80,7 @@ class Entry:
 
 def _run_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoint-N of a run directory, by N (module docstring)."""
-    from opsd.run.rundir import COMPLETE_MARK, checkpoints, is_complete
+    from opsd.rundir import COMPLETE_MARK, checkpoints, is_complete
 
     found = checkpoints(run_dir)
     marked = [p for p in found if is_complete(p)]

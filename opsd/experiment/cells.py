@@ -9,7 +9,7 @@ from pathlib import Path
 
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
-from opsd.run.rundir import METRICS_FILE, checkpoint_step, checkpoints, is_complete
+from opsd.rundir import METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
 JOBS_FILE = "jobs.jsonl"  # DIR/jobs.jsonl: one line per finished attempt (job, devices, start, seconds, exit)

@@ -8,11 +8,12 @@ Modules, in the order a step uses them:
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
 * `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
 * `hidden`: rows laid out for one role (positions, padding) and the final hidden states of completion tokens;
-* `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection, with
-  its settings (`LossSettings`, built by `OPSDConfig.loss_settings`);
+* `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
+  arguments: `LossSettings`, built by `OPSDConfig.loss_settings`);
 * `rollouts`: the trainer's rollout side (TRL's generation hooks, seeded, weights pushed into the engine) and
   its `[teacher prompt ; completion]` rows;
 * `loss_step`: the trainer's loss side (both roles' hidden states, the loss over the step's tokens, metrics,
   the completions log);
+* `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;
 * `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
 """

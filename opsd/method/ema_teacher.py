@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
-from opsd.run.rundir import EMA_TEACHER_FILE, checkpoint_dir
+from opsd.rundir import EMA_TEACHER_FILE, checkpoint_dir
 
 logger = logging.getLogger(__name__)
 

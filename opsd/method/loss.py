@@ -21,32 +21,13 @@ exact. Teacher inputs are always detached. The same loss computed the reference 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from opsd.configuration.loss_settings import LossSettings
+
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss's arguments, built in one place from a checked config (`OPSDConfig.loss_settings`).
-
-    beta: the divergence's interpolation in [0, 1]; temperature > 0 of both distributions; clip > 0 and
-    clip_mode (opsd.configuration.choices.CLIP_MODES) the clip of the divergence; teacher_support_k: both
-    distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
-    loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time. The config
-    checks every value where it enters (opsd/configuration/ranges.py, choices.py); nothing here does again.
-    """
-
-    beta: float
-    temperature: float
-    clip: float
-    clip_mode: str
-    teacher_support_k: int
-    loss_type: str
-    chunk_size: int
 
 
 def pointwise_jsd_terms(logp_s_NV: torch.Tensor, logp_t_NV: torch.Tensor, beta: float) -> torch.Tensor:

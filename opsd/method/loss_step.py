@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from opsd.method import completions
 from opsd.method.hidden import completion_hidden, eval_mode, lm_head_weight, loss_token_mask
 from opsd.method.loss import chunked_opsd_loss
-from opsd.run import completions
 
 if TYPE_CHECKING:
     from opsd.configuration.config import OPSDConfig

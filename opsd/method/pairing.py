@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from opsd.configuration.choices import check_choice
 from opsd.errors import InvalidValue
-from opsd.run.rundir import PAIRING_FILE
+from opsd.rundir import PAIRING_FILE
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -136,8 +136,7 @@ def check_saved(out: Path, record: dict[str, Any] | None, *, allow: bool) -> Non
     Checked only when `out` holds a complete checkpoint (a resume) and a saved pairing; `allow`
     (--allow-config-change) lets the run continue with the new one, which is then saved.
     """
-    from opsd.run.resume import ALLOW_FLAG
-    from opsd.run.rundir import latest_complete_checkpoint
+    from opsd.rundir import ALLOW_FLAG, latest_complete_checkpoint
 
     path = out / PAIRING_FILE
     if record is None or latest_complete_checkpoint(out) is None or not path.is_file():

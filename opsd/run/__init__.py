@@ -1,10 +1,9 @@
-"""A training run's bookkeeping: its directory, logs, checkpoints, resume, budget and held-out probe.
+"""A training run's bookkeeping: its logs, checkpoints, resume, budget and held-out probe (its directory's layout
+is `opsd.rundir`).
 
-* `rundir`: the run directory's layout (file names, `checkpoint-N`, the `.complete` mark, the step logs);
 * `provenance`: package versions and the git revision saved beside the checkpoints;
 * `resume`: a run directory belongs to one configuration; resuming checks it;
 * `callbacks`: metrics.jsonl, step timing, tail weight averaging, non-finite steps;
-* `completions`: a few rows of what the student wrote, and where its teacher disagreed;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
 * `microbatch`: how a process splits its share of a step into micro-batches (memory, not method);
 * `preflight`: every input of a run checked before any model loads, and the dry run (opsd_train.py, train_capped.sh);

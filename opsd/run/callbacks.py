@@ -14,7 +14,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
-from opsd.run.rundir import METRICS_FILE, checkpoint_dir, latest_complete_checkpoint, mark_complete, wavg_dir
+from opsd.rundir import METRICS_FILE, checkpoint_dir, latest_complete_checkpoint, mark_complete, wavg_dir
 
 logger = logging.getLogger(__name__)
 

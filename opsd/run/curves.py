@@ -7,7 +7,7 @@ One panel per group of metrics that the run logged (loss, divergence, agreement,
 lengths, time per step); groups without data are left out, so the same command serves runs with and
 without the probe. A resumed run's metrics.jsonl holds each step once (opsd_train.py trims it on resume);
 should a step still appear twice, the last record wins. A line that is not a JSON object is skipped with a
-warning naming its line (`opsd.run.rundir.read_step_log`).
+warning naming its line (`opsd.rundir.read_step_log`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from opsd.run.rundir import METRICS_FILE, read_step_log
+from opsd.rundir import METRICS_FILE, read_step_log
 
 # (panel title, metric keys drawn in it). Keys are the names in metrics.jsonl.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from opsd.method.hidden import eval_mode, left_pad, right_pad
 from opsd.method.loss import LossSettings, pointwise_jsd_terms
-from opsd.run.rundir import PROBE_FILE
+from opsd.rundir import PROBE_FILE
 
 if TYPE_CHECKING:
     from datasets import Dataset

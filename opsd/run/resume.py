@@ -33,12 +33,11 @@ from typing import Any
 from opsd.configuration.aliases import canonical_keys
 from opsd.configuration.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import InvalidValue
-from opsd.run.rundir import CONFIG_FILE
+from opsd.rundir import ALLOW_FLAG, CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 
 HISTORY_KEY = "history"
-ALLOW_FLAG = "--allow-config-change"
 # How a process splits its problems per step into micro-batches (opsd/run/microbatch.py: memory, not method):
 # these may change on resume as long as PROBLEMS_PER_PROCESS, their product, does not.
 SPLIT_KEYS = frozenset({
@@ -140,7 +139,7 @@ def check_resume(
 def resume_history(out: Path, current: Mapping[str, Any], *, allow: bool) -> list[dict[str, Any]]:
     """Check this command's settings against the run in `out` (when it holds a complete checkpoint) and
     return the history to save with them. Reads only; raises InvalidValue for a refused change."""
-    from opsd.run.rundir import checkpoint_step, latest_complete_checkpoint
+    from opsd.rundir import checkpoint_step, latest_complete_checkpoint
 
     cfg_path = out / CONFIG_FILE
     resume = latest_complete_checkpoint(out)

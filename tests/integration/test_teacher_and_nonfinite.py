@@ -50,7 +50,7 @@ def _ema_trainer(tiny_model_dir, out, *callbacks):
 
 
 def test_ema_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
-    from opsd.run.rundir import latest_complete_checkpoint
+    from opsd.rundir import latest_complete_checkpoint
 
     whole = _ema_trainer(tiny_model_dir, tmp_path / "whole")
     whole.train()
@@ -248,7 +248,7 @@ def test_consecutive_nonfinite_steps_abort_keeping_the_last_checkpoint(tiny_mode
     from safetensors.torch import load_file
 
     from opsd.run.callbacks import CompleteMark
-    from opsd.run.rundir import latest_complete_checkpoint
+    from opsd.rundir import latest_complete_checkpoint
 
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=6, save_strategy="steps", save_steps=2, max_nonfinite_steps=2

@@ -16,7 +16,7 @@ from opsd.errors import InvalidValue
 from opsd.method.pairing import apply_pairing, check_saved, derangement, save
 from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
 from opsd.run.resume import ALLOW_FLAG
-from opsd.run.rundir import PAIRING_FILE
+from opsd.rundir import PAIRING_FILE
 
 BEGIN, END = "=== BEGIN REFERENCE ===", "=== END REFERENCE ==="
 

@@ -1,9 +1,9 @@
-"""The run directory's layout (opsd.run.rundir): checkpoint names, the completion mark, step-log trimming."""
+"""The run directory's layout (opsd.rundir): checkpoint names, the completion mark, step-log trimming."""
 
 import json
 import logging
 
-from opsd.run import rundir
+from opsd import rundir
 
 
 def test_checkpoint_names_parse_and_order(tmp_path):
@@ -73,7 +73,7 @@ def _bad_log(path):
 def test_read_step_log_skips_and_names_each_unreadable_line(tmp_path, caplog):
     log = tmp_path / rundir.METRICS_FILE
     _bad_log(log)
-    with caplog.at_level(logging.WARNING, logger="opsd.run.rundir"):
+    with caplog.at_level(logging.WARNING, logger="opsd.rundir"):
         assert rundir.read_step_log(log) == GOOD
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 5 and all(m.startswith(f"{log} line ") for m in warned)
@@ -88,7 +88,7 @@ def test_read_step_log_skips_and_names_each_unreadable_line(tmp_path, caplog):
 def test_read_step_log_excerpt_is_short_and_a_missing_log_is_empty(tmp_path, caplog):
     log = tmp_path / rundir.COMPLETIONS_FILE
     log.write_text("x" * 5000 + "\n" + json.dumps({"step": 1}) + "\n")
-    with caplog.at_level(logging.WARNING, logger="opsd.run.rundir"):
+    with caplog.at_level(logging.WARNING, logger="opsd.rundir"):
         assert rundir.read_step_log(str(log)) == [{"step": 1}]
     (message,) = [r.getMessage() for r in caplog.records]
     assert "line 1 is not valid JSON" in message and len(message) < len(str(log)) + 200
@@ -98,7 +98,7 @@ def test_read_step_log_excerpt_is_short_and_a_missing_log_is_empty(tmp_path, cap
 def test_trim_step_log_drops_unreadable_lines_into_rejected(tmp_path, caplog):
     log = tmp_path / rundir.METRICS_FILE
     lines = _bad_log(log)
-    with caplog.at_level(logging.WARNING, logger="opsd.run.rundir"):
+    with caplog.at_level(logging.WARNING, logger="opsd.rundir"):
         rundir.trim_step_log(log, 2)
     # Steps past the checkpoint are still cut; what no reader can parse is gone from the log...
     assert log.read_bytes() == _line(GOOD[0]) + b"\n" + _line(GOOD[1]) + b"\n"
@@ -138,6 +138,6 @@ def test_training_curves_read_through_read_step_log(tmp_path, caplog):
     (tmp_path / rundir.METRICS_FILE).write_text(
         json.dumps({"step": 1, "loss": 1.0}) + "\nnot json\n" + json.dumps({"step": 2, "loss": 0.5}) + "\n"
     )
-    with caplog.at_level(logging.WARNING, logger="opsd.run.rundir"):
+    with caplog.at_level(logging.WARNING, logger="opsd.rundir"):
         assert read_metrics(tmp_path)["loss"] == [(1, 1.0), (2, 0.5)]  # a bad middle line no longer stops it
     assert "metrics.jsonl line 2 is not valid JSON" in caplog.text

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from opsd.method.loss import LossSettings, token_divergence_with_grad
-from opsd.run.rundir import COMPLETIONS_FILE
+from opsd.rundir import COMPLETIONS_FILE
 
 logger = logging.getLogger(__name__)
 

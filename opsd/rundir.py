@@ -4,7 +4,7 @@ evaluation sweep and the plots find it.
     <output_dir>/
       opsd_config.json       the resolved settings of the latest segment and their history (opsd.run.resume)
       metrics.jsonl          one JSON line per logging step, append-only (cut back to the checkpoint on resume)
-      completions.jsonl      the completions log (opsd.run.completions), cut back like metrics.jsonl
+      completions.jsonl      the completions log (opsd.method.completions), cut back like metrics.jsonl
       <log>.rejected         lines a resume dropped from one of those logs as unreadable (trim_step_log)
       probe_set.json         the probe's frozen problems and rollouts (opsd.run.probe)
       teacher_pairing.json   which problem's reference each teacher reads, teacher_ref_pairing=shuffled
@@ -37,6 +37,8 @@ PROBE_FILE = "probe_set.json"
 PAIRING_FILE = "teacher_pairing.json"
 EMA_TEACHER_FILE = "ema_teacher.pt"
 COMPLETE_MARK = ".complete"
+# The flag that lets a rerun resume a run directory whose configuration changed (opsd.run.resume).
+ALLOW_FLAG = "--allow-config-change"
 # Append-only logs that a resume cuts back to the checkpoint's step.
 STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE)
 # `<log>.rejected`: the lines a resume dropped from a step log because no reader could parse them.
