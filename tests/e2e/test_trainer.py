@@ -48,9 +48,19 @@ def trained(tiny_model_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    # The colocated engine's rendezvous port: its own, and not inherited by the processes later tests start.
+    # The colocated engine's rendezvous: its own port, and nothing of it inherited by the processes later tests
+    # start. TRL's engine set-up writes the single-process rendezvous (RANK, LOCAL_RANK, WORLD_SIZE,
+    # MASTER_ADDR) into os.environ; set here, the context removes them again on exit (a later harness dry run
+    # in this worker otherwise took itself for one rank of a distributed job).
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MASTER_PORT", str(free_port()))
+        for name, value in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ):
+            patch.setenv(name, value)
         trainer = OPSDTrainer(
             model=model,
             args=cfg,
