@@ -31,6 +31,7 @@ from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
 from opsd.method.seeds import RolloutSeeds
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
+from opsd.run.compiled_layers import compile_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
         # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
         restore_lora_dropout(self.accelerator.unwrap_model(self.model))
+        if a.compile_layers:
+            compile_decoder_layers(self.accelerator.unwrap_model(self.model))
         if self.use_vllm and self.vllm_generation.mode == "colocate":
             # Training reads token ids only; vLLM would otherwise detokenise every sequence at every decode
             # step in this process, between GPU steps (docs/performance.md).

@@ -116,6 +116,14 @@ class OPSDConfig(SDFTConfig):
         ),
     )
     gradient_checkpointing: bool = field(default=True, metadata=_help("Recompute activations in backward."))
+    compile_layers: bool = field(
+        default=False,
+        metadata=_help(
+            "torch.compile every decoder layer for the training and teacher forwards; generation stays eager "
+            "(time, not method: opsd.run.compiled_layers). The first steps and each new sequence width pay "
+            "the compile; on a CPU it needs a C++ compiler."
+        ),
+    )
     bf16: bool = field(
         default=True, metadata=_help("bf16 mixed precision (turned off with a log line when no GPU).")
     )

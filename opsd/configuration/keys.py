@@ -32,11 +32,12 @@ RECIPE_KEYS = frozenset({
 # Settings that change neither the budget nor the method (trackers, logging, memory): the capped harness
 # takes them from recipe.env, OPSD_* variables and its pass-through flags (`train_capped.sh -- --report_to
 # wandb`). Gradient checkpointing, the loss chunk size and the micro-batch (opsd.run.microbatch) trade memory for
-# time on identical arithmetic.
+# time on identical arithmetic; compile_layers (opsd.run.compiled_layers) fuses the same arithmetic into fewer kernels.
 OPERATIONAL_KEYS = frozenset({
     "report_to", "run_name", "logging_steps", "logging_first_step", "log_level", "disable_tqdm",
     "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "gradient_checkpointing", "loss_chunk_size",
     "completions_steps", "completions_rows", "vllm_max_num_seqs", "micro_batch_size",
+    "compile_layers",
 })  # fmt: skip
 # Everything recipe.env (and OPSD_* under the harness) may set.
 CAPPED_KEYS = RECIPE_KEYS | OPERATIONAL_KEYS

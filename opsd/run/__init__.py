@@ -6,6 +6,7 @@ is `opsd.rundir`).
 * `callbacks`: metrics.jsonl, step timing, tail weight averaging, non-finite steps;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
 * `microbatch`: how a process splits its share of a step into micro-batches (memory, not method);
+* `compiled_layers`: the decoder layers compiled for the passes without a KV cache (time, not method);
 * `preflight`: every input of a run checked before any model loads, and the dry run (opsd_train.py, train_capped.sh);
 * `capped`: the 100-step budget's launch plan (`train_capped.sh`);
 * `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).
