@@ -32,6 +32,8 @@ from opsd.experiment import spec as S
 
 logger = logging.getLogger(__name__)
 
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+
 
 @dataclass
 class Slot:
@@ -134,6 +136,11 @@ class Runner:
     def env(self, slot: Slot) -> dict[str, str]:
         env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        # Each job is a launch of its own (train_capped.sh starts its processes through accelerate): the rank
+        # variables of whatever started the experiment (a torchrun or SLURM shell, an in-process vLLM engine)
+        # would make the job's process join that group instead of starting its own.
+        for key in RENDEZVOUS_VARIABLES:
+            env.pop(key, None)
         if slot.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = slot.devices
         if self.kv_cache_gib > 0:

@@ -832,6 +832,8 @@ def test_runner_env_gives_each_slot_its_devices(tmp_path: Path, monkeypatch) -> 
     monkeypatch.delenv("OPSD_KV_CACHE_GIB", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
+    for key, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)  # left by a launcher around the experiment
     sp = make_spec()
     slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
     shared = schedule.Runner(tmp_path, sp, slots, kv_cache_gib=1.5)
@@ -839,7 +841,8 @@ def test_runner_env_gives_each_slot_its_devices(tmp_path: Path, monkeypatch) -> 
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
     assert all(e["OPSD_KV_CACHE_GIB"] == "1.5" for e in envs)
     assert all(e["OMP_NUM_THREADS"] == "1" for e in envs)  # jobs share the host's cores
-    assert envs[0]["MASTER_PORT"].isdigit()
+    assert envs[0]["MASTER_PORT"].isdigit() and envs[0]["MASTER_PORT"] != "29500"
+    assert not any({"RANK", "LOCAL_RANK", "WORLD_SIZE"} & e.keys() for e in envs)
     alone = schedule.Runner(tmp_path, sp, schedule.make_slots(["0"], 1, 1))
     env = alone.env(alone.slots[0])
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and "OPSD_KV_CACHE_GIB" not in env
