@@ -5,7 +5,7 @@
     python opsd_train.py --max_steps 2          # embedded SmolLM2-135M and built-in data, CPU is fine
 
 Every `OPSDConfig` field is a flag (`--beta 0.5`), a YAML key (`--config cfg.yaml`), a `recipe.env` key
-(`--recipe recipe.env`) and an `OPSD_<FIELD>` environment switch; later sources win in that order.
+(`--recipe recipe.env`) and an `OPSD_<FIELD>` environment switch; which one wins: docs/configuration.md.
 Compared with training TRL's `SDFTTrainer` directly: OPSD prompts and loss (see opsd_trainer.py), the
 data filters and references of docs/method.md §2, exact resume from the last complete checkpoint,
 `metrics.jsonl`, `completions.jsonl`, and the resolved config with package versions and the git revision

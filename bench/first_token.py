@@ -107,8 +107,12 @@ def per_token(model, tok, student_ids, teacher_ids, rollouts, mode: str):
     c_ids, c_mask = right_pad(rollouts, pad, "cpu")
     with torch.no_grad():
         w = model.get_output_embeddings().weight
-        h_s = completion_hidden(model, *left_pad(student_ids, pad, "cpu"), c_ids, c_mask)
-        h_t = completion_hidden(model, *left_pad(teacher_ids, pad, "cpu"), c_ids, c_mask)
+        h_s = completion_hidden(
+            model, *left_pad(student_ids, pad, "cpu"), c_ids, c_mask, fix_positions=True, pad_token_id=None
+        )
+        h_t = completion_hidden(
+            model, *left_pad(teacher_ids, pad, "cpu"), c_ids, c_mask, fix_positions=True, pad_token_id=None
+        )
     s_logits = (h_s @ w.T).detach().requires_grad_(True)
     t_logits = (h_t @ w.T).detach()
     settings = loss_settings(mode)

@@ -113,9 +113,9 @@ def reference_step(model, p, pm, t, tm, cids, cm):
 
 
 def project_step(model, p, pm, t, tm, cids, cm):
-    hs = completion_hidden(model, p, pm, cids, cm)
+    hs = completion_hidden(model, p, pm, cids, cm, fix_positions=True, pad_token_id=None)
     with torch.no_grad(), model.disable_adapter():
-        ht = completion_hidden(model, t, tm, cids, cm)
+        ht = completion_hidden(model, t, tm, cids, cm, fix_positions=True, pad_token_id=None)
     w = lm_head_weight(model)
     loss, _ = chunked_opsd_loss(
         hs, ht, w, w.detach(), settings=published_loss(), target_ids_N=cids[cm.bool()]

@@ -118,9 +118,13 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
         out = {}
         for mode in CLIP_MODES:
             model.zero_grad(set_to_none=True)
-            h_s = completion_hidden(model, s_ids, s_mask, c_ids, c_mask)
+            h_s = completion_hidden(
+                model, s_ids, s_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None
+            )
             with torch.no_grad():
-                h_t = completion_hidden(model, t_ids, t_mask, c_ids, c_mask)
+                h_t = completion_hidden(
+                    model, t_ids, t_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None
+                )
             w = lm_head_weight(model)
             settings = dataclasses.replace(cfg.loss_settings(), clip_mode=mode)
             loss, _ = chunked_opsd_loss(

@@ -61,8 +61,8 @@ def loss_token_mask(
     completion_ids_BC: torch.Tensor,
     completion_mask_BC: torch.Tensor,
     *,
-    skip: int = 0,
-    pad_token_id: int | None = None,
+    skip: int,
+    pad_token_id: int | None,
 ) -> torch.Tensor:
     """(B, C) mask of the completion tokens that enter the loss, its denominator and its metrics.
 
@@ -106,8 +106,8 @@ def completion_hidden(
     completion_ids_BC,
     completion_mask_BC,
     *,
-    fix_positions: bool = True,
-    pad_token_id: int | None = None,
+    fix_positions: bool,
+    pad_token_id: int | None,
 ) -> torch.Tensor:
     """Final hidden states (after the last norm) that predict each valid completion token, flattened to (N, H).
 

@@ -87,7 +87,7 @@ def test_reference_positions_need_the_pad_token_id(tiny):
     p_ids, p_mask = left_pad([[5, 6]], tok.pad_token_id, "cpu")
     c_ids, c_mask = right_pad([[7]], tok.pad_token_id, "cpu")
     with pytest.raises(ValueError, match="pad_token_id"):
-        completion_hidden(model, p_ids, p_mask, c_ids, c_mask, fix_positions=False)
+        completion_hidden(model, p_ids, p_mask, c_ids, c_mask, fix_positions=False, pad_token_id=None)
 
 
 def test_trainer_scores_reference_rows_when_positions_are_not_fixed(trainer, tiny):
@@ -114,10 +114,18 @@ def test_loss_token_mask_skips_leading_tokens_and_reference_pad_tokens():
     pad = 0
     ids = torch.tensor([[4, 5, 6, 7], [8, 0, 9, 0], [3, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
-    assert loss_token_mask(ids, mask).tolist() == mask.tolist()
-    assert loss_token_mask(ids, mask, skip=2).tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]]
+    assert loss_token_mask(ids, mask, skip=0, pad_token_id=None).tolist() == mask.tolist()
+    assert loss_token_mask(ids, mask, skip=2, pad_token_id=None).tolist() == [
+        [0, 0, 1, 1],
+        [0, 0, 1, 0],
+        [0, 0, 0, 0],
+    ]
     # The reference's labels drop a sampled token equal to the pad id (SmolLM2: its <|im_end|>).
-    assert loss_token_mask(ids, mask, pad_token_id=pad).tolist() == [[1, 1, 1, 1], [1, 0, 1, 0], [1, 0, 0, 0]]
+    assert loss_token_mask(ids, mask, skip=0, pad_token_id=pad).tolist() == [
+        [1, 1, 1, 1],
+        [1, 0, 1, 0],
+        [1, 0, 0, 0],
+    ]
 
 
 @pytest.mark.parametrize("skip", [0, 2])
@@ -221,7 +229,7 @@ def test_completion_hidden_is_the_models_last_hidden_state(tiny, wrap):
     p_ids, p_mask = left_pad(prompts, tok.pad_token_id, "cpu")
     c_ids, c_mask = right_pad(completions, tok.pad_token_id, "cpu")
     with torch.no_grad():
-        got = completion_hidden(model, p_ids, p_mask, c_ids, c_mask)
+        got = completion_hidden(model, p_ids, p_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None)
         full = model(
             input_ids=torch.cat([p_ids, c_ids], 1),
             attention_mask=torch.cat([p_mask, c_mask], 1),
