@@ -20,13 +20,14 @@ to rounding); it also saves every 10 steps, with gradient checkpointing on and v
 New numbers can differ slightly from the committed JSONs, measured by that earlier version.
 
 Presets (`--preset`; the flags override them):
-- `learning` (default): the clip modes and betas of docs/learning.md, seeds 42 and 43, scored on the held-out
-  `builtin:easy` problems. Output: `bench/results/learning_h200.json`, `docs/learning_*.png`.
+- `learning` (default): the clip modes and betas of docs/results.md (Does training make the model better?),
+  seeds 42 and 43, scored on the held-out `builtin:easy` problems. Output: `bench/results/learning_h200.json`, `docs/learning_*.png`.
 - `controls`: docs/method.md §1.8: `rescale` and `element` at 1e-4, each with `teacher_ref_pairing` matched,
   shuffled and empty, seeds 42 and 43, scored on `builtin:easy-disjoint` (held out by arithmetic); every arm
   against the base model, each control against the matched arm of its mode. Output:
   `bench/results/controls_h200.json`, `docs/controls.png`. The committed JSON's 300-step horizon (past the
-  harness's 100 steps, docs/learning.md) is not run any more; `--plot` still draws it.
+  harness's 100 steps, docs/results.md: Where does the gain come from? The reference controls) is not run any
+  more; `--plot` still draws it.
 
 Verdicts: one report per baseline B, the first arm (the experiment's default: its own report, just written)
 and the matched arm of each control (`python -m opsd.experiment report DIR --baseline B`); each report's

@@ -269,7 +269,8 @@ def test_easy_eval_rows_schema_answers_and_ids():
         assert r["answer"] == str(answer)
     assert levels == {"sum", "sum_tens", "difference", "product"}
     assert easy_eval_rows() == rows
-    # Pinned: the learning benchmark's held-out results (docs/learning.md) are on exactly these problems.
+    # Pinned: the learning benchmark's held-out results (docs/results.md, Does training make the model
+    # better?) are on exactly these problems.
     assert rows[0] == {"id": "easy-000", "problem": "Evaluate $19+7$.", "answer": "26"}
     assert _digest(rows) == "9e8f4d4ba0e4fa537c78c42767d672bf330b77889aa5653692dd4092a6f50620"
 
