@@ -12,7 +12,7 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
 - `demo`: the embedded SmolLM2-135M on the `builtin:easy` problems, 4 problems per step and 64-token
   rollouts, sized for a 2-core CPU (scripts/demo.sh adds configs/recipes/demo.env);
-- `smoke`: 2 problems per step and 8-token rollouts, for CI on a tiny model.
+- `smoke`: 2 problems per step, 8-token rollouts and the probe at steps 0, 50 and 100, for CI on a tiny model.
 
     python -m opsd.run.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
         [--dry-run] [--debug] [-- --report_to wandb --run_name x]
@@ -66,7 +66,8 @@ PROFILES = {
     ),
     "smoke": Profile(
         "", "builtin", 2, 8,
-        ("--gradient_checkpointing=false", "--lora_r=8", "--lora_alpha=16", "--vllm_max_model_length=1024"),
+        ("--gradient_checkpointing=false", "--lora_r=8", "--lora_alpha=16", "--vllm_max_model_length=1024",
+         "--probe_steps=50"),
     ),
 }  # fmt: skip
 
