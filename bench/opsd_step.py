@@ -9,7 +9,8 @@ random-weight Qwen3-1.7B (bf16), the same built-in problems and the same setting
 LENGTH tokens (min_tokens = max_tokens), vLLM colocated at gpu_memory_utilization 0.6, LoRA r64, fixed
 teacher, beta 0, per-entry clip 0.05.
 - `project`: `opsd_train.py` with `micro_batch_size=MICRO` (auto = what `train_capped.sh` runs; with
-  `ckpt`, auto may still turn checkpointing off, and the row's `gradient_checkpointing` says what ran);
+  `ckpt`, auto may still turn checkpointing off, and the row's `gradient_checkpointing` says what ran); a
+  fifth part `:compile` adds `compile_layers=true` (its first steps pay the compile: give `--steps 6`);
 - `reference`: `bench/reference_step.py` (both roles' logits over the whole vocabulary, TRL's rollout call
   and merged-LoRA sync) with per-device micro-batch MICRO.
 The first step (engine warm-up, compilation) is excluded; the rows hold medians over the remaining steps of
@@ -40,18 +41,27 @@ from opsd.rundir import METRICS_FILE, read_step_log  # noqa: E402
 
 # The reference's micro-batch 4 runs out of memory beside vLLM at 2048 on an H200; its micro-batch 2 runs.
 DEFAULT_VARIANTS = (
-    "reference:1024:4:ckpt,project:1024:auto:ckpt,project:1024:32:ckpt,project:1024:4:ckpt,"
-    "project:1024:4:nockpt,reference:2048:4:ckpt,reference:2048:2:ckpt,project:2048:auto:ckpt"
+    "reference:1024:4:ckpt,project:1024:auto:ckpt,project:1024:auto:ckpt:compile,project:1024:4:ckpt,"
+    "reference:2048:4:ckpt,reference:2048:2:ckpt,project:2048:auto:ckpt,project:2048:auto:ckpt:compile"
 )
 ENTRY = {"project": ROOT / "opsd_train.py", "reference": ROOT / "bench" / "reference_step.py"}
 GOAL_RATIO = 0.7
 
 
 def parse_variant(text: str) -> dict:
-    arm, length, micro, ckpt = text.split(":")
-    if arm not in ENTRY or ckpt not in ("ckpt", "nockpt"):
-        raise SystemExit(f"bad variant {text!r}: ARM:LENGTH:MICRO:ckpt|nockpt with ARM in {sorted(ENTRY)}")
-    return {"arm": arm, "length": int(length), "micro": micro, "ckpt": ckpt == "ckpt", "variant": text}
+    arm, length, micro, ckpt, *lever = text.split(":")
+    if (
+        arm not in ENTRY
+        or ckpt not in ("ckpt", "nockpt")
+        or lever not in ([], ["compile"])
+        or (lever and arm != "project")
+    ):
+        raise SystemExit(
+            f"bad variant {text!r}: ARM:LENGTH:MICRO:ckpt|nockpt[:compile] with ARM in {sorted(ENTRY)} "
+            "(compile: project only)"
+        )
+    return {"arm": arm, "length": int(length), "micro": micro, "ckpt": ckpt == "ckpt", "compile": bool(lever),
+            "variant": text}  # fmt: skip
 
 
 def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
@@ -79,6 +89,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
     }
     if v["arm"] == "project":
         cfg["micro_batch_size"] = v["micro"]
+        cfg["compile_layers"] = v["compile"]
     else:
         cfg["per_device_train_batch_size"] = int(v["micro"])
         cfg["gradient_accumulation_steps"] = 32 // int(v["micro"])
@@ -92,7 +103,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
         capture_output=True,
         text=True,
     )
-    row = {k: v[k] for k in ("variant", "arm", "length", "micro", "ckpt")}
+    row = {k: v[k] for k in ("variant", "arm", "length", "micro", "ckpt", "compile")}
     if res.returncode != 0:
         return {**row, "status": "failed", "stderr_tail": res.stderr[-4000:]}
     resolved = json.loads((out / "opsd_config.json").read_text())
@@ -196,7 +207,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/qwen3-1.7b-random")
     ap.add_argument("--work", default="/tmp/opsd-step")
     ap.add_argument(
-        "--variants", default=DEFAULT_VARIANTS, help="comma-separated ARM:LENGTH:MICRO:ckpt|nockpt"
+        "--variants", default=DEFAULT_VARIANTS, help="comma-separated ARM:LENGTH:MICRO:ckpt|nockpt[:compile]"
     )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="bench/results/opsd_step.json")
