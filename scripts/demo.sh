@@ -5,7 +5,7 @@
 #      problems, with configs/recipes/demo.env: clip_mode=rescale and learning rate 5e-4 instead of the
 #      published element clip and 5e-6 (the learning benchmark found that the element clip moves this small
 #      model away from its teacher: docs/results.md);
-#   2. one eval_aime.py sweep (one engine start) on the held-out `builtin:easy` problems (40 x 4 samples) of the
+#   2. one eval_aime.py sweep (one engine start) on the held-out `builtin:easy` problems (40 x 12 samples) of the
 #      base model and the trained checkpoint (same sampling seeds), then their paired difference in accuracy
 #      and format rate.
 # Usage: bash scripts/demo.sh [SEED]      (training seed, default 42; the evaluation's seeds do not change)
@@ -20,7 +20,7 @@ export HF_HUB_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1
 py=.venv/bin/python
 echo "demo: clip_mode=rescale and learning rate 5e-4 (configs/recipes/demo.env) depart from the published recipe"
 ckpt=$(bash train_capped.sh --profile demo --recipe configs/recipes/demo.env --name demo --seed "$seed" | tail -n 1)
-"$py" eval_aime.py --dataset builtin:easy --n 4 --max-tokens 128 --max-model-len 1024 --no-thinking \
+"$py" eval_aime.py --dataset builtin:easy --n 12 --max-tokens 128 --max-model-len 1024 --no-thinking \
   --temperature 1.0 --checkpoints "$ckpt" --out "runs/demo/eval_seed$seed"
 "$py" eval_aime.py --compare "runs/demo/eval_seed$seed/base" "runs/demo/eval_seed$seed/$(basename "$ckpt")" \
   --out "runs/demo/compare_seed$seed"
