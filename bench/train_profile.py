@@ -293,8 +293,8 @@ class Driver(TrainerCallback):
         self.seen |= self.trainer.widths
 
 
-def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) -> dict:
-    """One length's row; `lever` (bench/train_levers.py) adds config fields and changes the trainer's model."""
+def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict | None = None) -> dict:
+    """One length's row; `lever` (bench/train_levers.py) adds config fields."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -310,7 +310,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) 
         max_completion_length=length, gradient_checkpointing=True, rollout_engine="transformers", use_vllm=False,
         use_cpu=not cuda, bf16=cuda, dtype="bfloat16" if cuda else "float32", save_strategy="no",
         logging_steps=1, report_to="none", probe_steps=0, completions_steps=0, disable_tqdm=True,
-        **(lever.config if lever else {}),
+        **(lever or {}),
     )  # fmt: skip
     dataset, _ = build_paired_dataset(config)
     if cuda:  # as opsd_train.py decides it before the model loads, beside a colocated engine
@@ -325,8 +325,6 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever=None) 
     trainer = FixedRolloutTrainer(model=model, args=config, train_dataset=dataset,
                                   processing_class=load_tokenizer(str(model_dir)), peft_config=lora)  # fmt: skip
     trainer.length, trainer.spans, trainer.tokens, trainer.widths = length, Spans(cuda), Counter(), set()
-    if lever:
-        lever.apply(trainer.model)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(driver := Driver(trainer, a.steps, cuda))
     try:
