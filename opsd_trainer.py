@@ -19,12 +19,14 @@ import functools
 import logging
 import textwrap
 
+import torch
 from peft import PeftModel
 from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
 from opsd.method.ema_teacher import InitialisedAdapterEMA
+from opsd.method.engine_classes import own_classes
 from opsd.method.loss_step import LossHooks
 from opsd.method.prompts import PromptBuilder
 from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
@@ -96,9 +98,14 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
     # -- set-up -------------------------------------------------------------------------------------------------
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        colocated = getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", "") == "colocate"
+        if colocated:  # before the engine starts, which may decorate the model's classes in place
+            own_classes(kwargs.get("model", args[0] if args else None))
         with engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
+        if colocated and isinstance(self.teacher_model, torch.nn.Module):
+            own_classes(self.teacher_model)
         self.prompt_builder = PromptBuilder(
             self.processing_class,
             student_template_file=a.student_prompt_file,
@@ -110,6 +117,9 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         self.teacher_context_builder = TeacherRowBuilder(self)
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
+        # The loss's logit transform (opsd.method.logits), picked and checked on each model's first forward.
+        self.logit_transform = None
+        self.logits_checked: set[int] = set()
         self.add_callback(StepTimer(self._metrics["train"], self.clock))
         self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
         self.add_callback(self.nonfinite)

@@ -36,6 +36,10 @@ class MissingPath(UserError, FileNotFoundError):
     """A file or directory named by the user that does not exist or is not of the right kind."""
 
 
+class UnsupportedModel(UserError, ValueError):
+    """A model (or a model with the chosen engine) that opsd cannot train exactly; the message names the fix."""
+
+
 def split_debug(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> tuple[bool, list[str]]:
     """(debug requested, argv without our `--debug`).
 

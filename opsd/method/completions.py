@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from opsd.method.logits import LogitTransform, head_logits
 from opsd.method.loss import LossSettings, token_divergence_with_grad
 from opsd.rundir import COMPLETIONS_FILE
 
@@ -56,6 +57,7 @@ def completion_rows(
     teacher_hidden_NH: torch.Tensor,
     student_weight_VH: torch.Tensor,
     teacher_weight_VH: torch.Tensor,
+    transform: LogitTransform,
     tokenizer,
     rows: int,
     settings: LossSettings,
@@ -75,8 +77,8 @@ def completion_rows(
             continue
         h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
         _, stats, _ = token_divergence_with_grad(
-            h_s.to(student_weight_VH.dtype) @ student_weight_VH.T,
-            h_t.to(teacher_weight_VH.dtype) @ teacher_weight_VH.T,
+            head_logits(h_s, student_weight_VH, transform),
+            head_logits(h_t, teacher_weight_VH, transform),
             settings=settings,
             target_ids_N=ids,
             need_grad=False,

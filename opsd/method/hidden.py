@@ -108,13 +108,16 @@ def completion_hidden(
     *,
     fix_positions: bool,
     pad_token_id: int | None,
+    on_last_logits=None,
 ) -> torch.Tensor:
     """Final hidden states (after the last norm) that predict each valid completion token, flattened to (N, H).
 
     `fix_positions=False` scores the reference code's rows instead (`reference_rows`, which needs the
     `pad_token_id`); the tokens kept are still those of `completion_mask_BC`. The forward goes through the
     model object it is given (so DDP/DeepSpeed wrappers see it) and asks for logits at the last position
-    only; the completion's logits are computed later, in chunks, by the loss.
+    only; the completion's logits are computed later, in chunks, by the loss. `on_last_logits(hidden_BH,
+    logits_BV)`, if given, receives the last column's final hidden states and the model's own logits there:
+    what the trainer checks its logit transform against (`opsd.method.logits`).
     """
     if fix_positions:
         input_ids = torch.cat([prompt_ids_BP, completion_ids_BC], dim=1)
@@ -140,7 +143,15 @@ def completion_hidden(
             output_hidden_states=not captured.hooked,
             logits_to_keep=1,
         )
+    if captured.hooked and captured.value is None:
+        raise RuntimeError(
+            f"the forward of {type(model).__name__} did not run its decoder's module hooks, so its final hidden "
+            "states were not captured; something replaced the decoder's __call__ (vLLM's Transformers backend "
+            "does so in place; opsd.method.engine_classes keeps the trainer's model out of its reach)"
+        )
     last_BTH = captured.value if captured.hooked else out.hidden_states[-1]
+    if on_last_logits is not None:
+        on_last_logits(last_BTH[:, -1].detach(), out.logits[:, -1].detach())
     hidden_BCH = last_BTH[:, width - 1 : width - 1 + completion_ids_BC.size(1)]
     return hidden_BCH[completion_mask_BC.bool()]
 
@@ -178,11 +189,3 @@ def _last_hidden_state(model):
         yield captured
     finally:
         handle.remove()
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    """The output projection (V, H) of a causal LM (PEFT and accelerate wrappers unwrapped by the caller)."""
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("models whose lm_head has a bias are not supported by the chunked loss")
-    return head.weight

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd.configuration.loss_settings import LossSettings
+from opsd.method.logits import IDENTITY, LogitTransform
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
 
@@ -193,6 +194,7 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
         teacher_weight_VH,
         target_ids_N,
         settings,
+        transform,
         grad_enabled,
     ):
         # needs_input_grad ignores the caller's no_grad, so eval passes grad_enabled=False to skip grad work.
@@ -209,14 +211,19 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
         for start in range(0, student_hidden_NH.shape[0], settings.chunk_size):
             end = start + settings.chunk_size
             # Hidden states may come out of a mixed-precision model in float32 while lm_head is bf16: the
-            # logits are computed in the weight's dtype, as the model's own lm_head would.
+            # logits are computed in the weight's dtype, as the model's own lm_head would; the model's own
+            # transform after it (a scale, a soft-cap) in float32.
             h_s_CH = student_hidden_NH[start:end].detach()
             s_logits_CV = h_s_CH.to(w_s_VH.dtype) @ w_s_VH.T
             t_logits_CV = h_t_NH[start:end].to(w_t_VH.dtype) @ w_t_VH.T
+            if not transform.identity:
+                s_logits_CV, t_logits_CV = transform(s_logits_CV.float()), transform(t_logits_CV.float())
             ids_C = None if target_ids_N is None else target_ids_N[start:end]
             loss_C, stats, g_CV = token_divergence_with_grad(
                 s_logits_CV, t_logits_CV, settings=settings, target_ids_N=ids_C, need_grad=need_h or need_w
             )
+            if g_CV is not None and not transform.identity:
+                g_CV = transform.backward_(g_CV, s_logits_CV)  # through the transform, to h @ W.T
             del s_logits_CV, t_logits_CV
             chunk_loss = loss_C.sum()
             if g_CV is not None:
@@ -241,7 +248,7 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
             grad_h_NH = grad_h_NH * grad_loss.to(grad_h_NH.dtype)
         if grad_w_VH is not None:
             grad_w_VH = (grad_w_VH * grad_loss).to(ctx.weight_dtype)
-        return grad_h_NH, None, grad_w_VH, None, None, None, None
+        return grad_h_NH, None, grad_w_VH, None, None, None, None, None
 
 
 def chunked_opsd_loss(
@@ -252,10 +259,12 @@ def chunked_opsd_loss(
     *,
     settings: LossSettings,
     target_ids_N: torch.Tensor | None,
+    transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed OPSD loss from final hidden states without materialising all (N, V) logits (the training path).
 
-    loss_sum = sum over the N tokens of the per-token loss on logits h @ W.T (lm_head without bias), but only
+    loss_sum = sum over the N tokens of the per-token loss on logits transform(h @ W.T) (lm_head without bias;
+    `transform` is what the model applies after it, `opsd.method.logits`: identity for most families), but only
     ``settings.chunk_size`` tokens' logits exist at a time. For each chunk the forward pass computes the
     student and teacher logits, the per-token loss and right away (`token_divergence_with_grad`) the gradient
     of the chunk's loss sum w.r.t. the student hidden chunk, and w.r.t. the student weight (accumulated in a
@@ -280,6 +289,7 @@ def chunked_opsd_loss(
         teacher_weight_VH,
         target_ids_N,
         settings,
+        transform,
         torch.is_grad_enabled(),
     )
     stats_sums = dict(zip(STAT_KEYS, stat_sums_3.unbind(), strict=True))

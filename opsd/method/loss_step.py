@@ -8,18 +8,23 @@ teacher context it overrides. It reads the trainer's `args` (`OPSDConfig`, which
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from opsd.errors import UnsupportedModel
 from opsd.method import completions
-from opsd.method.hidden import completion_hidden, eval_mode, lm_head_weight, loss_token_mask
+from opsd.method.hidden import completion_hidden, eval_mode, loss_token_mask
+from opsd.method.logits import LogitTransform, lm_head_weight, resolve_logit_transform
 from opsd.method.loss import chunked_opsd_loss
 
 if TYPE_CHECKING:
     from opsd.configuration.config import OPSDConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +36,7 @@ class CompletionHiddenStates:
     teacher_hidden_NH: torch.Tensor
     student_weight_VH: torch.Tensor
     teacher_weight_VH: torch.Tensor
+    logit_transform: LogitTransform
 
 
 class LossHooks:
@@ -64,6 +70,7 @@ class LossHooks:
                 hidden.teacher_weight_VH,
                 settings=a.loss_settings(),
                 target_ids_N=completion_ids[completion_mask.bool()][keep_N],
+                transform=hidden.logit_transform,
             )
             # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
             denom = inputs["num_loss_tokens"].clamp(min=1).to(loss_sum.dtype)
@@ -95,6 +102,7 @@ class LossHooks:
             teacher_hidden_NH=teacher_hidden_NH.detach(),
             student_weight_VH=lm_head_weight(unwrap(model)),
             teacher_weight_VH=lm_head_weight(unwrap(self.teacher_model)).detach(),
+            logit_transform=self.logit_transform,
         )
 
     @contextmanager
@@ -117,7 +125,29 @@ class LossHooks:
             completion_mask,
             fix_positions=self.args.fix_position_ids,
             pad_token_id=self.processing_class.pad_token_id,
+            on_last_logits=None if id(model) in self.logits_checked else self._logits_check(model),
         )
+
+    def _logits_check(self, model):
+        """A check, for a model's first forward, that the loss's logit transform reproduces its own logits
+        (`opsd.method.logits`); the first check picks the transform. Student and teacher share the lm_head's
+        transform, so a teacher that disagrees is refused."""
+
+        def check(hidden_BH, logits_BV):
+            unwrapped = self.accelerator.unwrap_model(model)
+            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
+            if self.logit_transform is None:
+                self.logit_transform = found
+                logger.info("logit transform after the lm_head, checked against the model's logits: %s",
+                            found.describe())  # fmt: skip
+            elif found != self.logit_transform:
+                raise UnsupportedModel(
+                    f"the teacher's logits follow another transform ({found.describe()}) than the student's "
+                    f"({self.logit_transform.describe()}); the loss applies one transform to both roles"
+                )
+            self.logits_checked.add(id(model))
+
+        return check
 
     def _loss_mask(self, completion_ids, completion_mask):
         a: OPSDConfig = self.args
@@ -160,6 +190,7 @@ class LossHooks:
             teacher_hidden_NH=hidden.teacher_hidden_NH,
             student_weight_VH=hidden.student_weight_VH.detach(),
             teacher_weight_VH=hidden.teacher_weight_VH,
+            transform=hidden.logit_transform,
             tokenizer=self.processing_class,
             rows=a.completions_rows,
             settings=a.loss_settings(),

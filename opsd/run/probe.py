@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from opsd.method.hidden import eval_mode, left_pad, right_pad
+from opsd.method.logits import IDENTITY, LogitTransform, head_logits
 from opsd.method.loss import LossSettings, pointwise_jsd_terms
 from opsd.rundir import PROBE_FILE
 
@@ -66,10 +67,11 @@ def probe_token_sums(
     teacher_weight_VH: torch.Tensor,
     *,
     settings: LossSettings,
+    transform: LogitTransform = IDENTITY,
 ) -> torch.Tensor:
     """Sums over N tokens of (D_beta, top-1 agreement, student log-prob of the teacher's argmax), float32 (3,).
 
-    Logits are h @ W.T (lm_head without bias) computed `settings.chunk_size` tokens at a time in the weight's
+    Logits are transform(h @ W.T) (lm_head without bias, then the model's own transform) computed `settings.chunk_size` tokens at a time in the weight's
     dtype; both distributions are log_softmax(logits / settings.temperature) over the full vocabulary (the
     loss's teacher support and clip do not apply); D_beta, at settings.beta, is unclipped.
     """
@@ -79,8 +81,8 @@ def probe_token_sums(
         for start in range(0, student_hidden_NH.shape[0], chunk_size):
             h_s = student_hidden_NH[start : start + chunk_size]
             h_t = teacher_hidden_NH[start : start + chunk_size]
-            s_CV = (h_s.to(student_weight_VH.dtype) @ student_weight_VH.T).float() / temperature
-            t_CV = (h_t.to(teacher_weight_VH.dtype) @ teacher_weight_VH.T).float() / temperature
+            s_CV = head_logits(h_s, student_weight_VH, transform) / temperature
+            t_CV = head_logits(h_t, teacher_weight_VH, transform) / temperature
             logp_s_CV, logp_t_CV = F.log_softmax(s_CV, -1), F.log_softmax(t_CV, -1)
             teacher_top_C = t_CV.argmax(-1)
             sums_3 += torch.stack(
@@ -193,7 +195,7 @@ class Probe(TrainerCallback):
                 )
                 sums_4[:3] += probe_token_sums(
                     hidden.student_hidden_NH, hidden.teacher_hidden_NH, hidden.student_weight_VH,
-                    hidden.teacher_weight_VH, settings=settings,
+                    hidden.teacher_weight_VH, settings=settings, transform=hidden.logit_transform,
                 )  # fmt: skip
                 sums_4[3] += hidden.student_hidden_NH.shape[0]
         sums_4 = acc.reduce(sums_4, reduction="sum")

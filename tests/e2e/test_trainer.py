@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from opsd.method.hidden import lm_head_weight, positions
+from opsd.method.hidden import positions
+from opsd.method.logits import lm_head_weight
 from tests.conftest import free_port
 
 
