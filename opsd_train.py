@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from opsd.method import pairing
+    from opsd.method import lora_targets, pairing
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
     from opsd.run import microbatch
     from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=(
-                "all-linear" if config.lora_target_modules == ["all-linear"] else config.lora_target_modules
-            ),
+            target_modules=lora_targets.resolve_targets(model, config.lora_target_modules),
             task_type="CAUSAL_LM",
         )
     elif config.teacher_mode == "fixed":
@@ -146,6 +144,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     trainer = OPSDTrainer(
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
+    if config.use_peft and state.is_main_process:
+        lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))
     if probe_rows:
         trainer.add_callback(Probe(trainer, probe_rows, config.probe_steps))
     trainer.add_callback(MetricsJSONL())

@@ -26,7 +26,7 @@ from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
 from opsd.method.ema_teacher import InitialisedAdapterEMA
-from opsd.method.engine_classes import own_classes
+from opsd.method.engine_classes import engine_start_refusal, own_classes
 from opsd.method.loss_step import LossHooks
 from opsd.method.prompts import PromptBuilder
 from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
@@ -99,9 +99,13 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", "") == "colocate"
+        model = kwargs.get("model", args[0] if args else None)
         if colocated:  # before the engine starts, which may decorate the model's classes in place
-            own_classes(kwargs.get("model", args[0] if args else None))
-        with engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)):
+            own_classes(model)
+        with (
+            engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)),
+            engine_start_refusal(colocated, model),
+        ):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
@@ -112,6 +116,7 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
             teacher_template_file=a.teacher_prompt_file,
             student_thinking=a.student_thinking,
             teacher_thinking=a.teacher_thinking,
+            thinking_switch=a.thinking_switch,
             max_teacher_prompt_tokens=a.max_teacher_prompt_length,
         )
         self.teacher_context_builder = TeacherRowBuilder(self)

@@ -83,8 +83,13 @@ def _module_list(value) -> list[str]:
     modules = [m.strip() for item in items for m in str(item).split(",") if m.strip()]
     if not modules:
         raise ValueError(
-            f"lora_target_modules={value!r} names no module; give e.g. q_proj,v_proj or all-linear"
+            f"lora_target_modules={value!r} names no module; give e.g. q_proj,v_proj, all-linear or auto"
         )
+    for keyword in ("auto", "all-linear"):
+        if keyword in modules and len(modules) > 1:
+            raise ValueError(
+                f"lora_target_modules={value!r}: {keyword} stands alone; give it or a list of names"
+            )
     return modules
 
 
@@ -183,10 +188,12 @@ class OPSDConfig(SDFTConfig):
     lora_alpha: int = field(default=128, metadata=_help("LoRA alpha."))
     lora_dropout: float = field(default=0.0, metadata=_help("LoRA dropout."))
     lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        default_factory=lambda: ["auto"],
         metadata=_help(
             "Module names that get LoRA adapters: a YAML list, `--lora_target_modules q_proj k_proj`, or "
-            "comma-separated (`q_proj,k_proj`, the recipe.env / OPSD_* form); `all-linear` as in peft."
+            "comma-separated (`q_proj,k_proj`, the recipe.env / OPSD_* form); `all-linear` as in peft; `auto`: "
+            "the linear projections of every layer kind (q, k, v, o, gate, up, down on dense models, the "
+            "published recipe's), minus those a fused kernel reads directly (docs/families.md)."
         ),
     )
     # Data and prompts -------------------------------------------------------------------------------------
@@ -224,6 +231,13 @@ class OPSDConfig(SDFTConfig):
         default=False, metadata=_help("Student prompt with thinking on (off appends the empty think block).")
     )
     teacher_thinking: bool = field(default=True, metadata=_help("Teacher prompt with thinking on."))
+    thinking_switch: str = field(
+        default="auto",
+        metadata=_help(
+            "The chat-template variable student_thinking and teacher_thinking set: auto (enable_thinking where "
+            "the template reads it, else none with a warning) | none (the template has no switch) | a name."
+        ),
+    )
     student_prompt_file: str = field(
         default="", metadata=_help("Text file replacing the student template ({problem}).")
     )

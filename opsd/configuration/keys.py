@@ -21,7 +21,7 @@ RECIPE_KEYS = frozenset({
     "lora_r", "lora_alpha", "lora_dropout",
     # teacher and data
     "teacher_mode", "ema_decay", "data_filter", "teacher_ref", "teacher_ref_pairing", "teacher_ref_max_chars",
-    "max_teacher_prompt_length", "student_thinking", "teacher_thinking", "student_prompt_file",
+    "max_teacher_prompt_length", "student_thinking", "teacher_thinking", "thinking_switch", "student_prompt_file",
     "teacher_prompt_file",
     # budget helpers that spend no extra compute; the probe's cadence (a few forwards every N steps)
     "wavg_last", "probe_steps",

@@ -82,7 +82,11 @@ class EvalConfig:
     max_model_len: int = _arg(
         40960, "Prompt + completion tokens; lowered to the model's max_position_embeddings."
     )
-    thinking: bool = _arg(True, "Render prompts with the template's enable_thinking (--no-thinking: off).")
+    thinking: bool = _arg(True, "Render prompts with the template's thinking switch on (--no-thinking: off).")
+    thinking_switch: str = _arg(
+        "auto",
+        "The template variable --thinking sets: auto (enable_thinking if the template reads it) | none | a name.",
+    )
     prompt_file: str = _arg("", "Student template file (with {problem}), the same as training's.")
     seed: int = _arg(0, "Base seed; each sample's seed derives from (seed, problem, sample index).")
     # Engine and output

@@ -188,7 +188,10 @@ def resolve(config: EvalConfig) -> Job:
     tokenizer = load_tokenizer(model_path)
     try:
         builder = PromptBuilder(
-            tokenizer, student_template_file=config.prompt_file, student_thinking=config.thinking
+            tokenizer,
+            student_template_file=config.prompt_file,
+            student_thinking=config.thinking,
+            thinking_switch=config.thinking_switch,
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None

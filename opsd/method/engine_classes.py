@@ -10,15 +10,25 @@ capture of `opsd.method.hidden`) no longer run.
 `own_classes` gives every transformers model class in the trainer's module tree a private subclass of the same
 name that pins `__call__` and `forward` to the class's own (undecorated) ones. isinstance checks, class names
 in saved configs and the engine's own model (an instance of the original class) are unaffected.
+
+`engine_start_refusal` turns an engine that cannot start on an architecture (vLLM's CPU build cannot import its
+Qwen3.5 module without torchvision, say) into one line naming the engine, its version, the family and the
+engine that works.
 """
 
 from __future__ import annotations
 
+import traceback
+from contextlib import contextmanager
+
 import torch
+
+from opsd.errors import UnsupportedModel
 
 # The base class vLLM's decorator appends (vllm.compilation.wrapper); matched by name so this module needs no vLLM.
 ENGINE_WRAPPER = "TorchCompileWithNoGuardsWrapper"
 PINNED = ("__call__", "forward")
+ENGINE_PACKAGE = "/vllm/"
 OWN_CLASS_FLAG = "_opsd_own_class"
 
 
@@ -56,3 +66,25 @@ def own_classes(model: torch.nn.Module) -> int:
         module.__class__ = own[cls]
         moved += 1
     return moved
+
+
+@contextmanager
+def engine_start_refusal(colocated: bool, model):
+    """Inside the block, an error raised from vLLM's own code while the colocated engine starts becomes one line
+    naming the engine, its version, the model type and the engine that trains every family (transformers)."""
+    try:
+        yield
+    except Exception as err:
+        frames = traceback.extract_tb(err.__traceback__)
+        if not colocated or not any(ENGINE_PACKAGE in f.filename for f in frames):
+            raise
+        import vllm
+
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", type(model).__name__)
+        first = " ".join(str(err).split())[:300]
+        raise UnsupportedModel(
+            f"the colocated vLLM {vllm.__version__} engine failed to start for model type {model_type!r} "
+            f"({type(err).__name__}: {first}); if this vLLM cannot run the architecture, train with "
+            "--rollout_engine transformers, or run vLLM in server mode where it runs it (docs/families.md)"
+        ) from err

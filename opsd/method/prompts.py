@@ -1,7 +1,11 @@
 """Student and teacher prompts (docs/method.md §1, chat format).
 
 Both prompts are one user turn rendered with the tokenizer's chat template; the student's thinking switch
-and the teacher's are separate (`enable_thinking` in Qwen3's template). The teacher turn holds the
+and the teacher's are separate. They drive one variable of the template (`thinking_switch`: `enable_thinking` in
+Qwen3's and Qwen3.5's templates), found among the variables the parsed template reads (`template_variables`);
+`auto` takes `enable_thinking` where the template reads it and renders without a switch where it does not (with
+a warning: both roles' prompts then render alike); a named switch the template does not read is refused. The
+teacher turn holds the
 problem, the privileged reference between BEGIN/END markers, and an instruction to reason independently.
 
 Wording lives in two templates that a file can replace: the student template must contain `{problem}`,
@@ -15,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.errors import InvalidValue
+from opsd.errors import InvalidValue, UnsupportedModel
 from opsd.paths import PROMPT_FILE, read_text
 
 logger = logging.getLogger(__name__)
@@ -33,6 +37,58 @@ TEACHER_TEMPLATE = (
     "you had never seen it, and reach the same final answer independently. Do not quote or mention the reference."
 )
 TRUNCATION_MARK = "\n[... reference truncated ...]"
+AUTO_SWITCH, NO_SWITCH, DEFAULT_SWITCH = "auto", "none", "enable_thinking"
+
+
+def template_variables(template: str) -> set[str]:
+    """The variables a chat template reads (jinja2's parse: what `apply_chat_template` keyword arguments can set);
+    names it only assigns, or mentions in a string or comment, are not variables."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):  # transformers' `{% generation %}` block, for training templates
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = jinja2.Environment(extensions=[loopcontrols, Generation])
+    try:
+        return set(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError as err:
+        raise UnsupportedModel(
+            f"the tokenizer's chat template does not parse ({err}); fix the template"
+        ) from None
+
+
+def resolve_thinking_switch(tokenizer, switch: str) -> str | None:
+    """The template variable the thinking flags drive, or None when they drive none (module docstring)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates: the default one renders the prompts
+        template = template.get("default", "")
+    variables = template_variables(template) if template else set()
+    if switch == NO_SWITCH:
+        return None
+    if switch == AUTO_SWITCH:
+        if DEFAULT_SWITCH in variables:
+            return DEFAULT_SWITCH
+        logger.warning(
+            "the chat template reads no %s variable, so student_thinking and teacher_thinking have no effect "
+            "and both roles render alike; set thinking_switch to the template's own switch if it has one, or "
+            "thinking_switch=none to say it has none",
+            DEFAULT_SWITCH,
+        )
+        return None
+    if switch not in variables:
+        shown = ", ".join(sorted(variables)) or "none"
+        raise UnsupportedModel(
+            f"thinking_switch={switch!r}, but the chat template reads no such variable (it reads: {shown}); "
+            "name one of its variables, or thinking_switch=none for a template without a thinking switch"
+        )
+    return switch
 
 
 def _read_template(path: str, placeholders: tuple[str, ...], default: str) -> str:
@@ -66,6 +122,7 @@ class PromptBuilder:
         teacher_template_file: str = "",
         student_thinking: bool = False,
         teacher_thinking: bool = True,
+        thinking_switch: str = AUTO_SWITCH,
         max_teacher_prompt_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
@@ -76,11 +133,7 @@ class PromptBuilder:
         self.student_thinking = student_thinking
         self.teacher_thinking = teacher_thinking
         self.max_teacher_prompt_tokens = max_teacher_prompt_tokens
-        template = getattr(tokenizer, "chat_template", None) or ""
-        if tokenizer is not None and "enable_thinking" not in template:
-            logger.warning(
-                "the chat template has no enable_thinking switch; the thinking flags have no effect"
-            )
+        self.switch = None if tokenizer is None else resolve_thinking_switch(tokenizer, thinking_switch)
 
     def student_text(self, problem: str) -> str:
         return self.student_template.replace("{problem}", problem)
@@ -94,7 +147,7 @@ class PromptBuilder:
             [{"role": "user", "content": text}],
             tokenize=False,
             add_generation_prompt=True,
-            enable_thinking=thinking,
+            **({self.switch: thinking} if self.switch else {}),
         )
         # The rendered text already carries the template's special tokens; adding BOS again would change it.
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]

@@ -16,8 +16,17 @@ import torch
 def merged_named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of the model with its active LoRA adapter merged, in checkpoint naming.
 
-    Computed as base + delta without touching the base weights; other parameters are yielded as they are.
+    Computed as base + delta without touching the base weights; other parameters are yielded as they are. Names
+    and layouts are the checkpoint's, as `save_pretrained` writes them: transformers renames some families'
+    weights when it loads them (Granite's MoE router and experts, for one), and the engine reads the names on disk.
     """
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    yield from checkpoint_format(base, dict(_merged(model)))
+
+
+def _merged(model) -> Iterator[tuple[str, torch.Tensor]]:
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
@@ -38,6 +47,14 @@ def merged_named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{module_path}.{leaf}", value
         else:
             yield name, p.detach()
+
+
+def checkpoint_format(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`state` (in the loaded model's naming) renamed and reshaped back to the checkpoint's, as save_pretrained
+    does it; unchanged for the families transformers loads as they are stored."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    yield from revert_weight_conversion(model, state).items()
 
 
 def push_weights(

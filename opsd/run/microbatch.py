@@ -303,6 +303,7 @@ def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int
             teacher_template_file=config.teacher_prompt_file,
             student_thinking=config.student_thinking,
             teacher_thinking=config.teacher_thinking,
+            thinking_switch=config.thinking_switch,
             max_teacher_prompt_tokens=config.max_teacher_prompt_length,
         )
         student_p, teacher_p = prompt_token_lengths(rows, builder)

@@ -6,8 +6,10 @@ import logging
 
 import pytest
 
+from bench import tiny
 from bench.tiny import build_tokenizer
-from opsd.method.prompts import PromptBuilder, reference_text
+from opsd.errors import UnsupportedModel
+from opsd.method.prompts import PromptBuilder, reference_text, template_variables
 
 MARK = "\n[... reference truncated ...]"
 BEGIN = "=== BEGIN REFERENCE ==="
@@ -288,3 +290,59 @@ def test_teacher_limit_below_prompt_without_reference(tok, caplog):
     assert BEGIN + "\n\n[... reference truncated ...]\n" + END in text
     assert len(tp.ids) > 20
     assert "kept whole" in caplog.text
+
+
+# -- which template variable the thinking flags drive ------------------------------------------------------------
+OWN_SWITCH_TEMPLATE = tiny.QWEN3_CHAT_TEMPLATE.replace("enable_thinking", "reasoning")
+# Mentions enable_thinking only in a comment and a string: a substring match would take it for the switch.
+NO_SWITCH_TEMPLATE = (
+    "{#- enable_thinking is not supported -#}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{{ 'enable_thinking' if false }}{%- endif %}"
+)
+
+
+@pytest.fixture
+def own_switch_tok(tok):
+    import copy
+
+    other = copy.deepcopy(tok)
+    other.chat_template = OWN_SWITCH_TEMPLATE
+    return other
+
+
+def test_template_variables_are_parsed_not_matched_as_text():
+    assert "enable_thinking" not in template_variables(NO_SWITCH_TEMPLATE)
+    assert {"messages", "add_generation_prompt", "reasoning"} <= template_variables(OWN_SWITCH_TEMPLATE)
+    assert "enable_thinking" in template_variables(tiny.QWEN3_CHAT_TEMPLATE)
+
+
+def test_a_named_switch_drives_the_templates_own_variable(own_switch_tok):
+    b = PromptBuilder(
+        own_switch_tok, student_thinking=False, teacher_thinking=True, thinking_switch="reasoning"
+    )
+    student = own_switch_tok.decode(b.student_ids("p"))
+    teacher = own_switch_tok.decode(b.teacher_ids("p", "r").ids)
+    assert student.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert teacher.endswith("<|im_start|>assistant\n")
+
+
+def test_auto_without_the_switch_warns_and_renders_alike(own_switch_tok, caplog):
+    with caplog.at_level(logging.WARNING):
+        b = PromptBuilder(own_switch_tok, student_thinking=False, teacher_thinking=True)
+    assert "reads no enable_thinking variable" in caplog.text
+    assert b.switch is None
+    # `reasoning` is undefined, so the template renders its thinking-on form for both roles
+    assert own_switch_tok.decode(b.student_ids("p")).endswith("<|im_start|>assistant\n")
+
+
+def test_a_switch_the_template_does_not_read_is_refused_in_one_line(tok):
+    import copy
+
+    other = copy.deepcopy(tok)
+    other.chat_template = NO_SWITCH_TEMPLATE
+    with pytest.raises(
+        UnsupportedModel, match="thinking_switch='enable_thinking', but the chat template reads"
+    ):
+        PromptBuilder(other, thinking_switch="enable_thinking")
+    assert PromptBuilder(other, thinking_switch="none").switch is None

@@ -71,7 +71,7 @@ def test_open_r1_style_yaml_is_accepted(tmp_path):
         (["--lora_target_modules", "q_proj", "v_proj"], {}, ["q_proj", "v_proj"]),  # upstream CLI form
         (["--lora_target_modules", "q_proj,o_proj"], {}, ["q_proj", "o_proj"]),
         ([], {"OPSD_LORA_TARGET_MODULES": "gate_proj, up_proj"}, ["gate_proj", "up_proj"]),
-        ([], {}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        ([], {}, ["auto"]),  # resolved on the model: the published q..down projections on a dense model
     ],
 )
 def test_lora_target_modules_forms(tmp_path, argv, environ, expected):
@@ -84,6 +84,8 @@ def test_bad_model_settings_are_refused_before_loading(tmp_path):
 
     with pytest.raises(ValueError, match="names no module"):
         OPSDConfig(output_dir=str(tmp_path), lora_target_modules=[" , "])
+    with pytest.raises(ValueError, match="auto stands alone"):
+        OPSDConfig(output_dir=str(tmp_path), lora_target_modules="auto,q_proj")
     with pytest.raises(ValueError, match="torch_dtype='float16' and dtype='bfloat16' disagree"):
         OPSDConfig(output_dir=str(tmp_path), torch_dtype="float16", dtype="bfloat16")
 
