@@ -183,7 +183,7 @@ def paired(a: dict, b: dict) -> dict:
 
 def build_rows(directory: Path, arms: list[Arm], summary: dict) -> list[dict]:
     """One row per cell, from the summary of the first arm's report and the samples it scored."""
-    base = R.read_scores(S.base_eval_dir(directory)) if summary["base"] else None
+    base = {int(s): R.read_scores(S.base_eval_dir(directory, int(s))) for s in summary["base_per_seed"]}
     scores = {}
     for arm in arms:
         for seed in summary["arms"][arm.name]["per_seed"]:
@@ -197,15 +197,16 @@ def build_rows(directory: Path, arms: list[Arm], summary: dict) -> list[dict]:
             row = {"name": f"{arm.name}-s{seed}", "arm": arm.name, **asdict(arm), "seed": int(seed),
                    "steps": S.STEPS, "parts": ["main"], "probe_divergence": curve.get("probe/divergence", []),
                    "steps_done": max((step for step, _ in curve.get("loss", [])), default=0)}  # fmt: skip
-            if summary["base"]:
-                row["base"] = {"avg": summary["base"]["avg"], "format": summary["base"]["format_rate"]}
+            if seed in summary["base_per_seed"]:
+                b = summary["base_per_seed"][seed]
+                row["base"] = {"avg": b["avg"], "format": b["format_rate"]}
             rows.append(row)
             if (arm.name, seed) not in scores:
                 row["missing"] = entry["missing"].get(seed, "not scored")
                 continue
             m = entry["per_seed"][seed]
             ev = {"step": S.STEPS, "trained": {"avg": m["avg"], "format": m["format_rate"], **m}}
-            ev.update(paired(base, scores[arm.name, seed]) if base else {})
+            ev.update(paired(base[int(seed)], scores[arm.name, seed]) if int(seed) in base else {})
             if arm.teacher_ref_pairing != MATCHED and (arm.matched, seed) in scores:
                 ev["vs_matched"] = paired(scores[arm.matched, seed], scores[arm.name, seed])
             row["evals"] = [ev]

@@ -202,8 +202,9 @@ def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> Non
     cells = [(arm, seed) for seed in spec.seeds for arm in spec.arm_names]
     print(f"# {directory}: {len(spec.arm_names)} arm(s) x {len(spec.seeds)} seed(s). Run the lines in any order "
           "and on any machine that sees this directory; a cell's line trains, then scores.")  # fmt: skip
-    print("# the base model")
-    print(S.shell(S.eval_argv(directory, spec, None, None, every_checkpoint=False)))
+    print("# the base model, once per seed (each seed's evaluations share their sampling seeds)")
+    for seed in spec.seeds:
+        print(S.shell(S.eval_argv(directory, spec, None, seed, every_checkpoint=False)))
     for arm, seed in cells:
         print(f"# cell {arm}/{seed}")
         train = S.shell(S.train_argv(directory, spec, arm, seed))

@@ -1,7 +1,7 @@
 """Running an experiment's jobs on this machine: slots of GPUs, a live status table, resume and one retry.
 
-Jobs: the base model's evaluation, and per cell (arm, seed) its capped training run, then its evaluation as soon
-as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
+Jobs: per training seed the base model's evaluation with that seed's sampling seeds, and per cell (arm, seed)
+its capped training run, then its evaluation as soon as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
 set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
 engine then gets a fixed KV cache, `OPSD_KV_CACHE_GIB`, so engines starting side by side skip vLLM's start-up
 memory profile, which fails when another process frees memory meanwhile). Without a GPU: one job at a time.
@@ -44,7 +44,7 @@ class Slot:
 
 @dataclass
 class Job:
-    name: str  # "base", "train ARM/SEED" or "eval ARM/SEED"
+    name: str  # "base SEED", "train ARM/SEED" or "eval ARM/SEED"
     kind: str  # base | train | eval
     arm: str | None = None
     seed: int | None = None
@@ -98,19 +98,19 @@ class Runner:
 
     # -- planning ----------------------------------------------------------------------------------------
     def plan(self) -> None:
-        """Every job the directory still needs, base first, then the cells by seed (so the first seed of every
-        arm finishes early and a partial report already pairs arms)."""
+        """Every job the directory still needs, seed by seed: the base model, then the cells (so the first seed
+        of every arm and of the base finishes early and a partial report already pairs them)."""
         d, spec = self.directory, self.spec
-        if not C.base_scored(d):
-            self.jobs.append(Job("base", "base"))
         for seed in spec.seeds:
+            if not C.base_scored(d, seed):
+                self.jobs.append(Job(f"base {seed}", "base", seed=seed))
             for arm in spec.arm_names:
                 if not self._trained(arm, seed):
                     self.jobs.append(Job(f"train {arm}/{seed}", "train", arm, seed))
                 elif not self._scored(arm, seed):
                     self.jobs.append(Job(f"eval {arm}/{seed}", "eval", arm, seed))
         first_train = next((i for i, j in enumerate(self.jobs) if j.kind == "train"), None)
-        if self.jobs and self.jobs[0].kind == "base" and first_train and self.sharing:
+        if first_train and self.sharing:
             # Sharing a GPU, the first training job warms the compile caches alone: it goes first.
             self.jobs.insert(0, self.jobs.pop(first_train))
 
@@ -129,7 +129,7 @@ class Runner:
             return S.train_argv(d, spec, job.arm, job.seed)
         extra = ["--num-gpus", str(gpus)] if gpus > 1 else []
         if job.kind == "base":
-            return S.eval_argv(d, spec, None, None, every_checkpoint=False, extra=extra)
+            return S.eval_argv(d, spec, None, job.seed, every_checkpoint=False, extra=extra)
         return S.eval_argv(d, spec, job.arm, job.seed, every_checkpoint=self.every_checkpoint, extra=extra)
 
     # -- running -----------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class Runner:
 
     def _outputs_exist(self, job: Job) -> bool:
         if job.kind == "base":
-            return C.base_scored(self.directory)
+            return C.base_scored(self.directory, job.seed)
         if job.kind == "train":
             return self._trained(job.arm, job.seed)
         return self._scored(job.arm, job.seed)
@@ -313,12 +313,12 @@ class Runner:
                     what, detail = "queued", ""
                 counts[what] += 1
                 rows.append(f"  {arm}/{seed:<6} {what:<9} {detail}")
-        base = "done" if C.base_scored(d) else ("scoring" if any(j.kind == "base" for j in self.running)
-                                                else "queued")  # fmt: skip
+        base = sum(C.base_scored(d, seed) for seed in self.spec.seeds)
+        scoring = " (scoring)" if any(j.kind == "base" for j in self.running) else ""
         head = (
             f"[{time.strftime('%H:%M:%S')}] {len(rows)} cells: "
             + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-            + f" | base model: {base}"
+            + f" | base model: {base} of {len(self.spec.seeds)} seeds scored{scoring}"
             + self._eta(remaining, counts["queued"])
         )
         return [head, *rows]
