@@ -223,3 +223,16 @@ def read_jobs(directory: Path) -> list[dict]:
 
 def write_failed(directory: Path, failed: dict[str, dict]) -> None:
     (directory / FAILED_FILE).write_text(json.dumps(failed, indent=1) + "\n")
+
+
+def check_directory(directory: Path, spec: S.Spec) -> None:
+    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation), so that a
+    damaged one is refused before a run adds to the directory."""
+    read_failed(directory)
+    read_jobs(directory)
+    for seed in spec.seeds:
+        if base_scored(directory, seed):
+            read_eval(S.base_eval_dir(directory, seed))
+        for arm in spec.arm_names:
+            for where in scored_steps(S.eval_dir(directory, arm, seed)).values():
+                read_eval(where)
