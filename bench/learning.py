@@ -10,7 +10,7 @@ inline recipe on the defaults (`--recipe ''`: CLIP_MODE, BETA, LEARNING_RATE, TE
 MAX_COMPLETION_LENGTH `--max-tokens`, PROBE_STEPS `--probe-steps`, VLLM_GPU_MEMORY_UTILIZATION `--gpu-share`); a
 cell (arm, seed) is a capped run (`train_capped.sh --profile full --dataset builtin:easy`, the embedded
 SmolLM2-135M-Instruct) whose checkpoint-100 `eval_aime.py` scores like every other (`--n 8 --max-tokens
-<max-tokens> --max-model-len 1024 --no-thinking`, the same sampling seeds, adapter merged). All jobs share one GPU
+<max-tokens> --max-model-len 1024 --no-thinking`, each training seed's sampling seeds, adapter merged). All jobs share one GPU
 (`--cells-per-gpu`; every vLLM engine gets a fixed KV cache, `--kv-cache-gib`, as OPSD_KV_CACHE_GIB; no
 DeepSpeed). The experiment resumes a cut run, retries a failed job once and names what is missing.
 

@@ -1,6 +1,12 @@
 """Where each cell of an experiment stands, read from its files alone (so a report or a status works on any
 directory, whoever ran it: this module, a cluster array running `--print-commands`, or a person by hand).
 
+Disk. A capped run saves a checkpoint every 10 steps with the optimizer state it would resume from; a scored cell
+never resumes, so `prune_cell` drops what only resuming reads (optimizer, scheduler and RNG state, DeepSpeed's
+optimizer shards, an EMA teacher) from every checkpoint but the final one, and removes intermediate checkpoints
+that have no evaluation unless `--every-checkpoint` keeps their adapters. The final checkpoint stays whole.
+`disk_bytes` is what the status table shows per cell.
+
 The files a report reads (each evaluation's summary.json and samples.jsonl, DIR/failed.json, DIR/jobs.jsonl) are
 checked as they are read: one edited or cut by hand is a `UserError` naming the file, the line and what to delete.
 """
@@ -9,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +61,61 @@ def last_step(run_dir: Path) -> int:
         if isinstance(step, int):
             return step
     return 0
+
+
+# What a checkpoint holds only so that training can resume from it (HF Trainer, DeepSpeed, the EMA teacher).
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "global_step*", "latest", "zero_to_fp32.py",
+                  "ema_teacher.pt")  # fmt: skip
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a file or a directory; links are not followed); 0 if it is absent."""
+    if not path.exists():
+        return 0
+    if not path.is_dir():
+        return path.lstat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # removed while walking (a job writing beside us)
+                continue
+    return total
+
+
+def cell_bytes(directory: Path, arm: str, seed: int) -> int:
+    """What one cell holds on disk: its run directory and its evaluations."""
+    return disk_bytes(S.run_dir(directory, arm, seed)) + disk_bytes(S.eval_dir(directory, arm, seed))
+
+
+def prune_cell(directory: Path, arm: str, seed: int, *, keep_adapters: bool) -> int:
+    """Once a cell is scored, drop from its run what only a resumed training run reads; the bytes freed.
+
+    The final checkpoint is kept whole. Every other checkpoint-N loses its `TRAINING_STATE`, and goes entirely
+    unless `keep_adapters` (`--every-checkpoint`) or an evaluation of it exists. Nothing is removed from a cell
+    whose final checkpoint is not complete or not scored: it may still resume.
+    """
+    run = S.run_dir(directory, arm, seed)
+    scored = scored_steps(S.eval_dir(directory, arm, seed))
+    if not is_complete(S.final_checkpoint(directory, arm, seed)) or S.STEPS not in scored:
+        return 0
+    freed = 0
+    for checkpoint in checkpoints(run):
+        step = checkpoint_step(checkpoint)
+        if step == S.STEPS:
+            continue
+        if keep_adapters or step in scored:
+            doomed = [p for pattern in TRAINING_STATE for p in checkpoint.glob(pattern)]
+        else:
+            doomed = [checkpoint]
+        for path in doomed:
+            freed += disk_bytes(path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return freed
 
 
 def scored_steps(eval_dir: Path) -> dict[int, Path]:

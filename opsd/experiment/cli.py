@@ -10,7 +10,8 @@ verdict with its noise.
 
 Each cell (arm, seed) is one `train_capped.sh` run, unchanged (the budget is the harness's), then one
 `eval_aime.py` evaluation of its checkpoint-100 (`--every-checkpoint`: all of its checkpoints) with the
-experiment's evaluation flags (default: eval_aime.py's AIME 2024 avg@12 protocol). The base model is scored once.
+experiment's evaluation flags (default: eval_aime.py's AIME 2024 avg@12 protocol) and `--seed SEED`, training seed
+SEED's sampling seeds; the base model is scored once per seed the same way.
 Rerunning the command resumes: finished cells are skipped, interrupted ones continue. Without `--arm` and
 `--seeds` a rerun takes the directory's own. Results: DIR/report.md, DIR/summary.json, DIR/verdict.png,
 DIR/curves.png, also written by `report` from whatever has finished. Bad input: one line, exit status 2.

@@ -275,8 +275,12 @@ def markdown(result: dict[str, Any]) -> str:
               "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
               "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "
               "difference carries its own evaluation noise and the seed-to-seed spread of training, so the "
-              "interval carries both. The bootstrap beside it also resamples problems; with few seeds it is too "
-              "narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread.", ""]  # fmt: skip
+              "interval carries both: every training seed draws its own evaluation samples (the same in every "
+              "arm and in the base model for that seed), so the evaluation noise averages out over seeds too. It "
+              "holds the problem set fixed. The bootstrap beside it also resamples problems; with few seeds it is "
+              "too narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread. "
+              "The detectable difference and the seeds needed are estimates from the seeds run: their 95% range "
+              "says how far they can be off.", ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -8,6 +8,10 @@ memory profile, which fails when another process frees memory meanwhile). Withou
 While jobs share a GPU, the first training job starts alone until it logs its first step (it fills the
 compile caches the others then read), and starts are staggered.
 
+Status: one row per cell with its state, the disk it holds (run and evaluations) and its progress. Disk: once a
+cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
+by hand keeps everything.
+
 Resume: a job whose outputs exist is not started (a complete checkpoint-100; a summary.json for every checkpoint
 scored). An interrupted training run or evaluation resumes from its own files, as train_capped.sh and
 eval_aime.py always do. A job that fails is retried once, then recorded in `DIR/failed.json` (with its log) and
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
+from opsd.paths import size_text
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +114,20 @@ class Runner:
                     self.jobs.append(Job(f"train {arm}/{seed}", "train", arm, seed))
                 elif not self._scored(arm, seed):
                     self.jobs.append(Job(f"eval {arm}/{seed}", "eval", arm, seed))
+                else:  # scored earlier (by an older run, or by hand): pruned now
+                    self.prune(arm, seed)
         first_train = next((i for i, j in enumerate(self.jobs) if j.kind == "train"), None)
         if first_train and self.sharing:
             # Sharing a GPU, the first training job warms the compile caches alone: it goes first.
             self.jobs.insert(0, self.jobs.pop(first_train))
+
+    def prune(self, arm: str, seed: int) -> None:
+        """A scored cell keeps what the report reads (`cells.prune_cell`)."""
+        freed = C.prune_cell(self.directory, arm, seed, keep_adapters=self.every_checkpoint)
+        if freed:
+            logger.info(
+                "%s/%s: removed %s of training state (the cell is scored)", arm, seed, size_text(freed)
+            )
 
     def _trained(self, arm: str, seed: int) -> bool:
         return C.cell_state(self.directory, arm, seed).trained
@@ -187,6 +202,7 @@ class Runner:
                 self.jobs.insert(0, Job(f"eval {job.arm}/{job.seed}", "eval", job.arm, job.seed))
             elif job.kind == "eval":
                 self.done_s.append(time.time() - self.cell_started.get((job.arm, job.seed), job.started))
+                self.prune(job.arm, job.seed)
         elif job.attempts <= self.retries:
             logger.warning("%s failed (exit %s); retrying once: %s", job.name, rc, job.log)
             self.jobs.append(job)
@@ -312,7 +328,8 @@ class Runner:
                 else:
                     what, detail = "queued", ""
                 counts[what] += 1
-                rows.append(f"  {arm}/{seed:<6} {what:<9} {detail}")
+                disk = size_text(C.cell_bytes(d, arm, seed))
+                rows.append(f"  {arm}/{seed:<6} {what:<9} {disk:>10}  {detail}".rstrip())
         base = sum(C.base_scored(d, seed) for seed in self.spec.seeds)
         scoring = " (scoring)" if any(j.kind == "base" for j in self.running) else ""
         head = (

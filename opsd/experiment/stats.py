@@ -3,8 +3,9 @@ r"""Paired verdicts between training recipes ("arms") that carry both noise sour
 Data. A cell (arm, training seed) trains a model whose final checkpoint is scored on P problems x n samples.
 `Scores` maps problem id -> the per-sample values of one cell, index = sample index; a value is a FRACTION
 in [0, 1] (1/0 for correct, or for "has a boxed answer" when the format rate is compared). Sample i of
-problem p is drawn with the same sampling seed in every arm, so it is paired across arms. `CellScores` maps
-training seed -> the `Scores` of that seed's cell. Every estimate, bound and SE returned is in PERCENTAGE
+problem p is drawn with the same sampling seed in every arm of a training seed, so it is paired across arms;
+each training seed has its own sampling seeds. `CellScores` maps training seed -> the `Scores` of that seed's
+cell. Every estimate, bound and SE returned is in PERCENTAGE
 POINTS (fraction x 100) and every variance in points^2, as in `opsd.evaluation.metrics`.
 
 Notation. For arm X and seed s, m_{X,s} = 100 * mean_p mean_i x_{X,s,p,i}: the mean over problems of the
@@ -30,7 +31,8 @@ the within part; only more seeds shrink the between part.
 Intervals, and what each assumes.
 
 * `seed_paired_t` (the reported verdict): mean of d_1..d_S ± t_{S-1} * sd(ddof=1) / sqrt(S). It assumes the
-  d_s independent and normal with one mean and one variance. It needs no model of the two noise sources,
+  d_s independent and normal with one mean and one variance; independent needs each training seed's own
+  sampling seeds (one set shared by every seed repeats the same evaluation noise in every d_s). It needs no model of the two noise sources,
   because each d_s already holds its own evaluation noise plus its seed's training noise: the spread of
   the d_s is the total variance above. Under normality it is exact at any S >= 2, which matters at the
   2-5 seeds researchers run (t_{2} = 4.30, not 1.96); each d_s averages P * n paired samples and a smooth
@@ -42,8 +44,8 @@ Intervals, and what each assumes.
   on problems like these. The percentile bootstrap assumes the resampled spread mimics the sampling
   spread, which needs many top-level units: with S seeds there are only C(2S-1, S) distinct seed multisets
   (10 at S = 3), the seed-level variance comes out shrunk by (S-1)/S, and nothing widens the interval the
-  way t_{S-1} does, so at 2-5 seeds it undercovers: about 85% for a nominal 95% at 3 seeds in the simulated
-  experiments of tests/unit/test_experiment_stats.py, where the t interval covers 95%.
+  way t_{S-1} does, so at 2-5 seeds it undercovers: about 85% for a nominal 95% at 3 seeds in the one simulated
+  setting of tests/unit/test_experiment_stats.py, where the t interval covers 95%.
 * `paired_over_problems` (one seed only): t interval over the P per-problem differences, df = P-1. It
   carries the evaluation's noise and the problems' spread but none of the seed-to-seed spread: it says
   whether these two checkpoints differ, not whether the recipes do.

@@ -822,12 +822,15 @@ def test_runner_runs_base_then_each_cell_train_before_eval(tmp_path: Path, monke
     assert C.base_scored(directory, 1) and C.base_scored(directory, 2)
     last = tables[-1]
     assert "4 cells: 4 done" in last[0] and "base model: 2 of 2 seeds scored" in last[0]
-    assert [row.split() for row in last[1:]] == [
-        ["A/1", "done"],
-        ["B/1", "done"],
-        ["A/2", "done"],
-        ["B/2", "done"],
-    ]
+    # Each row: the cell, its state and the disk it holds (run and evaluations), as du would count it.
+    rows = [row.split() for row in last[1:]]
+    assert [r[:2] for r in rows] == [["A/1", "done"], ["B/1", "done"], ["A/2", "done"], ["B/2", "done"]]
+    for r in rows:
+        arm, seed = r[0].split("/")
+        held = sum(p.stat().st_size for where in (spec.run_dir(directory, arm, int(seed)),
+                                                   spec.eval_dir(directory, arm, int(seed)))
+                   for p in where.rglob("*") if p.is_file())  # fmt: skip
+        assert held > 0 and r[2:] == [str(held), "bytes"]
     assert C.read_failed(directory) == {}
     records = jobs_log(directory)
     assert [r["job"] for r in records] == names and all(r["ok"] and r["exit"] == 0 for r in records)
@@ -1111,3 +1114,59 @@ def test_report_says_when_the_between_part_cannot_be_told_from_zero(tmp_path: Pa
     assert f"below the within-seed (evaluation sampling) sd {math.sqrt(within):.2f} alone" in md
     assert "cannot be told from 0 with 2 seeds" in md and "between seeds 0.00" not in md
     assert "2 seeds cannot pin this down" in md
+
+
+# === disk: a scored cell keeps what the report reads ===========================================================
+
+STATE_FILES = (
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "global_step50/zero_pp_rank_0_optim_states.pt",
+)
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", ".complete")
+
+
+def trained_cell(directory: Path, arm: str, seed: int, steps=range(10, 101, 10)) -> None:
+    """A cell's run directory as train_capped.sh leaves it: a checkpoint every 10 steps with its adapter and the
+    optimizer state a resume reads (1000 bytes each)."""
+    for step in steps:
+        for name in (*STATE_FILES, *ADAPTER_FILES):
+            write(spec.run_dir(directory, arm, seed) / f"checkpoint-{step}" / name, "x" * 1000)
+
+
+def files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("keep_adapters", [False, True])
+def test_prune_cell_keeps_the_final_checkpoint_and_the_adapters_asked_for(
+    tmp_path: Path, keep_adapters
+) -> None:
+    trained_cell(tmp_path, "A", 1)
+    run = spec.run_dir(tmp_path, "A", 1)
+    # Not scored yet: nothing goes (the cell may still resume).
+    assert C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters) == 0
+    before = files(run)
+    write(spec.eval_dir(tmp_path, "A", 1) / "checkpoint-100" / "summary.json", "{}")
+    write(spec.eval_dir(tmp_path, "A", 1) / "checkpoint-30" / "summary.json", "{}")  # scored by hand
+    freed = C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters)
+    final = {f"checkpoint-100/{n}" for n in (*STATE_FILES, *ADAPTER_FILES)}
+    kept_adapters = {
+        f"checkpoint-{k}/{n}" for k in (range(10, 100, 10) if keep_adapters else [30]) for n in ADAPTER_FILES
+    }
+    assert files(run) == final | kept_adapters
+    assert freed == 1000 * (len(before) - len(files(run)))
+    assert C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters) == 0  # nothing left to drop
+
+
+def test_the_runner_prunes_scored_cells_only(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory, seeds=(1,))
+    for arm in ("A", "B"):
+        trained_cell(directory, arm, 1, steps=range(10, 100, 10))  # the fake training writes checkpoint-100
+    runner, tables, starts = run_fake(directory, sp, failing={"eval B/1": "always"})
+    # A/1 scored: its intermediate checkpoints are gone. B/1's evaluation failed: its run is as training left it.
+    assert [c.name for c in C.checkpoints(spec.run_dir(directory, "A", 1))] == ["checkpoint-100"]
+    b = C.checkpoints(spec.run_dir(directory, "B", 1))
+    assert len(b) == 10 and all((c / "optimizer.pt").is_file() for c in b[:-1])
