@@ -1170,3 +1170,26 @@ def test_the_runner_prunes_scored_cells_only(tmp_path: Path) -> None:
     assert [c.name for c in C.checkpoints(spec.run_dir(directory, "A", 1))] == ["checkpoint-100"]
     b = C.checkpoints(spec.run_dir(directory, "B", 1))
     assert len(b) == 10 and all((c / "optimizer.pt").is_file() for c in b[:-1])
+
+
+def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.axes
+
+    labels: list[str] = []
+    real = matplotlib.axes.Axes.set_yticks
+
+    def record(self, ticks, tick_labels=None, **kw):
+        labels.extend(tick_labels or [])
+        return real(self, ticks, tick_labels, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
+    one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
+    report.figures(report.build(one, reps=200), one)
+    assert labels == [
+        "B: accuracy (paired t over problems, 1 seed)",
+        "B: format rate (paired t over problems, 1 seed)",
+    ]
+    labels.clear()
+    three = experiment(tmp_path / "three")
+    report.figures(report.build(three, reps=200), three)
+    assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]
