@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                     "mde_80",
                     "target_diff",
                     "seeds_needed",
+                    "plan",
+                    "planning",
                     "verdict",
                 )
             }  # fmt: skip
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         json.loads((directory / "failed.json").read_text()) if (directory / "failed.json").is_file() else {}
     )
     result = {"machine": machine(), "command": command, "exit": rc, "wall_s": wall, "timing": summary["timing"],
-              "base": summary["base"], "labels": summary["labels"], "verdict": verdict, "arms": arms,
+              "base": summary["base"], "base_per_seed": summary["base_per_seed"], "labels": summary["labels"], "verdict": verdict, "arms": arms,
               "settings": summary["settings"], "failed": failed}  # fmt: skip
     print(write(result, a.out))
     return rc

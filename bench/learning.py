@@ -10,7 +10,7 @@ inline recipe on the defaults (`--recipe ''`: CLIP_MODE, BETA, LEARNING_RATE, TE
 MAX_COMPLETION_LENGTH `--max-tokens`, PROBE_STEPS `--probe-steps`, VLLM_GPU_MEMORY_UTILIZATION `--gpu-share`); a
 cell (arm, seed) is a capped run (`train_capped.sh --profile full --dataset builtin:easy`, the embedded
 SmolLM2-135M-Instruct) whose checkpoint-100 `eval_aime.py` scores like every other (`--n 8 --max-tokens
-<max-tokens> --max-model-len 1024 --no-thinking`, the same sampling seeds, adapter merged). All jobs share one GPU
+<max-tokens> --max-model-len 1024 --no-thinking`, each training seed's sampling seeds, adapter merged). All jobs share one GPU
 (`--cells-per-gpu`; every vLLM engine gets a fixed KV cache, `--kv-cache-gib`, as OPSD_KV_CACHE_GIB; no
 DeepSpeed). The experiment resumes a cut run, retries a failed job once and names what is missing.
 
@@ -183,7 +183,7 @@ def paired(a: dict, b: dict) -> dict:
 
 def build_rows(directory: Path, arms: list[Arm], summary: dict) -> list[dict]:
     """One row per cell, from the summary of the first arm's report and the samples it scored."""
-    base = R.read_scores(S.base_eval_dir(directory)) if summary["base"] else None
+    base = {int(s): R.read_scores(S.base_eval_dir(directory, int(s))) for s in summary["base_per_seed"]}
     scores = {}
     for arm in arms:
         for seed in summary["arms"][arm.name]["per_seed"]:
@@ -197,15 +197,16 @@ def build_rows(directory: Path, arms: list[Arm], summary: dict) -> list[dict]:
             row = {"name": f"{arm.name}-s{seed}", "arm": arm.name, **asdict(arm), "seed": int(seed),
                    "steps": S.STEPS, "parts": ["main"], "probe_divergence": curve.get("probe/divergence", []),
                    "steps_done": max((step for step, _ in curve.get("loss", [])), default=0)}  # fmt: skip
-            if summary["base"]:
-                row["base"] = {"avg": summary["base"]["avg"], "format": summary["base"]["format_rate"]}
+            if seed in summary["base_per_seed"]:
+                b = summary["base_per_seed"][seed]
+                row["base"] = {"avg": b["avg"], "format": b["format_rate"]}
             rows.append(row)
             if (arm.name, seed) not in scores:
                 row["missing"] = entry["missing"].get(seed, "not scored")
                 continue
             m = entry["per_seed"][seed]
             ev = {"step": S.STEPS, "trained": {"avg": m["avg"], "format": m["format_rate"], **m}}
-            ev.update(paired(base, scores[arm.name, seed]) if base else {})
+            ev.update(paired(base[int(seed)], scores[arm.name, seed]) if int(seed) in base else {})
             if arm.teacher_ref_pairing != MATCHED and (arm.matched, seed) in scores:
                 ev["vs_matched"] = paired(scores[arm.matched, seed], scores[arm.name, seed])
             row["evals"] = [ev]

@@ -48,7 +48,12 @@ def canonical_keys(mapping: Mapping[str, Any], *, source: str, quiet: bool = Fal
 
 
 def canonical_flags(argv: Sequence[str]) -> list[str]:
-    """Command-line arguments with `--old VALUE` / `--old=VALUE` written under the canonical name."""
+    """Command-line arguments with `--old VALUE` / `--old=VALUE` written under the canonical name;
+    InvalidValue if a field is given under both its older and its canonical name."""
+    flags = {arg.partition("=")[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+    for old, new in ALIASES.items():
+        if old in flags and new in flags:
+            raise InvalidValue(f"command line: --{old} and --{new} are both given; keep only --{new}")
     out = []
     for arg in argv:
         name, eq, value = arg.partition("=")

@@ -111,7 +111,9 @@ def _case_fix(field: str) -> str:
     return f"{key} is the key, and it is not tunable in recipe.env: remove it"
 
 
-def _parse_line(line: str, *, seen: dict[str, int], lineno: int, source: str) -> tuple[str, str] | None:
+def _parse_line(
+    line: str, *, seen: dict[str, tuple[int, str]], lineno: int, source: str
+) -> tuple[str, str] | None:
     """(field, value) from one decoded line, None for blank and comment lines; raises Bad."""
     bad = bad_char(line, allow_tab=True)
     if bad:
@@ -144,8 +146,17 @@ def _parse_line(line: str, *, seen: dict[str, int], lineno: int, source: str) ->
         raise unknown_field(field, key, CAPPED_KEYS, "")
     check_field(field, key, allowed=CAPPED_KEYS, where="recipe.env")
     if field in seen:
-        raise Bad(f"{field.upper()} is set twice, on lines {seen[field]} and {lineno}", "keep one of them")
-    seen[field] = lineno
+        first_line, first_key = seen[field]
+        if first_key.removeprefix(ENV_PREFIX) != key.removeprefix(
+            ENV_PREFIX
+        ):  # an older name and the new one
+            raise Bad(
+                f"{first_key} (line {first_line}) and {key} (line {lineno}) both set {field.upper()}, under its "
+                "older and its canonical name",
+                f"keep only {field.upper()}",
+            )
+        raise Bad(f"{field.upper()} is set twice, on lines {first_line} and {lineno}", "keep one of them")
+    seen[field] = (lineno, key)
     return field, normalise(field, _unquote(rest), capped=True)
 
 
@@ -170,7 +181,7 @@ def parse_recipe(path: str | Path) -> list[Override]:
         raise RecipeError(str(err)) from err
     overrides: list[Override] = []
     problems: list[str] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # field -> (line, key as written) of its first line
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         source = f"{path}:{lineno}"
         # Measured in bytes before decoding, so an oversized line is refused without further work.
@@ -208,6 +219,9 @@ def env_overrides(
     overrides: list[Override] = []
     problems: list[str] = []
     candidates = allowed if allowed is not None else field_specs().keys()
+    named: dict[
+        str, str
+    ] = {}  # field -> the variable that set it, to refuse an older name beside the new one
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
             continue
@@ -215,6 +229,13 @@ def env_overrides(
         source = f"env {name}"
         if name == name.upper():
             field = canonical(field, source=source)
+            if field in named:
+                problems.append(
+                    f"{source}: {named[field]} and {name} both set {field}, under its older and its canonical "
+                    f"name; fix: keep only {ENV_PREFIX}{field.upper()}"
+                )
+                continue
+            named[field] = name
         try:
             # Upper case only: OPSD_beta would otherwise pass here but look unset to everything else.
             if name != name.upper() or field not in field_specs():

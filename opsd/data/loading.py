@@ -7,7 +7,7 @@ file, or a local directory of such files in one format (as `datasets.load_datase
 named after splits, such as `train.jsonl` and `test.jsonl`, are those splits; other names are `train`).
 Local data is checked before any model loads, each problem naming the file (and line or row) and the fix:
 paths that are not regular files (a device, a FIFO) or are over 20 GiB (`opsd.paths`), empty files,
-malformed JSON lines, and rows whose `problem`, reference (`solution` or `COT_Reason`, the one the teacher
+a JSON or CSV line over 16 MiB (`MAX_ROW_BYTES`, found while streaming the file), malformed JSON lines, and rows whose `problem`, reference (`solution` or `COT_Reason`, the one the teacher
 reads) or `answer` is missing, not text, or empty. An empty reference is refused rather than turned into an
 empty teacher context.
 The built-in sets (`opsd.data.builtin`) are chosen by name; an empty name is `builtin`, an unknown
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from opsd.configuration.choices import DATA_FILTERS, check_choice
 from opsd.data.builtin import BUILTIN, BUILTIN_SETS
 from opsd.errors import InvalidValue, MissingPath
-from opsd.paths import DATA_FILE, check_file, read_bytes
+from opsd.paths import DATA_FILE, MIB, check_file, read_bytes, size_text
 
 if TYPE_CHECKING:  # `datasets` is imported where tables are built, so the generators need only the stdlib
     from datasets import Dataset
@@ -42,34 +42,47 @@ _FORMATS = ".json, .jsonl, .csv or .parquet"
 # The privileged reference column of each `teacher_ref` (opsd.method.prompts.reference_text reads the same).
 REFERENCE_COLUMNS = {"solution": "solution", "cot": "COT_Reason"}
 MAX_ROWS_NAMED = 5
+# One row (a JSON line, a CSV line): a problem with a long reasoning trace is ~100 KiB; a line 100 times longer
+# is a file that is not one row per line, refused while streaming rather than after datasets has parsed it.
+MAX_ROW_BYTES = 16 * MIB
 
 
 class DataError(InvalidValue):
     """A data file or table that cannot be trained or evaluated on; the message names where and the fix."""
 
 
+def _lines(path: Path):
+    """(line number, bytes without the line end) of a file, streamed; a line longer than MAX_ROW_BYTES is a
+    DataError as soon as its first MAX_ROW_BYTES + 1 bytes are read, before the rest is."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), start=1):
+            line = raw.removesuffix(b"\n").removesuffix(b"\r")
+            if len(line) > MAX_ROW_BYTES:
+                raise DataError(
+                    f"dataset file {str(path)!r}: line {lineno} is longer than {size_text(MAX_ROW_BYTES)}, the "
+                    "limit of one row; check the file (one row per line), or shorten that row"
+                )
+            yield lineno, line
+
+
 def _check_json_file(path: Path) -> None:
     """Refuse an empty, blank or malformed JSON/JSONL file with its name and line (datasets would raise a bare
-    StopIteration or a parser error far from the cause)."""
-    try:
-        text = read_bytes(path, DATA_FILE).decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"dataset file {str(path)!r} is not UTF-8 text ({err}); save it as UTF-8") from err
-    if not text.strip():
-        what = "is empty" if not text else "holds only blank lines"
-        raise DataError(f"dataset file {str(path)!r} {what}; give it one JSON object per row")
-    if text.lstrip()[0] == "[":  # one JSON document: a list of rows
+    StopIteration or a parser error far from the cause). JSON lines are read one at a time, each at most
+    MAX_ROW_BYTES; a file holding one JSON document (a list of rows) is parsed whole, as datasets reads it."""
+    seen = False
+    for lineno, raw in _lines(path):
         try:
-            json.loads(text)
-        except json.JSONDecodeError as err:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
             raise DataError(
-                f"dataset file {str(path)!r}: invalid JSON at line {err.lineno}, column {err.colno} "
-                f"({err.msg}); fix that line"
+                f"dataset file {str(path)!r}: line {lineno} is not UTF-8 text ({err.reason}); save it as UTF-8"
             ) from err
-        return
-    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        if not seen and line.lstrip().startswith("["):  # one JSON document: a list of rows
+            _check_json_document(path)
+            return
+        seen = True
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
@@ -82,6 +95,22 @@ def _check_json_file(path: Path) -> None:
                 f"dataset file {str(path)!r}: line {lineno} is a JSON {type(row).__name__}, not an object; "
                 'write one object per line, such as {"problem": ..., "answer": ...}'
             )
+    if not seen:
+        raise DataError(f"dataset file {str(path)!r} holds only blank lines; give it one JSON object per row")
+
+
+def _check_json_document(path: Path) -> None:
+    try:
+        text = read_bytes(path, DATA_FILE).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"dataset file {str(path)!r} is not UTF-8 text ({err}); save it as UTF-8") from err
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"dataset file {str(path)!r}: invalid JSON at line {err.lineno}, column {err.colno} "
+            f"({err.msg}); fix that line"
+        ) from err
 
 
 def _check_local_file(path: Path) -> None:
@@ -92,6 +121,9 @@ def _check_local_file(path: Path) -> None:
         raise DataError(f"dataset file {str(path)!r} is empty; give it a header and rows")
     if _LOCAL_SUFFIXES[path.suffix.lower()] == "json":
         _check_json_file(path)
+    elif _LOCAL_SUFFIXES[path.suffix.lower()] == "csv":
+        for _ in _lines(path):  # a row over the cap is refused before datasets holds it
+            pass
 
 
 def _cause(err: BaseException) -> str:

@@ -1,14 +1,29 @@
 """Where each cell of an experiment stands, read from its files alone (so a report or a status works on any
-directory, whoever ran it: this module, a cluster array running `--print-commands`, or a person by hand)."""
+directory, whoever ran it: this module, a cluster array running `--print-commands`, or a person by hand).
+
+Disk. A capped run saves a checkpoint every 10 steps with the optimizer state it would resume from; a scored cell
+never resumes, so `prune_cell` drops what only resuming reads (optimizer, scheduler and RNG state, DeepSpeed's
+optimizer shards, an EMA teacher) from every checkpoint but the final one, and removes intermediate checkpoints
+that have no evaluation unless `--every-checkpoint` keeps their adapters. The final checkpoint stays whole.
+`disk_bytes` is what the status table shows per cell.
+
+The files a report reads (each evaluation's summary.json and samples.jsonl, DIR/failed.json, DIR/jobs.jsonl) are
+checked as they are read: one edited or cut by hand is a `UserError` naming the file, the line and what to delete.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from opsd.errors import UserError
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
+from opsd.paths import GIB, MIB, FileKind, read_bytes
 from opsd.rundir import METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
@@ -48,6 +63,61 @@ def last_step(run_dir: Path) -> int:
     return 0
 
 
+# What a checkpoint holds only so that training can resume from it (HF Trainer, DeepSpeed, the EMA teacher).
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "global_step*", "latest", "zero_to_fp32.py",
+                  "ema_teacher.pt")  # fmt: skip
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a file or a directory; links are not followed); 0 if it is absent."""
+    if not path.exists():
+        return 0
+    if not path.is_dir():
+        return path.lstat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # removed while walking (a job writing beside us)
+                continue
+    return total
+
+
+def cell_bytes(directory: Path, arm: str, seed: int) -> int:
+    """What one cell holds on disk: its run directory and its evaluations."""
+    return disk_bytes(S.run_dir(directory, arm, seed)) + disk_bytes(S.eval_dir(directory, arm, seed))
+
+
+def prune_cell(directory: Path, arm: str, seed: int, *, keep_adapters: bool) -> int:
+    """Once a cell is scored, drop from its run what only a resumed training run reads; the bytes freed.
+
+    The final checkpoint is kept whole. Every other checkpoint-N loses its `TRAINING_STATE`, and goes entirely
+    unless `keep_adapters` (`--every-checkpoint`) or an evaluation of it exists. Nothing is removed from a cell
+    whose final checkpoint is not complete or not scored: it may still resume.
+    """
+    run = S.run_dir(directory, arm, seed)
+    scored = scored_steps(S.eval_dir(directory, arm, seed))
+    if not is_complete(S.final_checkpoint(directory, arm, seed)) or S.STEPS not in scored:
+        return 0
+    freed = 0
+    for checkpoint in checkpoints(run):
+        step = checkpoint_step(checkpoint)
+        if step == S.STEPS:
+            continue
+        if keep_adapters or step in scored:
+            doomed = [p for pattern in TRAINING_STATE for p in checkpoint.glob(pattern)]
+        else:
+            doomed = [checkpoint]
+        for path in doomed:
+            freed += disk_bytes(path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return freed
+
+
 def scored_steps(eval_dir: Path) -> dict[int, Path]:
     """step -> the checkpoint-N evaluation under a cell's sweep directory that has its summary."""
     found = {}
@@ -83,19 +153,149 @@ def all_scored(directory: Path, arm: str, seed: int) -> bool:
     return bool(steps) and all(s in have for s in steps)
 
 
-def base_scored(directory: Path) -> bool:
-    return (S.base_eval_dir(directory) / SUMMARY_FILE).is_file()
+def base_scored(directory: Path, seed: int) -> bool:
+    """The base model is scored with training seed `seed`'s sampling seeds."""
+    return (S.base_eval_dir(directory, seed) / SUMMARY_FILE).is_file()
+
+
+METRICS = ("avg", "pass_at_k", "maj", "format_rate")
+SCORED = ("correct", "has_box")  # the per-sample fields a report compares
+# Bounds on what a report reads: far above what a run writes (a samples file of 30 problems x 64 samples of 32k
+# tokens is ~300 MiB), so only a wrong or damaged file reaches them.
+RESULT_FILE = FileKind(
+    "result file", "result files", 64 * MIB, "rerun the experiment", "it was not written by a run"
+)
+SAMPLES_KIND = FileKind(
+    "samples file", "samples files", 4 * GIB, "rerun the experiment", "it was not written by a run"
+)
+_FAILED_FIELDS = {"job": str, "exit": int, "attempts": int, "log": str}
+_JOB_KINDS = ("base", "train", "eval")
+
+
+def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line; UserError naming the first line that is not JSON."""
+    try:
+        text = read_bytes(path, kind).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 text (byte {err.start})") from None
+    out = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path} line {lineno} is not JSON ({err.msg})") from None
+    return out
+
+
+def _finite(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
+    """(summary metrics, {field of SCORED: {problem id: values by sample index}}) of one finished evaluation.
+
+    UserError, naming the file and what to do, when summary.json or samples.jsonl is not what eval_aime.py
+    writes: not JSON, a missing or non-numeric metric, a sample without its fields, a sample index given twice
+    or skipped, or fewer samples than the summary counts (a cut file).
+    """
+    redo = f"delete {eval_dir} and rerun the experiment to score it again"
+    try:
+        summary = json.loads(
+            read_bytes(eval_dir / SUMMARY_FILE, RESULT_FILE).decode("utf-8", errors="replace")
+        )
+        metrics = summary["metrics"]
+        labels = metrics["labels"]
+        ok = all(_finite(metrics[k]) for k in (*METRICS, "n", "n_problems")) and all(
+            isinstance(labels[k], str) for k in ("avg", "pass_at_k", "maj")
+        )
+    except (json.JSONDecodeError, KeyError, TypeError):
+        ok = False
+    except UserError as err:
+        raise UserError(f"{err}; {redo}") from None
+    if not ok:
+        raise UserError(f"{eval_dir / SUMMARY_FILE} is not an eval_aime.py summary; {redo}")
+    path = eval_dir / SAMPLES_FILE
+    try:
+        lines = _json_lines(path, SAMPLES_KIND)
+    except UserError as err:
+        raise UserError(f"{err}; {redo}") from None
+    by_problem: dict[str, dict[int, dict[str, float]]] = {}
+    for lineno, r in lines:
+        good = isinstance(r, dict) and type(r.get("id")) in (str, int) and type(r.get("idx")) is int
+        good = good and r["idx"] >= 0 and all(type(r.get(k)) is bool for k in SCORED)
+        if not good:
+            raise UserError(f"{path} line {lineno} is not a sample (id, idx, correct, has_box); {redo}")
+        seen = by_problem.setdefault(str(r["id"]), {})
+        if r["idx"] in seen:
+            raise UserError(
+                f"{path} line {lineno}: sample {r['idx']} of problem {r['id']!r} is there twice; {redo}"
+            )
+        seen[r["idx"]] = {k: float(r[k]) for k in SCORED}
+    n = metrics["n"]
+    for pid, samples in by_problem.items():
+        if sorted(samples) != list(range(n)):
+            raise UserError(
+                f"{path}: problem {pid!r} has {len(samples)} samples, the summary says {n}; {redo}"
+            )
+    if len(by_problem) != metrics["n_problems"]:
+        raise UserError(
+            f"{path} holds {len(by_problem)} problems, the summary says {metrics['n_problems']}; {redo}"
+        )
+    scores = {
+        k: {pid: [samples[i][k] for i in range(n)] for pid, samples in by_problem.items()} for k in SCORED
+    }
+    return metrics, scores
 
 
 def read_failed(directory: Path) -> dict[str, dict]:
+    """DIR/failed.json: job key -> {job, exit, attempts, log}; {} when absent; UserError when damaged."""
     path = directory / FAILED_FILE
     if not path.is_file():
         return {}
+    fix = f"it was edited or damaged: delete {path} (a rerun records failures again)"
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
+        data = json.loads(read_bytes(path, RESULT_FILE).decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err.msg}); {fix}") from None
+    good = isinstance(data, dict) and all(
+        isinstance(v, dict) and set(v) == set(_FAILED_FIELDS) and all(type(v[k]) is t for k, t in _FAILED_FIELDS.items())
+        for v in data.values()
+    )  # fmt: skip
+    if not good:
+        raise UserError(f"{path} does not map jobs to {{job, exit, attempts, log}}; {fix}")
+    return data
+
+
+def read_jobs(directory: Path) -> list[dict]:
+    """DIR/jobs.jsonl's records (kind, start, seconds, ...); [] when absent; UserError when a line is damaged."""
+    path = directory / JOBS_FILE
+    if not path.is_file():
+        return []
+    fix = f"it was edited or damaged: delete {path} (it only times the report)"
+    try:
+        lines = _json_lines(path, RESULT_FILE)
+    except UserError as err:
+        raise UserError(f"{err}; {fix}") from None
+    for lineno, r in lines:
+        if not (isinstance(r, dict) and r.get("kind") in _JOB_KINDS and _finite(r.get("start"))
+                and _finite(r.get("seconds")) and r["seconds"] >= 0):  # fmt: skip
+            raise UserError(f"{path} line {lineno} is not a job record (kind, start, seconds); {fix}")
+    return [r for _, r in lines]
 
 
 def write_failed(directory: Path, failed: dict[str, dict]) -> None:
     (directory / FAILED_FILE).write_text(json.dumps(failed, indent=1) + "\n")
+
+
+def check_directory(directory: Path, spec: S.Spec) -> None:
+    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation), so that a
+    damaged one is refused before a run adds to the directory."""
+    read_failed(directory)
+    read_jobs(directory)
+    for seed in spec.seeds:
+        if base_scored(directory, seed):
+            read_eval(S.base_eval_dir(directory, seed))
+        for arm in spec.arm_names:
+            for where in scored_steps(S.eval_dir(directory, arm, seed)).values():
+                read_eval(where)

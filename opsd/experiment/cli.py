@@ -10,7 +10,8 @@ verdict with its noise.
 
 Each cell (arm, seed) is one `train_capped.sh` run, unchanged (the budget is the harness's), then one
 `eval_aime.py` evaluation of its checkpoint-100 (`--every-checkpoint`: all of its checkpoints) with the
-experiment's evaluation flags (default: eval_aime.py's AIME 2024 avg@12 protocol). The base model is scored once.
+experiment's evaluation flags (default: eval_aime.py's AIME 2024 avg@12 protocol) and `--seed SEED`, training seed
+SEED's sampling seeds; the base model is scored once per seed the same way.
 Rerunning the command resumes: finished cells are skipped, interrupted ones continue. Without `--arm` and
 `--seeds` a rerun takes the directory's own. Results: DIR/report.md, DIR/summary.json, DIR/verdict.png,
 DIR/curves.png, also written by `report` from whatever has finished. Bad input: one line, exit status 2.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shlex
 import subprocess
@@ -31,10 +33,21 @@ from opsd.experiment import spec as S
 
 logger = logging.getLogger("opsd.experiment")
 DEFAULT_SEEDS = "42,43,44"
+GPUS_PER_RUN = (1, 2, 4, 8)
+MAX_REPS = (
+    1_000_000  # bootstrap replicates: beyond this the report takes minutes and its interval moves < 0.01
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown flag, `--stagger abc`) as one UserError line, like every other."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m opsd.experiment",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,7 +124,13 @@ def add_report_flags(p: argparse.ArgumentParser) -> None:
 
 def visible_gpus(requested: str | None) -> list[str]:
     if requested is not None:
-        return [g.strip() for g in requested.split(",") if g.strip()]
+        gpus = [g.strip() for g in requested.split(",")]
+        if not all(g.isascii() and g.isdigit() and len(g) <= 3 for g in gpus) or len(set(gpus)) != len(gpus):
+            raise UserError(
+                f"--gpus {requested[:80]!r}: give distinct GPU indices separated by commas, e.g. --gpus 0,1,2,3 "
+                "(to run on the CPU, set CUDA_VISIBLE_DEVICES='' and leave --gpus out)"
+            )
+        return gpus
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
@@ -148,28 +167,43 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
             f"--gpus-per-run {gpus_per_run} with {len(gpus)} GPU(s): give 1, 2, 4 or 8 on a GPU machine; without "
             "GPUs leave it out (one CPU process per cell)"
         )
+    if gpus and gpus_per_run not in GPUS_PER_RUN:
+        raise UserError(f"--gpus-per-run {gpus_per_run}: give 1, 2, 4 or 8")
     if gpus and len(gpus) % gpus_per_run:
         raise UserError(
             f"--gpus-per-run {gpus_per_run} does not divide the {len(gpus)} GPU(s) {','.join(gpus)}"
         )
+    base_recipe = None
+    if a.recipe:  # '' starts inline arms from the defaults
+        from opsd.paths import RECIPE_FILE, check_file
+
+        base_recipe = check_file(a.recipe, RECIPE_FILE)
     arms = {}
     for text in a.arm:
-        arm = S.parse_arm(text, Path(a.recipe))
-        if arm.name in arms:
-            raise UserError(f"--arm {arm.name} is given twice; every arm needs its own name")
+        arm = S.parse_arm(text, base_recipe)
+        if arm.name.lower() in {n.lower() for n in arms}:
+            raise UserError(
+                f"--arm {arm.name} is given twice (names differ in case at most); every arm needs its own name"
+            )
         arms[arm.name] = {"recipe": arm.recipe, "source": arm.source}
-    if not arms and old is None:
+    if old is None and len(arms) < 2:
         raise UserError(
-            "a new experiment needs arms: --arm NAME=RECIPE_FILE or --arm NAME=KEY=VALUE, at least two"
+            f"a new experiment needs at least two arms, got {len(arms)}: --arm NAME=RECIPE_FILE or "
+            "--arm NAME=KEY=VALUE, once per arm"
         )
-    seeds = S.parse_seeds(a.seeds) if a.seeds else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
+    if a.model == "":
+        raise UserError("--model '': name a model (a hub id or a local directory), or leave --model out")
+    seeds = (
+        S.parse_seeds(a.seeds)
+        if a.seeds is not None
+        else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
+    )
     prof = PROFILES[profile]
     accelerate = old.accelerate_config if old and a.accelerate_config is None else (a.accelerate_config or "")
     if accelerate:
-        path = Path(accelerate).expanduser().resolve()
-        if not path.is_file():
-            raise UserError(f"--accelerate-config {accelerate}: no such file; give an accelerate config YAML")
-        accelerate = str(path)
+        from opsd.paths import ACCELERATE_CONFIG, check_file
+
+        accelerate = str(check_file(accelerate, ACCELERATE_CONFIG).resolve())
     return S.Spec(
         profile=profile,
         model=a.model if a.model is not None else (old.model if old else prof.model),
@@ -202,8 +236,9 @@ def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> Non
     cells = [(arm, seed) for seed in spec.seeds for arm in spec.arm_names]
     print(f"# {directory}: {len(spec.arm_names)} arm(s) x {len(spec.seeds)} seed(s). Run the lines in any order "
           "and on any machine that sees this directory; a cell's line trains, then scores.")  # fmt: skip
-    print("# the base model")
-    print(S.shell(S.eval_argv(directory, spec, None, None, every_checkpoint=False)))
+    print("# the base model, once per seed (each seed's evaluations share their sampling seeds)")
+    for seed in spec.seeds:
+        print(S.shell(S.eval_argv(directory, spec, None, seed, every_checkpoint=False)))
     for arm, seed in cells:
         print(f"# cell {arm}/{seed}")
         train = S.shell(S.train_argv(directory, spec, arm, seed))
@@ -219,19 +254,18 @@ def run(a: argparse.Namespace) -> int:
     from opsd.experiment.schedule import Runner, make_slots
     from opsd.paths import check_output_dir
 
+    check_numbers(a)
     directory = check_output_dir(a.out, "--out").resolve()
     refuse_method_env()
     gpus = visible_gpus(a.gpus)
     old = S.load(directory)
     new = make_spec(a, old, gpus)
     spec = S.merge(old, new, directory)
-    for name, value in (("--cells-per-gpu", a.cells_per_gpu), ("--retries", a.retries + 1)):
-        if value < 1:
-            raise UserError(
-                f"{name} {value if name != '--retries' else a.retries} must be >= 1 (>= 0 retries)"
-            )
     if a.cells_per_gpu > 1 and not gpus:
         raise UserError("--cells-per-gpu shares a GPU; without GPUs cells run one at a time")
+    check_baseline(a.baseline, spec, directory)
+    if old is not None:
+        C.check_directory(directory, spec)  # a damaged result is refused now, not after hours of jobs
     fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
     dry_run(spec, fresh)
     S.save(directory, spec)
@@ -255,6 +289,39 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _number(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        side = f"> {low:g}" if low_open else f">= {low:g}"
+        raise UserError(f"{name} {value}: give a number {side} and <= {high:g}")
+
+
+def check_report_flags(a: argparse.Namespace) -> None:
+    _number("--target-diff", a.target_diff, 0, 100, low_open=True)  # points of a percentage
+    _number("--bootstrap-reps", a.bootstrap_reps, 100, MAX_REPS)
+
+
+def check_numbers(a: argparse.Namespace) -> None:
+    """Every numeric flag within the range it makes sense in; one line naming the flag otherwise."""
+    check_report_flags(a)
+    _number("--cells-per-gpu", a.cells_per_gpu, 1, 64)
+    _number("--retries", a.retries, 0, 10)
+    _number("--status-every", a.status_every, 0, 86400, low_open=True)
+    if a.kv_cache_gib is not None:
+        _number("--kv-cache-gib", a.kv_cache_gib, 0, 1024)  # 0: vLLM sizes the cache itself
+    if a.stagger is not None:
+        _number("--stagger", a.stagger, 0, 3600)
+    if a.out == "":
+        raise UserError("--out '': name the experiment directory (it is created if missing)")
+
+
+def check_baseline(baseline: str | None, spec: S.Spec, directory: Path) -> None:
+    if baseline is not None and baseline not in spec.arms:
+        raise UserError(
+            f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(spec.arm_names)}"
+        )
+
+
 def write_report(directory: Path, a: argparse.Namespace) -> None:
     from opsd.experiment.report import write
 
@@ -272,12 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if argv[:1] == ["report"]:
-            p = argparse.ArgumentParser(
-                prog="python -m opsd.experiment report", description="The verdict so far."
-            )
+            p = Parser(prog="python -m opsd.experiment report", description="The verdict so far.")
             p.add_argument("directory")
             add_report_flags(p)
             a = p.parse_args(argv[1:])
+            check_report_flags(a)
             from opsd.paths import check_input_dir
 
             directory = check_input_dir(a.directory, "report", "pass an experiment directory").resolve()

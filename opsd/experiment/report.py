@@ -6,7 +6,8 @@ by default): the difference in accuracy and in format rate with the seed-paired 
 `opsd.experiment.stats` says why) and, beside it, the hierarchical bootstrap over seeds then problems; the variance
 components of the per-seed difference; the minimum detectable difference at 80% power for the seeds run and the
 seeds needed to detect `--target-diff` points (`opsd.experiment.power`). Seeds are paired by value (the same seed in both arms) and samples
-by (problem, sample index): every evaluation uses the same sampling seeds. A comparison uses the seeds both arms
+by (problem, sample index): every evaluation of training seed s, the base model's included, uses s's sampling
+seeds. A comparison uses the seeds both arms
 have scored and says so whenever that is fewer than were planned.
 """
 
@@ -17,7 +18,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, read_samples
 from opsd.experiment import cells as C
 from opsd.experiment import power, stats
 from opsd.experiment import spec as S
@@ -25,7 +25,7 @@ from opsd.experiment import spec as S
 logger = logging.getLogger(__name__)
 
 REPORT_FILE, SUMMARY_JSON, VERDICT_PNG, CURVES_PNG = "report.md", "summary.json", "verdict.png", "curves.png"
-METRICS = ("avg", "pass_at_k", "maj", "format_rate")
+METRICS = C.METRICS
 # (per-sample field, name in the report)
 COMPARED = (("correct", "accuracy"), ("has_box", "format rate"))
 CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out)"),
@@ -33,19 +33,8 @@ CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out
 
 
 def read_scores(eval_dir: Path) -> dict[str, dict[str, list[float]]]:
-    """{per-sample field: {problem id: values by sample index}} of one evaluation directory."""
-    records = read_samples(eval_dir / SAMPLES_FILE, repair=False)
-    out: dict[str, dict[str, list[float]]] = {}
-    for key, _ in COMPARED:
-        by_problem: dict[str, dict[int, float]] = {}
-        for r in records:
-            by_problem.setdefault(str(r["id"]), {})[int(r["idx"])] = float(bool(r[key]))
-        out[key] = {pid: [v for _, v in sorted(idx.items())] for pid, idx in by_problem.items()}
-    return out
-
-
-def _summary(eval_dir: Path) -> dict[str, Any]:
-    return json.loads((eval_dir / SUMMARY_FILE).read_text())["metrics"]
+    """{per-sample field: {problem id: values by sample index}} of one evaluation directory (checked)."""
+    return C.read_eval(eval_dir)[1]
 
 
 def _interval(iv: stats.Interval | None) -> dict | None:
@@ -65,16 +54,18 @@ def compare(a: stats.CellScores, b: stats.CellScores, target: float, reps: int, 
     else:
         reported = stats.paired_over_problems(a[seeds[0]], b[seeds[0]])
     var = stats.variance_components(a, b)
-    sd = var["total_sd"]
+    plan = power.plan(var["total_sd"], var["within_sd"], len(seeds), target)
     return {
         "seeds": seeds,
         "per_seed": {str(s): d for s, d in diffs.items()},
         "interval": _interval(reported),
         "bootstrap": _interval(stats.hierarchical_bootstrap(a, b, reps=reps)),
         "variance": var,
-        "mde_80": power.min_detectable_diff(sd, len(seeds)) if sd is not None else None,
+        "mde_80": plan["mde"],
         "target_diff": target,
-        "seeds_needed": power.seeds_needed(target, sd) if sd is not None and target else None,
+        "seeds_needed": plan["seeds_needed"],
+        "plan": plan,
+        "planning": power.describe_plan(plan, len(seeds), target),
         "verdict": stats.describe(reported, what=what),
     }
 
@@ -92,12 +83,17 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
             f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(arms)}"
         )
     failed = C.read_failed(directory)
-    base_dir = S.base_eval_dir(directory)
-    base = read_scores(base_dir) if C.base_scored(directory) else None
+    # The base model, once per training seed with that seed's sampling seeds.
+    base_metrics, base = {}, {}
+    for seed in spec.seeds:
+        if C.base_scored(directory, seed):
+            base_metrics[seed], base[seed] = C.read_eval(S.base_eval_dir(directory, seed))
     result: dict[str, Any] = {
         "directory": str(directory), "baseline": baseline, "target_diff": target_diff,
         "settings": {k: getattr(spec, k) for k in S.Spec.SHARED}, "seeds_planned": spec.seeds,
-        "base": {k: _summary(base_dir)[k] for k in METRICS} if base else None, "arms": {}, "comparisons": {},
+        "base": {k: _mean_se([m[k] for m in base_metrics.values()])["mean"] for k in METRICS} if base else None,
+        "base_per_seed": {str(s): {k: m[k] for k in METRICS} for s, m in base_metrics.items()},
+        "arms": {}, "comparisons": {},
     }  # fmt: skip
     scores: dict[str, dict[str, stats.CellScores]] = {key: {} for key, _ in COMPARED}
     labels = None
@@ -106,12 +102,11 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
         for seed in spec.seeds:
             state = C.cell_state(directory, arm, seed)
             if state.final_scored:
-                where = state.scored[S.STEPS]
-                summary = _summary(where)
+                summary, values = C.read_eval(state.scored[S.STEPS])
                 labels = labels or summary["labels"]
                 per_seed[seed] = {k: summary[k] for k in METRICS}
-                for key, values in read_scores(where).items():
-                    scores[key].setdefault(arm, {})[seed] = values
+                for key, by_problem in values.items():
+                    scores[key].setdefault(arm, {})[seed] = by_problem
             else:
                 missing[seed] = _why_missing(failed, arm, seed, state)
         entry: dict[str, Any] = {"recipe": spec.arms[arm]["recipe"], "source": spec.arms[arm]["source"],
@@ -119,9 +114,12 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
                                  "missing": {str(s): v for s, v in missing.items()}}  # fmt: skip
         if per_seed:
             entry["mean"] = {k: _mean_se([v[k] for v in per_seed.values()]) for k in METRICS}
-            if base is not None:
+            paired = [s for s in per_seed if s in base]
+            if paired:  # each seed against the base scored with that seed's sampling seeds
                 entry["vs_base"] = {
-                    name: compare({s: base[key] for s in per_seed}, scores[key][arm], target_diff, reps, name)
+                    name: compare(
+                        {s: base[s][key] for s in paired}, scores[key][arm], target_diff, reps, name
+                    )
                     for key, name in COMPARED
                 }
             entry["variance"] = stats.variance_components(scores["correct"][arm])
@@ -144,15 +142,8 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
 def timing(directory: Path) -> dict[str, dict[str, float]]:
     """Per kind of job (base, train, eval): attempts, summed seconds and the wall-clock span from the first start
     to the last end, from DIR/jobs.jsonl (jobs that ran side by side overlap, so the span is what you waited)."""
-    path = directory / C.JOBS_FILE
     out: dict[str, dict[str, float]] = {}
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for r in C.read_jobs(directory):
         t = out.setdefault(
             r["kind"], {"attempts": 0, "job_s": 0.0, "first_start": r["start"], "last_end": 0.0}
         )
@@ -217,8 +208,19 @@ def _ci(iv: dict | None) -> str:
     return f"{iv['estimate']:+.2f} [{iv['low']:+.2f}, {iv['high']:+.2f}]"
 
 
-def _num(x: float | None, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
+def _split(v: dict) -> str:
+    """The variance split of the per-seed difference in words, saying what the seeds run cannot tell."""
+    if v["total_sd"] is None:
+        return "per-seed difference: one seed, no spread between seeds to split"
+    head = f"per-seed difference: sd {v['total_sd']:.2f} points over {v['n_seeds']} seeds"
+    if v["within_sd"] is None:
+        return (f"{head}; the split into between seeds and within a seed needs n >= 2 samples per problem "
+                f"(this evaluation drew {v['min_samples']})")  # fmt: skip
+    if v["between_floored"]:
+        return (f"{head}, below the within-seed (evaluation sampling) sd {v['within_sd']:.2f} alone: the between-seed "
+                f"part cannot be told from 0 with {v['n_seeds']} seeds")  # fmt: skip
+    return (f"{head} = between seeds {v['between_sd']:.2f} and within (evaluation sampling) {v['within_sd']:.2f} "
+            "(in variance: between² + within² = sd²)")  # fmt: skip
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -237,7 +239,9 @@ def markdown(result: dict[str, Any]) -> str:
               f"seeds planned: {', '.join(map(str, planned))}. Points are percent; ± is the between-seed SE.", ""]  # fmt: skip
     if result["base"]:
         b = result["base"]
-        lines += ["Base model: " + ", ".join(f"{names[k]} {b[k]:.2f}" for k in METRICS), ""]
+        n_base = len(result["base_per_seed"])
+        lines += [f"Base model (mean over its {n_base} evaluation(s), one per seed's sampling seeds): "
+                  + ", ".join(f"{names[k]} {b[k]:.2f}" for k in METRICS), ""]  # fmt: skip
     lines += ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
               "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
     for arm, e in result["arms"].items():
@@ -264,18 +268,19 @@ def markdown(result: dict[str, Any]) -> str:
                 )
             lines.append("  - per seed: " + ", ".join(f"{k}: {v:+.2f}" for k, v in c["per_seed"].items()))
             lines.append(f"  - hierarchical bootstrap over seeds then problems: {_ci(c['bootstrap'])}")
-            v = c["variance"]
-            lines.append(f"  - per-seed difference: sd {_num(v['total_sd'])} = between seeds {_num(v['between_sd'])} "
-                         f"and within (evaluation sampling) {_num(v['within_sd'])} points")  # fmt: skip
-            lines.append(f"  - detectable at 80% power with {len(seeds)} seed(s): ±{_num(c['mde_80'])} points; "
-                         f"seeds needed for {c['target_diff']:g} points: {c['seeds_needed'] or 'n/a'}")  # fmt: skip
+            lines.append(f"  - {_split(c['variance'])}")
+            lines.append(f"  - {c['planning']}")
         lines.append("")
     lines += ["## How to read this", "",
               "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
               "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "
               "difference carries its own evaluation noise and the seed-to-seed spread of training, so the "
-              "interval carries both. The bootstrap beside it also resamples problems; with few seeds it is too "
-              "narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread.", ""]  # fmt: skip
+              "interval carries both: every training seed draws its own evaluation samples (the same in every "
+              "arm and in the base model for that seed), so the evaluation noise averages out over seeds too. It "
+              "holds the problem set fixed. The bootstrap beside it also resamples problems; with few seeds it is "
+              "too narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread. "
+              "The detectable difference and the seeds needed are estimates from the seeds run: their 95% range "
+              "says how far they can be off.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -312,11 +317,12 @@ def figures(result: dict[str, Any], directory: Path) -> list[Path]:
                 if iv and iv["low"] is not None:
                     ax.errorbar(iv["estimate"], y + off, xerr=[[iv["estimate"] - iv["low"]], [iv["high"] - iv["estimate"]]],
                                 fmt=marker, color=colors[arm], capsize=3, mfc="white" if off else colors[arm])  # fmt: skip
-            ys.append((y, f"{arm}: {what}"))
+            method = (c["interval"] or {}).get("method", "")
+            ys.append((y, f"{arm}: {what} ({method}, {len(c['seeds'])} seed{'s' * (len(c['seeds']) > 1)})"))
     ax.axvline(0, color="grey", lw=1)
     if ys:
         ax.set_yticks([y for y, _ in ys], [t for _, t in ys], fontsize=8)
-    ax.set_xlabel(f"arm − {result['baseline']}, points (95% CI: ● seed-paired t, △ bootstrap)")
+    ax.set_xlabel(f"arm − {result['baseline']}, points (95% CI: ● the reported interval, △ bootstrap)")
     fig.tight_layout()
     path = directory / VERDICT_PNG
     fig.savefig(path, dpi=110)

@@ -1,12 +1,16 @@
 """Running an experiment's jobs on this machine: slots of GPUs, a live status table, resume and one retry.
 
-Jobs: the base model's evaluation, and per cell (arm, seed) its capped training run, then its evaluation as soon
-as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
+Jobs: per training seed the base model's evaluation with that seed's sampling seeds, and per cell (arm, seed)
+its capped training run, then its evaluation as soon as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
 set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
 engine then gets a fixed KV cache, `OPSD_KV_CACHE_GIB`, so engines starting side by side skip vLLM's start-up
 memory profile, which fails when another process frees memory meanwhile). Without a GPU: one job at a time.
 While jobs share a GPU, the first training job starts alone until it logs its first step (it fills the
 compile caches the others then read), and starts are staggered.
+
+Status: one row per cell with its state, the disk it holds (run and evaluations) and its progress. Disk: once a
+cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
+by hand keeps everything.
 
 Resume: a job whose outputs exist is not started (a complete checkpoint-100; a summary.json for every checkpoint
 scored). An interrupted training run or evaluation resumes from its own files, as train_capped.sh and
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
+from opsd.paths import size_text
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ class Slot:
 
 @dataclass
 class Job:
-    name: str  # "base", "train ARM/SEED" or "eval ARM/SEED"
+    name: str  # "base SEED", "train ARM/SEED" or "eval ARM/SEED"
     kind: str  # base | train | eval
     arm: str | None = None
     seed: int | None = None
@@ -98,21 +103,31 @@ class Runner:
 
     # -- planning ----------------------------------------------------------------------------------------
     def plan(self) -> None:
-        """Every job the directory still needs, base first, then the cells by seed (so the first seed of every
-        arm finishes early and a partial report already pairs arms)."""
+        """Every job the directory still needs, seed by seed: the base model, then the cells (so the first seed
+        of every arm and of the base finishes early and a partial report already pairs them)."""
         d, spec = self.directory, self.spec
-        if not C.base_scored(d):
-            self.jobs.append(Job("base", "base"))
         for seed in spec.seeds:
+            if not C.base_scored(d, seed):
+                self.jobs.append(Job(f"base {seed}", "base", seed=seed))
             for arm in spec.arm_names:
                 if not self._trained(arm, seed):
                     self.jobs.append(Job(f"train {arm}/{seed}", "train", arm, seed))
                 elif not self._scored(arm, seed):
                     self.jobs.append(Job(f"eval {arm}/{seed}", "eval", arm, seed))
+                else:  # scored earlier (by an older run, or by hand): pruned now
+                    self.prune(arm, seed)
         first_train = next((i for i, j in enumerate(self.jobs) if j.kind == "train"), None)
-        if self.jobs and self.jobs[0].kind == "base" and first_train and self.sharing:
+        if first_train and self.sharing:
             # Sharing a GPU, the first training job warms the compile caches alone: it goes first.
             self.jobs.insert(0, self.jobs.pop(first_train))
+
+    def prune(self, arm: str, seed: int) -> None:
+        """A scored cell keeps what the report reads (`cells.prune_cell`)."""
+        freed = C.prune_cell(self.directory, arm, seed, keep_adapters=self.every_checkpoint)
+        if freed:
+            logger.info(
+                "%s/%s: removed %s of training state (the cell is scored)", arm, seed, size_text(freed)
+            )
 
     def _trained(self, arm: str, seed: int) -> bool:
         return C.cell_state(self.directory, arm, seed).trained
@@ -129,7 +144,7 @@ class Runner:
             return S.train_argv(d, spec, job.arm, job.seed)
         extra = ["--num-gpus", str(gpus)] if gpus > 1 else []
         if job.kind == "base":
-            return S.eval_argv(d, spec, None, None, every_checkpoint=False, extra=extra)
+            return S.eval_argv(d, spec, None, job.seed, every_checkpoint=False, extra=extra)
         return S.eval_argv(d, spec, job.arm, job.seed, every_checkpoint=self.every_checkpoint, extra=extra)
 
     # -- running -----------------------------------------------------------------------------------------
@@ -187,6 +202,7 @@ class Runner:
                 self.jobs.insert(0, Job(f"eval {job.arm}/{job.seed}", "eval", job.arm, job.seed))
             elif job.kind == "eval":
                 self.done_s.append(time.time() - self.cell_started.get((job.arm, job.seed), job.started))
+                self.prune(job.arm, job.seed)
         elif job.attempts <= self.retries:
             logger.warning("%s failed (exit %s); retrying once: %s", job.name, rc, job.log)
             self.jobs.append(job)
@@ -202,7 +218,7 @@ class Runner:
 
     def _outputs_exist(self, job: Job) -> bool:
         if job.kind == "base":
-            return C.base_scored(self.directory)
+            return C.base_scored(self.directory, job.seed)
         if job.kind == "train":
             return self._trained(job.arm, job.seed)
         return self._scored(job.arm, job.seed)
@@ -312,13 +328,14 @@ class Runner:
                 else:
                     what, detail = "queued", ""
                 counts[what] += 1
-                rows.append(f"  {arm}/{seed:<6} {what:<9} {detail}")
-        base = "done" if C.base_scored(d) else ("scoring" if any(j.kind == "base" for j in self.running)
-                                                else "queued")  # fmt: skip
+                disk = size_text(C.cell_bytes(d, arm, seed))
+                rows.append(f"  {arm}/{seed:<6} {what:<9} {disk:>10}  {detail}".rstrip())
+        base = sum(C.base_scored(d, seed) for seed in self.spec.seeds)
+        scoring = " (scoring)" if any(j.kind == "base" for j in self.running) else ""
         head = (
             f"[{time.strftime('%H:%M:%S')}] {len(rows)} cells: "
             + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-            + f" | base model: {base}"
+            + f" | base model: {base} of {len(self.spec.seeds)} seeds scored{scoring}"
             + self._eta(remaining, counts["queued"])
         )
         return [head, *rows]

@@ -8,7 +8,14 @@ comments and key order do not matter.
 
 `DIR/experiment.json` holds the shared settings (profile, model, training data, evaluation flags, GPUs per run),
 the arms and the seeds. A rerun must agree with it: a different shared setting or a changed arm is refused with
-one line; new arms and new seeds are added and recorded under `history`.
+one line; new arms and new seeds are added and recorded under `history`. It is checked field by field when read
+(`load`), so a hand-edited file cannot name an arm that escapes the directory.
+
+Sampling seeds. Every evaluation of training seed s (each arm's cell, and the base model scored for that seed)
+runs `eval_aime.py --seed s` (`sampling_seed`): within a seed the arms and the base draw sample i of problem p
+with the same seed, so their difference is paired; across seeds the evaluation noise is drawn afresh, so it
+averages out over seeds like the training noise does (one set of sampling seeds for every training seed would
+repeat the same evaluation noise in each seed's difference, which no number of seeds averages away).
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import json
 import re
 import shlex
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from opsd.errors import UserError
+from opsd.paths import MIB, FileKind
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train_capped.sh and eval_aime.py live here
 EXPERIMENT_FILE = "experiment.json"
@@ -31,11 +40,17 @@ EVALS = "evals"
 LOGS = "logs"
 BASE = "base"
 STEPS = 100  # the capped budget's steps (opsd.run.capped.STEPS); the final checkpoint is checkpoint-100
+# An arm name becomes a directory and a file name: a plain name, short, starting with a letter or digit.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_NAME_CHARS = 64
+MAX_SEED = 2**31 - 1  # numpy and torch seed generators take 32-bit seeds
+# The layout of experiment.json and the directory; 1 (no field): every cell scored with eval_aime.py's default
+# sampling seeds and the base model scored once.
+LAYOUT = 2
 # eval_aime.py flags the experiment sets itself: what is scored, where, and how adapters are applied.
 OWNED_EVAL_FLAGS = (
     "model", "adapter", "checkpoints", "base", "out", "merge_adapter", "compare", "aggregate", "plot_steps",
-    "shard", "num_gpus",
+    "shard", "num_gpus", "seed",
 )  # fmt: skip
 
 
@@ -72,6 +87,7 @@ class Spec:
     arms: dict[str, dict] = field(default_factory=dict)  # name -> {"recipe": {...}, "source": str}
     seeds: list[int] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
+    layout: int = LAYOUT
 
     SHARED = ("profile", "model", "dataset", "eval_flags", "gpus_per_run", "accelerate_config")
 
@@ -84,23 +100,37 @@ class Spec:
 
 
 def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
+    shown = text if len(text) <= 80 else text[:80] + "..."
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items or not all(re.fullmatch(r"[0-9]{1,10}", s) for s in items):
         raise UserError(
-            f"--seeds {text!r}: write integers separated by commas, e.g. --seeds 42,43,44"
+            f"--seeds {shown!r}: write integers separated by commas, e.g. --seeds 42,43,44"
         ) from None
-    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
-        raise UserError(f"--seeds {text!r}: give distinct non-negative integers, e.g. --seeds 42,43,44")
+    seeds = [int(s) for s in items]
+    if len(set(seeds)) != len(seeds) or max(seeds) > MAX_SEED:
+        raise UserError(
+            f"--seeds {shown!r}: give distinct integers from 0 to {MAX_SEED}, e.g. --seeds 42,43,44"
+        )
     return seeds
+
+
+def check_name(name: str, what: str) -> None:
+    """An arm name: it names DIR/recipes/NAME.env, DIR/runs/NAME and DIR/evals/NAME, so it is a plain name."""
+    cut = name if len(name) <= 80 else name[:80] + "..."
+    if len(name) > MAX_NAME_CHARS or not _NAME.fullmatch(name) or name == BASE:
+        raise UserError(
+            f"{what}: the arm name {cut!r} must be at most {MAX_NAME_CHARS} letters, digits, '_', '.', '-' (not "
+            f"starting with '.' or '-') and not {BASE!r}, which names the base model's evaluation"
+        )
 
 
 def _overrides_to_recipe(overrides) -> dict[str, str]:
     return {o.field: o.value for o in overrides}
 
 
-def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
-    """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`) into an Arm; UserError if bad."""
+def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
+    """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`, None: the defaults) into an Arm;
+    UserError if bad, a missing `base_recipe` included."""
     from opsd.configuration.recipe import RecipeError, parse_recipe
 
     name, sep, rest = text.partition("=")
@@ -110,11 +140,7 @@ def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
             f"--arm {text!r}: write NAME=RECIPE_FILE or NAME=KEY=VALUE[,KEY=VALUE], e.g. "
             "--arm published=configs/recipes/published.env or --arm lr1e5=LEARNING_RATE=1e-5"
         )
-    if not _NAME.fullmatch(name) or name == BASE:
-        raise UserError(
-            f"--arm {text!r}: the arm name {name!r} must be letters, digits, '_', '.', '-' (not starting with "
-            f"'.' or '-') and not {BASE!r}, which names the base model's evaluation"
-        )
+    check_name(name, f"--arm {text!r}")
     rest = rest.strip()
     try:
         if "=" not in rest:
@@ -125,10 +151,9 @@ def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
                     "KEY=VALUE overrides"
                 )
             return Arm(name, _overrides_to_recipe(parse_recipe(path)), str(rest))
-        recipe = _overrides_to_recipe(parse_recipe(base_recipe)) if base_recipe.is_file() else {}
+        recipe = _overrides_to_recipe(parse_recipe(base_recipe)) if base_recipe is not None else {}
     except RecipeError as err:
         raise UserError(f"--arm {name}: {err}".replace("\n", " ")) from None
-    import tempfile
 
     # The overrides are parsed as recipe lines, by the parser every recipe goes through.
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +164,7 @@ def parse_arm(text: str, base_recipe: Path, cwd: Path = Path()) -> Arm:
         except RecipeError as err:
             shown = str(err).replace(f"{inline}: ", "", 1).replace(f"{inline}:", "item ").replace("\n", " ")
             raise UserError(f"--arm {name}={rest}: {' '.join(shown.split())}") from None
-    return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe.is_file() else rest)
+    return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe is not None else rest)
 
 
 def check_eval_flags(flags: list[str]) -> None:
@@ -171,16 +196,93 @@ def check_eval_flags(flags: list[str]) -> None:
 
 
 def load(directory: Path) -> Spec | None:
+    """The directory's Spec, None where it has none; UserError for a file that is damaged, hand-edited into
+    something no run wrote, or written by an older layout."""
+    from opsd.paths import read_text
+
     path = directory / EXPERIMENT_FILE
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        return Spec(**data)
-    except (json.JSONDecodeError, TypeError) as err:
+        data = json.loads(read_text(path, EXPERIMENT_KIND))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err}); {_REWRITE}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object; {_REWRITE}")
+    if data.get("layout") != LAYOUT:
         raise UserError(
-            f"{path} cannot be read ({err}); it was not written by opsd.experiment, or it was edited"
-        ) from None
+            f"{path} was written by an older opsd.experiment, which scored every seed with one set of sampling "
+            "seeds and the base model once; its intervals would be too narrow: run the experiment again into a "
+            "new --out"
+        )
+    problem = _check_data(data)
+    if problem:
+        raise UserError(f"{path}: {problem}; {_REWRITE}")
+    return Spec(**data)
+
+
+EXPERIMENT_KIND = FileKind(
+    "experiment file", "experiment files", 16 * MIB,
+    "let opsd.experiment write it", "it was not written by opsd.experiment: use a new --out",
+)  # fmt: skip
+_REWRITE = "it was edited or damaged: restore it, or run the experiment again into a new --out"
+
+
+def _check_data(data: dict) -> str | None:
+    """What is wrong with experiment.json's content, in words; None when every field is as a run writes it."""
+    from opsd.configuration.recipe import RecipeError, parse_recipe
+    from opsd.run.capped import PROFILES
+
+    names = [f.name for f in fields(Spec)]
+    unknown = sorted(set(data) - set(names))
+    missing = sorted(set(names) - set(data))
+    if unknown or missing:
+        return f"unknown field(s) {unknown}, missing field(s) {missing}"
+    for key in ("profile", "model", "dataset", "accelerate_config"):
+        if not isinstance(data[key], str):
+            return f"{key} is {data[key]!r}, not a string"
+    if data["profile"] not in PROFILES:
+        return f"profile {data['profile']!r} is not one of {', '.join(sorted(PROFILES))}"
+    if not isinstance(data["eval_flags"], list) or not all(isinstance(f, str) for f in data["eval_flags"]):
+        return "eval_flags is not a list of strings"
+    if type(data["gpus_per_run"]) is not int or data["gpus_per_run"] < 0:
+        return f"gpus_per_run is {data['gpus_per_run']!r}, not a count"
+    seeds = data["seeds"]
+    if (not isinstance(seeds, list) or not seeds or any(type(s) is not int or not 0 <= s <= MAX_SEED for s in seeds)
+            or len(set(seeds)) != len(seeds)):  # fmt: skip
+        return f"seeds must be distinct integers from 0 to {MAX_SEED}, got {str(seeds)[:80]}"
+    if not isinstance(data["history"], list):
+        return "history is not a list"
+    arms = data["arms"]
+    if not isinstance(arms, dict) or not arms:
+        return "arms is not a mapping of arm names"
+    if len({name.lower() for name in arms}) != len(arms):
+        return "two arm names differ only in case (one directory each on a case-insensitive disk)"
+    for name, arm in arms.items():
+        try:
+            check_name(name, "arms")
+        except UserError as err:
+            return str(err)
+        if (
+            not isinstance(arm, dict)
+            or set(arm) != {"recipe", "source"}
+            or not isinstance(arm["source"], str)
+        ):
+            return f"arm {name!r} is not {{'recipe': ..., 'source': ...}}"
+        recipe = arm["recipe"]
+        if not isinstance(recipe, dict) or not all(isinstance(v, str) for v in recipe.values()):
+            return f"arm {name!r}'s recipe is not a mapping of settings to strings"
+        # The arm's cells train from its recipe file: it must read back as this recipe.
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "arm.env"
+            copy.write_text(Arm(name, recipe, arm["source"]).recipe_text())
+            try:
+                parsed = _overrides_to_recipe(parse_recipe(copy))
+            except RecipeError as err:
+                return f"arm {name!r}'s recipe does not parse ({' '.join(str(err).split())[:200]})"
+        if parsed != recipe:
+            return f"arm {name!r}'s recipe is not in the normalised form a run writes"
+    return None
 
 
 def save(directory: Path, spec: Spec) -> None:
@@ -257,8 +359,15 @@ def eval_dir(directory: Path, arm: str, seed: int) -> Path:
     return directory / EVALS / arm / f"seed{seed}"
 
 
-def base_eval_dir(directory: Path) -> Path:
-    return directory / EVALS / BASE
+def base_eval_dir(directory: Path, seed: int) -> Path:
+    """The base model scored with training seed `seed`'s sampling seeds (one evaluation per seed)."""
+    return directory / EVALS / BASE / f"seed{seed}"
+
+
+def sampling_seed(seed: int) -> int:
+    """eval_aime.py's --seed for every evaluation paired with training seed `seed` (the module docstring says
+    why each training seed gets its own)."""
+    return seed
 
 
 def final_checkpoint(directory: Path, arm: str, seed: int) -> Path:
@@ -281,12 +390,13 @@ def train_argv(directory: Path, spec: Spec, arm: str, seed: int, extra: list[str
 
 def eval_argv(directory: Path, spec: Spec, arm: str | None, seed: int | None, *, every_checkpoint: bool,
               extra: list[str] = ()) -> list[str]:  # fmt: skip
-    """The base model (arm None) or one cell's checkpoints, scored with the experiment's evaluation flags. Every
-    evaluation uses the same sampling seeds (eval_aime.py's --seed), so arms are paired per (problem, sample);
-    adapters are merged, whose samples are reproducible run to run (LoRA serving on a GPU is not)."""
-    argv = [sys.executable, str(ROOT / "eval_aime.py"), "--model", spec.model, *spec.eval_flags, *extra]
+    """The base model (arm None) or one cell's checkpoints, scored with the experiment's evaluation flags and
+    training seed `seed`'s sampling seeds, so that the arms and the base are paired per (problem, sample) within
+    a seed; adapters are merged, whose samples are reproducible run to run (LoRA serving on a GPU is not)."""
+    argv = [sys.executable, str(ROOT / "eval_aime.py"), "--model", spec.model, *spec.eval_flags, *extra,
+            "--seed", str(sampling_seed(seed))]  # fmt: skip
     if arm is None:
-        return argv + ["--out", str(base_eval_dir(directory))]
+        return argv + ["--out", str(base_eval_dir(directory, seed))]
     target = run_dir(directory, arm, seed) if every_checkpoint else final_checkpoint(directory, arm, seed)
     return argv + ["--checkpoints", str(target), "--no-base", "--merge-adapter",
                    "--out", str(eval_dir(directory, arm, seed))]  # fmt: skip

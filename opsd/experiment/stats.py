@@ -3,8 +3,9 @@ r"""Paired verdicts between training recipes ("arms") that carry both noise sour
 Data. A cell (arm, training seed) trains a model whose final checkpoint is scored on P problems x n samples.
 `Scores` maps problem id -> the per-sample values of one cell, index = sample index; a value is a FRACTION
 in [0, 1] (1/0 for correct, or for "has a boxed answer" when the format rate is compared). Sample i of
-problem p is drawn with the same sampling seed in every arm, so it is paired across arms. `CellScores` maps
-training seed -> the `Scores` of that seed's cell. Every estimate, bound and SE returned is in PERCENTAGE
+problem p is drawn with the same sampling seed in every arm of a training seed, so it is paired across arms;
+each training seed has its own sampling seeds. `CellScores` maps training seed -> the `Scores` of that seed's
+cell. Every estimate, bound and SE returned is in PERCENTAGE
 POINTS (fraction x 100) and every variance in points^2, as in `opsd.evaluation.metrics`.
 
 Notation. For arm X and seed s, m_{X,s} = 100 * mean_p mean_i x_{X,s,p,i}: the mean over problems of the
@@ -30,7 +31,8 @@ the within part; only more seeds shrink the between part.
 Intervals, and what each assumes.
 
 * `seed_paired_t` (the reported verdict): mean of d_1..d_S ± t_{S-1} * sd(ddof=1) / sqrt(S). It assumes the
-  d_s independent and normal with one mean and one variance. It needs no model of the two noise sources,
+  d_s independent and normal with one mean and one variance; independent needs each training seed's own
+  sampling seeds (one set shared by every seed repeats the same evaluation noise in every d_s). It needs no model of the two noise sources,
   because each d_s already holds its own evaluation noise plus its seed's training noise: the spread of
   the d_s is the total variance above. Under normality it is exact at any S >= 2, which matters at the
   2-5 seeds researchers run (t_{2} = 4.30, not 1.96); each d_s averages P * n paired samples and a smooth
@@ -42,8 +44,8 @@ Intervals, and what each assumes.
   on problems like these. The percentile bootstrap assumes the resampled spread mimics the sampling
   spread, which needs many top-level units: with S seeds there are only C(2S-1, S) distinct seed multisets
   (10 at S = 3), the seed-level variance comes out shrunk by (S-1)/S, and nothing widens the interval the
-  way t_{S-1} does, so at 2-5 seeds it undercovers: about 85% for a nominal 95% at 3 seeds in the simulated
-  experiments of tests/unit/test_experiment_stats.py, where the t interval covers 95%.
+  way t_{S-1} does, so at 2-5 seeds it undercovers: about 85% for a nominal 95% at 3 seeds in the one simulated
+  setting of tests/unit/test_experiment_stats.py, where the t interval covers 95%.
 * `paired_over_problems` (one seed only): t interval over the P per-problem differences, df = P-1. It
   carries the evaluation's noise and the problems' spread but none of the seed-to-seed spread: it says
   whether these two checkpoints differ, not whether the recipes do.
@@ -182,7 +184,7 @@ def paired_seed_diffs(a: CellScores, b: CellScores) -> dict[int, float]:
 
 
 def _t_interval(values: np.ndarray, level: float, method: str, n_seeds: int) -> Interval:
-    """mean ± t_{k-1} * sd(ddof=1) / sqrt(k) over k values (points); estimate only for k = 1."""
+    """mean ± t_{k-1} * sd(ddof=1) / sqrt(k) over k values (points); estimate only for k = 1 or k equal values."""
     _check_level(level)
     k = values.size
     if k == 0:
@@ -192,6 +194,10 @@ def _t_interval(values: np.ndarray, level: float, method: str, n_seeds: int) -> 
     estimate = float(values.mean())
     if k == 1:
         return Interval(estimate, None, None, None, None, method, n_seeds)
+    if np.ptp(values) <= 1e-9 * max(1.0, abs(estimate)):
+        # Identical values (coarse scores at few seeds; equal up to rounding): their spread is unknown, not
+        # zero, so no bounds.
+        return Interval(estimate, None, None, 0.0, k - 1, method, n_seeds)
     se = float(values.std(ddof=1)) / math.sqrt(k)
     half = t_critical(k - 1, level) * se
     return Interval(estimate, estimate - half, estimate + half, se, k - 1, method, n_seeds)
@@ -305,27 +311,38 @@ def within_seed_variance(a: Scores, b: Scores | None = None) -> float:
     return 100.0**2 * total / len(per_problem) ** 2
 
 
+def min_samples(cells: CellScores) -> int:
+    """The fewest samples any problem of any seed holds (the within-seed variance needs 2)."""
+    return min(len(v) for scores in cells.values() for v in scores.values())
+
+
 def variance_components(a: CellScores, b: CellScores | None = None) -> dict:
     """Method-of-moments split of the per-seed variance into between-seed and within-seed parts.
 
     Per-seed values: one arm's seed means (b None) or the paired per-seed differences d_s. Returns
     ``n_seeds``; ``total_var`` (ddof=1 variance of the per-seed values, None for one seed); ``within_var``
-    (mean over seeds of `within_seed_variance`); ``between_var`` = max(0, total_var - within_var) (None for
-    one seed); and ``total_sd``, ``within_sd``, ``between_sd`` (square roots, None where the variance is).
+    (mean over seeds of `within_seed_variance`; None when a problem has a single sample, n = 1, which leaves
+    the sampling variance unestimated); ``between_var`` = max(0, total_var - within_var) (None where either
+    is); ``between_floored`` (True where total_var < within_var: the seeds run cannot tell the between part
+    from 0); and ``total_sd``, ``within_sd``, ``between_sd`` (square roots, None where the variance is).
     Variances in points^2, sds in points.
     """
     if b is None:
         if not a:
             raise ValueError("variance_components: no seeds")
         values = np.array(list(seed_means(a).values()))  # (S,)
-        within = float(np.mean([within_seed_variance(a[s]) for s in a]))
+        seeds, n_min = list(a), min_samples(a)
+        parts = [(a[s], None) for s in seeds]
     else:
         diffs = paired_seed_diffs(a, b)
         values = np.array(list(diffs.values()))  # (S,)
-        within = float(np.mean([within_seed_variance(a[s], b[s]) for s in diffs]))
+        seeds = list(diffs)
+        n_min = min(min_samples({s: a[s] for s in seeds}), min_samples({s: b[s] for s in seeds}))
+        parts = [(a[s], b[s]) for s in seeds]
+    within = float(np.mean([within_seed_variance(x, y) for x, y in parts])) if n_min >= 2 else None
     n_seeds = int(values.size)
     total = float(values.var(ddof=1)) if n_seeds >= 2 else None
-    between = None if total is None else max(0.0, total - within)
+    between = None if total is None or within is None else max(0.0, total - within)
 
     def sd(var: float | None) -> float | None:
         return None if var is None else math.sqrt(var)
@@ -335,9 +352,11 @@ def variance_components(a: CellScores, b: CellScores | None = None) -> dict:
         "total_var": total,
         "within_var": within,
         "between_var": between,
+        "between_floored": between is not None and total < within,
         "total_sd": sd(total),
         "within_sd": sd(within),
         "between_sd": sd(between),
+        "min_samples": n_min,
     }
 
 
@@ -349,7 +368,8 @@ def describe(interval: Interval, *, what: str = "avg accuracy") -> str:
 
     ``avg accuracy: +1.20 points [-0.85, +3.25] (seed-paired t, 3 seeds): not distinguishable at 3 seeds``.
     Verdicts: "better than the baseline" / "worse than the baseline" when the interval excludes 0, "not
-    distinguishable" otherwise; with one seed the line says the interval carries only the evaluation's noise.
+    distinguishable" otherwise, "cannot tell" when the differences it is built from are all equal (their
+    spread is unknown); with one seed the line says the interval carries only the evaluation's noise.
     """
     seeds = f"{interval.n_seeds} seed" + ("" if interval.n_seeds == 1 else "s")
     head = f"{what}: {interval.estimate:+.2f} points"
@@ -357,6 +377,10 @@ def describe(interval: Interval, *, what: str = "avg accuracy") -> str:
         head += f", no interval ({interval.method}, {seeds})"
     else:
         head += f" [{interval.low:+.2f}, {interval.high:+.2f}] ({interval.method}, {seeds})"
+    if interval.se == 0.0 and interval.df is not None:
+        units = "per-problem" if interval.n_seeds == 1 else "per-seed"
+        return (f"{head}: cannot tell: the {interval.df + 1} {units} differences are identical, so their spread "
+                "is unknown; run more seeds")  # fmt: skip
     if interval.n_seeds == 1:
         if interval.low is None or interval.high is None:
             return f"{head}: one seed: no seed-to-seed spread to build an interval from"

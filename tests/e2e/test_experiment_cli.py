@@ -95,7 +95,7 @@ def test_stop_then_rerun_finishes_without_redoing_finished_cells(exp):
     assert after == exp["finished"], "a finished cell's files were rewritten by the rerun"
     logs = d / "logs"
     assert attempts(logs / "train-a-s42.log") == 1 and attempts(logs / "eval-a-s42.log") == 1
-    assert attempts(logs / "base.log") == 1
+    assert attempts(logs / "base-42.log") == 1 and attempts(logs / "base-43.log") == 1
     assert attempts(logs / "train-b-s42.log") == 2  # stopped, then resumed by the rerun
     assert "resuming from" in (logs / "train-b-s42.log").read_text().lower()
     for arm in "ab":

@@ -10,6 +10,7 @@ import re
 import pytest
 from datasets import Dataset
 
+from opsd.data import loading
 from opsd.data.builtin import (
     BUILTIN_SETS,
     EASY_DISJOINT_SIZE,
@@ -20,6 +21,8 @@ from opsd.data.builtin import (
     easy_train_rows,
 )
 from opsd.data.loading import (
+    TRAIN_COLUMNS,
+    DataError,
     filter_rows,
     is_numeric_answer,
     load_eval_dataset,
@@ -615,3 +618,52 @@ def test_eval_file_missing_answer(tmp_path):
     with pytest.raises(ValueError) as e:
         load_eval_dataset(str(path))
     assert str(path) in str(e.value) and "'answer'" in str(e.value)
+
+
+# --- one row over the size cap, refused while streaming -------------------------------------------------------
+
+
+def test_a_50_mb_json_line_is_refused_without_holding_it(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "train.jsonl"
+    row = {"problem": "1+1?", "solution": "2", "Answer": "2", "COT_Reason": "x", "generated_token_count": 1}
+    with path.open("w") as f:
+        f.write(json.dumps(row) + "\n")
+        f.write('{"problem": "' + "y" * (50 * 2**20) + '"}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=r"line 2 is longer than 16 MiB, the limit of one row"):
+            loading.load_table(str(path), required=TRAIN_COLUMNS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * loading.MAX_ROW_BYTES  # the first 16 MiB + 1 of the line, not its 50 MB
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_a_row_at_the_cap_passes_and_one_byte_more_is_refused(tmp_path, monkeypatch, suffix):
+    monkeypatch.setattr(loading, "MAX_ROW_BYTES", 120)
+    if suffix == ".csv":
+        head, make = "problem,answer\n", lambda n: "q" * (n - 2) + ",7\n"
+    else:
+        head, make = "", lambda n: '{"problem": "' + "q" * (n - 30) + '", "answer": "7"}\n'
+    for n, refused in ((120, False), (121, True)):
+        path = tmp_path / f"eval{n}{suffix}"
+        line = make(n)
+        assert len(line.rstrip("\n")) == n
+        path.write_text(head + line + make(40))
+        if refused:
+            with pytest.raises(
+                DataError, match=rf"{path.name}'?: line {2 if head else 1} is longer than 120 bytes"
+            ):
+                loading.load_eval_dataset(str(path))
+        else:
+            assert loading.load_eval_dataset(str(path))[0]["answer"] == "7"
+
+
+def test_a_json_line_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "\xff", "answer": "1"}\n')
+    with pytest.raises(DataError, match="line 2 is not UTF-8 text"):
+        loading.load_eval_dataset(str(path))

@@ -109,7 +109,7 @@ def test_parse_arm_recipe_file_gives_its_normalised_settings(tmp_path: Path) -> 
         "# my recipe\n\nLEARNING_RATE=1e-5   # the learning rate\nCLIP_MODE=element\nOPSD_BETA=0.5\n"
         "FIX_POSITION_IDS=yes\n",
     )
-    arm = spec.parse_arm("mine=recipes/mine.env", tmp_path / "absent.env", cwd=tmp_path)
+    arm = spec.parse_arm("mine=recipes/mine.env", None, cwd=tmp_path)
     assert arm.name == "mine"
     # Hand-normalised: lower-case field names, floats as repr(float), booleans as true/false, prefix dropped.
     assert arm.recipe == {
@@ -130,7 +130,7 @@ def test_parse_arm_inline_overrides_win_over_the_base_recipe(tmp_path: Path) -> 
 
 
 def test_parse_arm_inline_without_a_base_recipe_holds_only_its_overrides(tmp_path: Path) -> None:
-    arm = spec.parse_arm("x=CLIP_MODE=none,BETA=1", tmp_path / "no-such-recipe.env")
+    arm = spec.parse_arm("x=CLIP_MODE=none,BETA=1", None)
     assert arm.recipe == {"clip_mode": "none", "beta": "1.0"}
     assert arm.source == "CLIP_MODE=none,BETA=1"
 
@@ -152,7 +152,7 @@ def test_parse_arm_inline_without_a_base_recipe_holds_only_its_overrides(tmp_pat
     ],
 )
 def test_parse_arm_refusals_name_the_problem(tmp_path: Path, text: str, expected: list[str]) -> None:
-    message = refused(spec.parse_arm, text, tmp_path / "absent.env", cwd=tmp_path)
+    message = refused(spec.parse_arm, text, None, cwd=tmp_path)
     assert message.startswith("--arm ")
     for part in expected:
         assert part in message, (part, message)
@@ -160,7 +160,7 @@ def test_parse_arm_refusals_name_the_problem(tmp_path: Path, text: str, expected
 
 def test_parse_arm_refuses_a_bad_line_of_a_recipe_file(tmp_path: Path) -> None:
     write(tmp_path / "bad.env", "CLIP_MODE=element\nTOP_P=lots\n")
-    message = refused(spec.parse_arm, "bad=bad.env", tmp_path / "absent.env", cwd=tmp_path)
+    message = refused(spec.parse_arm, "bad=bad.env", None, cwd=tmp_path)
     assert "--arm bad" in message and "top_p" in message and "'lots'" in message
     assert "\n" not in message  # one line
 
@@ -175,7 +175,9 @@ def test_parse_seeds_accepts(text: str, seeds: list[int]) -> None:
     assert spec.parse_seeds(text) == seeds
 
 
-@pytest.mark.parametrize("text", ["", ",", "a", "1,b", "1.5", "1,1", "-1", "2,-3"])
+@pytest.mark.parametrize(
+    "text", ["", ",", " , ", "a", "1,b", "1.5", "1,1", "-1", "2,-3", "1e3", "+5", "2147483648", "0x10", "4 2"]
+)
 def test_parse_seeds_refuses(text: str) -> None:
     assert refused(spec.parse_seeds, text).startswith(f"--seeds {text!r}")
 
@@ -300,7 +302,7 @@ def test_arm_recipe_file_keeps_values_with_a_hash_or_spaces(tmp_path: Path) -> N
         tmp_path / "r.env",
         "CLIP_MODE=element\nSTUDENT_PROMPT_FILE=\"prompts/v2 #draft.txt\"\nRUN_NAME='my run'\n",
     )
-    arm = spec.parse_arm("q=r.env", tmp_path / "absent.env", cwd=tmp_path)
+    arm = spec.parse_arm("q=r.env", None, cwd=tmp_path)
     assert arm.recipe["student_prompt_file"] == "prompts/v2 #draft.txt"
     directory = tmp_path / "exp"
     new = make_spec()
@@ -309,11 +311,82 @@ def test_arm_recipe_file_keeps_values_with_a_hash_or_spaces(tmp_path: Path) -> N
     assert {o.field: o.value for o in parse_recipe(directory / "recipes" / "q.env")} == arm.recipe
 
 
-def test_load_refuses_an_unreadable_experiment_file(tmp_path: Path) -> None:
-    write(tmp_path / "experiment.json", "{not json")
-    assert "cannot be read" in refused(spec.load, tmp_path)
-    write(tmp_path / "experiment.json", json.dumps({"profile": "smoke", "colour": "red"}))
-    assert "cannot be read" in refused(spec.load, tmp_path)
+def saved(directory: Path) -> dict:
+    spec.save(directory, spec.merge(None, make_spec(), directory))
+    return json.loads((directory / "experiment.json").read_text())
+
+
+def edit(data: dict, path: tuple, value) -> dict:
+    """A copy of `data` with the entry at `path` (keys) set to `value`, or deleted for value DELETE."""
+    data = json.loads(json.dumps(data))
+    *parents, last = path
+    target = data
+    for key in parents:
+        target = target[key]
+    if value is DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return data
+
+
+DELETE = object()
+A_RECIPE = {"recipe": {"clip_mode": "element"}, "source": "A.env"}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ((("arms", "../../x"), A_RECIPE), "'../../x'"),  # would write outside the directory
+        ((("arms", "/abs"), A_RECIPE), "'/abs'"),
+        ((("arms", "a" * 300), A_RECIPE), "at most 64"),
+        ((("arms", "base"), A_RECIPE), "'base'"),
+        ((("arms", "a"), A_RECIPE), "differ only in case"),
+        ((("arms", "A", "recipe", "clip_mode"), "bogus"), "does not parse"),
+        ((("arms", "A", "recipe", "beta"), 0.5), "not a mapping of settings to strings"),
+        ((("arms", "A", "recipe", "beta"), "0.50"), "normalised form"),
+        ((("arms", "A", "recipe", "max_steps"), "5"), "does not parse"),
+        ((("arms", "A", "source"), DELETE), "'recipe': ..., 'source'"),
+        ((("arms",), {}), "arms is not a mapping"),
+        ((("seeds",), []), "seeds must be"),
+        ((("seeds",), [1, 1]), "seeds must be"),
+        ((("seeds",), [-1]), "seeds must be"),
+        ((("seeds",), ["1"]), "seeds must be"),
+        ((("seeds",), [True]), "seeds must be"),
+        ((("seeds",), [2**40]), "seeds must be"),
+        ((("profile",), "huge"), "profile 'huge'"),
+        ((("model",), None), "model is None"),
+        ((("eval_flags",), "--n 4"), "eval_flags"),
+        ((("gpus_per_run",), -1), "gpus_per_run"),
+        ((("gpus_per_run",), 1.5), "gpus_per_run"),
+        ((("history",), {}), "history"),
+        ((("colour",), "red"), "unknown field(s) ['colour']"),
+        ((("dataset",), DELETE), "missing field(s) ['dataset']"),
+        ((("layout",), DELETE), "older opsd.experiment"),
+        ((("layout",), 1), "older opsd.experiment"),
+    ],
+)
+def test_load_refuses_a_hand_edited_experiment_file(tmp_path: Path, change, named: str) -> None:
+    data = edit(saved(tmp_path), *change)
+    write(tmp_path / "experiment.json", json.dumps(data))
+    message = refused(spec.load, tmp_path)
+    assert named in message and "\n" not in message, message
+    assert len(message) < 600
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", "[]", "null", '"x"', "\xff\xfe", "", '{"profile": "smoke"} trailing']
+)
+def test_load_refuses_a_damaged_experiment_file(tmp_path: Path, text: str) -> None:
+    (tmp_path / "experiment.json").write_bytes(text.encode("latin-1"))
+    message = refused(spec.load, tmp_path)
+    assert "experiment.json" in message and "\n" not in message
+
+
+def test_load_reads_back_what_save_wrote(tmp_path: Path) -> None:
+    data = saved(tmp_path)
+    assert data["layout"] == spec.LAYOUT
+    assert spec.load(tmp_path) == spec.Spec(**data)
 
 
 # === spec / cli: the commands of each cell ======================================================================
@@ -362,10 +435,15 @@ def test_print_commands_one_line_per_cell(
         "# cell A/8",
         "# cell B/8",
     ]
-    base, *cells, verdict = commands
-    assert len(cells) == 4
-    assert base[0] == sys.executable and Path(base[1]).name == "eval_aime.py" and Path(base[1]).is_file()
-    assert base[2:] == ["--model", "tiny/model", *flags, "--out", str(directory / "evals" / "base")]
+    *bases, verdict = [c for c in commands if "&&" not in c]
+    cells = [c for c in commands if "&&" in c]
+    assert len(cells) == 4 and len(bases) == 2
+    for base, seed in zip(
+        bases, (7, 8), strict=True
+    ):  # the base model once per seed, with its sampling seeds
+        assert base[0] == sys.executable and Path(base[1]).name == "eval_aime.py" and Path(base[1]).is_file()
+        out = str(directory / "evals" / "base" / f"seed{seed}")
+        assert base[2:] == ["--model", "tiny/model", *flags, "--seed", str(seed), "--out", out]
     assert verdict[1:] == ["-m", "opsd.experiment", "report", str(directory)]
     for tokens, (arm, seed) in zip(cells, [("A", 7), ("B", 7), ("A", 8), ("B", 8)], strict=True):
         assert tokens.count("&&") == 1
@@ -373,10 +451,10 @@ def test_print_commands_one_line_per_cell(
         train, ev = tokens[:cut], tokens[cut + 1 :]
         check_train(train, directory, sp, arm, seed)
         assert ev[0] == sys.executable and Path(ev[1]).name == "eval_aime.py"
-        assert ev[2:8] == ["--model", "tiny/model", *flags]
+        assert ev[2:10] == ["--model", "tiny/model", *flags, "--seed", str(seed)]
         run = directory / "runs" / arm / f"capped_seed{seed}"
         target = run if every_checkpoint else run / "checkpoint-100"
-        assert ev[8:] == ["--checkpoints", str(target), "--no-base", "--merge-adapter",
+        assert ev[10:] == ["--checkpoints", str(target), "--no-base", "--merge-adapter",
                           "--out", str(directory / "evals" / arm / f"seed{seed}")]  # fmt: skip
         # The checkpoint scored is the one train_capped.sh writes, by opsd.run.capped's own plan.
         assert where_capped_writes(train) == run / "checkpoint-100"
@@ -404,7 +482,10 @@ CORRECT = {
     ("B", 1): [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]],  # 50.00
     ("B", 2): [[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 0, 1]],  # 66.67
     ("B", 3): [[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 1, 0]],  # 41.67
-    ("base", 0): [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 8.33
+    # The base model, scored once per seed with that seed's sampling seeds.
+    ("base", 1): [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 8.33
+    ("base", 2): [[0, 1, 0, 0], [1, 0, 0, 1], [0, 0, 0, 0]],  # 25.00
+    ("base", 3): [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],  # 0.00
 }
 BOXED = {
     ("A", 1): [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0]],  # 5/12
@@ -413,7 +494,9 @@ BOXED = {
     ("B", 1): [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]],  # 7/12
     ("B", 2): [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 1]],  # 9/12
     ("B", 3): [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]],  # 7/12
-    ("base", 0): [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 2/12
+    ("base", 1): [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]],  # 2/12
+    ("base", 2): [[0, 1, 0, 0], [1, 0, 0, 1], [0, 0, 1, 0]],  # 4/12
+    ("base", 3): [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],  # 0/12
 }
 SEEDS = (1, 2, 3)
 
@@ -462,7 +545,8 @@ def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] |
                                     seeds=seeds), directory)  # fmt: skip
     spec.save(directory, sp)
     if base:
-        write_eval(directory / "evals" / "base", ("base", 0))
+        for seed in seeds:
+            write_eval(spec.base_eval_dir(directory, seed), ("base", seed))
     for arm in arms:
         for seed in seeds:
             if (arm, seed) in unscored:
@@ -491,19 +575,26 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
         assert e["mean"]["avg"]["mean"] == pytest.approx(mean(avgs))
         assert e["mean"]["avg"]["se"] == pytest.approx(math.sqrt(var1(avgs) / 3))
         assert e["mean"]["avg"]["n"] == 3
-        # vs the base model: each seed's difference from the one base evaluation.
-        base_avg = points(CORRECT["base", 0])
+        # vs the base model: each seed's difference from the base scored with that seed's sampling seeds.
+        base_diffs = [a - points(CORRECT["base", s]) for s, a in zip(SEEDS, avgs, strict=True)]
         vs = e["vs_base"]["accuracy"]
-        assert vs["per_seed"] == {
-            str(s): pytest.approx(a - base_avg) for s, a in zip(SEEDS, avgs, strict=True)
-        }
-        est, low, high = t_interval([a - base_avg for a in avgs])
+        assert vs["per_seed"] == {str(s): pytest.approx(d) for s, d in zip(SEEDS, base_diffs, strict=True)}
+        if arm == "B":  # 50 - 8.33, 66.67 - 25, 41.67 - 0: identical, so their spread is unknown
+            assert base_diffs == pytest.approx([125 / 3] * 3)
+            assert (
+                vs["interval"]["low"] is None and vs["interval"]["high"] is None and vs["interval"]["se"] == 0
+            )
+            assert "cannot tell: the 3 per-seed differences are identical" in vs["verdict"]
+            assert vs["plan"]["why"] and vs["seeds_needed"] is None and vs["mde_80"] is None
+            continue
+        est, low, high = t_interval(base_diffs)
         assert (vs["interval"]["estimate"], vs["interval"]["low"], vs["interval"]["high"]) == pytest.approx(
             (est, low, high)
         )
     assert [result["arms"]["A"]["per_seed"][str(s)]["avg"] for s in SEEDS] == pytest.approx([25, 100 / 3, 25])
-    assert result["base"]["avg"] == pytest.approx(100 / 12)
-    assert result["base"]["format_rate"] == pytest.approx(200 / 12)
+    assert result["base"]["avg"] == pytest.approx(mean(points(CORRECT["base", s]) for s in SEEDS))
+    assert result["base"]["format_rate"] == pytest.approx(mean(points(BOXED["base", s]) for s in SEEDS))
+    assert result["base_per_seed"]["2"]["avg"] == pytest.approx(25.0)
 
     # B - A, accuracy: per seed 25, 33.33, 16.67 (hand-computed), mean 25 ± 4.302653 * 8.333 / sqrt(3).
     comp = result["comparisons"]["B"]["accuracy"]
@@ -526,14 +617,21 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     assert v["within_var"] == pytest.approx(expected_within)
     assert v["total_var"] == pytest.approx(var1(diffs))
     assert v["between_var"] == pytest.approx(max(0.0, var1(diffs) - expected_within))
-    sd = math.sqrt(var1(diffs))
-    assert v["total_sd"] == pytest.approx(sd)
-    # Planning: the seeds needed for 10 points reach 80% power, one fewer does not.
+    assert v["total_sd"] == pytest.approx(math.sqrt(var1(diffs)))
+    # Planning from sigma_d, never below the evaluation noise alone, and from its chi-square bounds (df 2:
+    # chi2 quantiles 0.0506356 and 7.377759, typed from a table).
+    sd = max(math.sqrt(var1(diffs)), math.sqrt(expected_within))
+    plan = comp["plan"]
+    assert plan["sd"] == pytest.approx(sd)
+    bounds = [max(math.sqrt(var1(diffs) * 2 / q), math.sqrt(expected_within)) for q in (7.377759, 0.0506356)]
+    assert plan["sd_range"] == pytest.approx(bounds, rel=1e-6)
     assert comp["target_diff"] == 10.0
-    n = comp["seeds_needed"]
-    assert isinstance(n, int) and n >= 2
-    assert power.power_paired_t(10.0, sd, n) >= 0.8 > power.power_paired_t(10.0, sd, n - 1)
+    for n, sigma in zip([comp["seeds_needed"], *plan["seeds_range"]], [sd, *bounds], strict=True):
+        # The seeds needed for 10 points reach 80% power, one fewer does not.
+        assert isinstance(n, int) and n >= 2
+        assert power.power_paired_t(10.0, sigma, n) >= 0.8 > power.power_paired_t(10.0, sigma, n - 1)
     assert power.power_paired_t(comp["mde_80"], sd, 3) == pytest.approx(0.8, abs=1e-6)
+    assert comp["planning"] == power.describe_plan(plan, 3, 10.0)
 
     # B - A, format rate: per seed 2/12, 3/12, 3/12.
     fmt = result["comparisons"]["B"]["format rate"]
@@ -560,7 +658,7 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     assert json.loads((directory / "summary.json").read_text()) == json.loads(json.dumps(result))
     md = (directory / "report.md").read_text()
     assert "| A | 3 of 3 |" in md and "| B | 3 of 3 |" in md
-    assert "Base model:" in md and "avg@4 8.33" in md
+    assert "Base model (mean over its 3 evaluation(s)" in md and "avg@4 11.11" in md
     assert "### B − A" in md and "planned seeds" not in md
     assert "per seed: 1: +25.00, 2: +33.33, 3: +16.67" in md
     for png in ("verdict.png", "curves.png"):
@@ -661,7 +759,7 @@ def job_script(
     fail="no-output": exit 0 without outputs."""
     record = f'echo "{job.name}|${{CUDA_VISIBLE_DEVICES-unset}}|${{OPSD_KV_CACHE_GIB-unset}}" >> {q(order)}'
     if job.kind == "base":
-        out = directory / "evals" / "base"
+        out = spec.base_eval_dir(directory, job.seed)
         work = f"mkdir -p {q(out)} && echo '{{}}' > {q(out / 'summary.json')}"
     elif job.kind == "train":
         run = spec.run_dir(directory, job.arm, job.seed)
@@ -714,22 +812,25 @@ def test_runner_runs_base_then_each_cell_train_before_eval(tmp_path: Path, monke
     sp = new_experiment(directory)
     runner, tables, starts = run_fake(directory, sp)
     names = [s.split("|")[0] for s in starts]
-    assert names == ["base", "train A/1", "eval A/1", "train B/1", "eval B/1",
-                     "train A/2", "eval A/2", "train B/2", "eval B/2"]  # fmt: skip
+    assert names == ["base 1", "train A/1", "eval A/1", "train B/1", "eval B/1",
+                     "base 2", "train A/2", "eval A/2", "train B/2", "eval B/2"]  # fmt: skip
     assert all(s.endswith("|unset") for s in starts)  # no fixed KV cache unless asked for
     for arm in ("A", "B"):
         for seed in (1, 2):
             state = C.cell_state(directory, arm, seed)
             assert state.trained and state.final_scored
-    assert C.base_scored(directory)
+    assert C.base_scored(directory, 1) and C.base_scored(directory, 2)
     last = tables[-1]
-    assert "4 cells: 4 done" in last[0] and "base model: done" in last[0]
-    assert [row.split() for row in last[1:]] == [
-        ["A/1", "done"],
-        ["B/1", "done"],
-        ["A/2", "done"],
-        ["B/2", "done"],
-    ]
+    assert "4 cells: 4 done" in last[0] and "base model: 2 of 2 seeds scored" in last[0]
+    # Each row: the cell, its state and the disk it holds (run and evaluations), as du would count it.
+    rows = [row.split() for row in last[1:]]
+    assert [r[:2] for r in rows] == [["A/1", "done"], ["B/1", "done"], ["A/2", "done"], ["B/2", "done"]]
+    for r in rows:
+        arm, seed = r[0].split("/")
+        held = sum(p.stat().st_size for where in (spec.run_dir(directory, arm, int(seed)),
+                                                   spec.eval_dir(directory, arm, int(seed)))
+                   for p in where.rglob("*") if p.is_file())  # fmt: skip
+        assert held > 0 and r[2:] == [str(held), "bytes"]
     assert C.read_failed(directory) == {}
     records = jobs_log(directory)
     assert [r["job"] for r in records] == names and all(r["ok"] and r["exit"] == 0 for r in records)
@@ -743,7 +844,16 @@ def test_runner_retries_a_failing_job_once_then_records_it(tmp_path: Path) -> No
     names = [s.split("|")[0] for s in starts]
     assert names.count("train B/1") == 2
     assert "eval B/1" not in names
-    for name in ("base", "train A/1", "eval A/1", "train A/2", "eval A/2", "train B/2", "eval B/2"):
+    for name in (
+        "base 1",
+        "base 2",
+        "train A/1",
+        "eval A/1",
+        "train A/2",
+        "eval A/2",
+        "train B/2",
+        "eval B/2",
+    ):
         assert names.count(name) == 1, name
     log = directory / "logs" / "train-B-s1.log"
     assert C.read_failed(directory) == {
@@ -766,7 +876,7 @@ def test_runner_job_that_succeeds_on_its_retry_is_done(tmp_path: Path) -> None:
     sp = new_experiment(directory, seeds=(1,))
     runner, tables, starts = run_fake(directory, sp, failing={"eval A/1": "once"})
     names = [s.split("|")[0] for s in starts]
-    assert names == ["base", "train A/1", "eval A/1", "train B/1", "eval B/1", "eval A/1"]
+    assert names == ["base 1", "train A/1", "eval A/1", "train B/1", "eval B/1", "eval A/1"]
     assert C.cell_state(directory, "A", 1).final_scored
     assert C.read_failed(directory) == {}
     tries = [r for r in jobs_log(directory) if r["job"] == "eval A/1"]
@@ -787,12 +897,21 @@ def test_runner_job_exiting_zero_without_its_outputs_has_failed(tmp_path: Path) 
 def test_runner_resumes_from_the_directory(tmp_path: Path) -> None:
     directory = tmp_path / "exp"
     sp = new_experiment(directory)
-    # Before anything ran: base, then every training run, by seed.
+    # Before anything ran: seed by seed, the base model, then every training run.
     fresh = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
     fresh.plan()
-    assert [j.name for j in fresh.jobs] == ["base", "train A/1", "train B/1", "train A/2", "train B/2"]
-    # A by hand: base scored, A/1 done, B/1 trained but not scored, A/2 at step 40; a stale failure of B/2.
-    write(directory / "evals" / "base" / "summary.json", "{}")
+    assert [j.name for j in fresh.jobs] == [
+        "base 1",
+        "train A/1",
+        "train B/1",
+        "base 2",
+        "train A/2",
+        "train B/2",
+    ]
+    # By hand: base scored for both seeds, A/1 done, B/1 trained but not scored, A/2 at step 40; a stale
+    # failure of B/2.
+    for seed in (1, 2):
+        write(directory / "evals" / "base" / f"seed{seed}" / "summary.json", "{}")
     for arm, seed, step in (("A", 1, 100), ("B", 1, 100), ("A", 2, 40)):
         write_run(directory, arm, seed, step)
     write(spec.eval_dir(directory, "A", 1) / "checkpoint-100" / "summary.json", "{}")
@@ -816,7 +935,14 @@ def test_runner_plan_sharing_a_gpu_starts_the_first_training_run_first(tmp_path:
     sp = new_experiment(directory)
     runner = schedule.Runner(directory, sp, schedule.make_slots(["0"], 1, 3))
     runner.plan()
-    assert [j.name for j in runner.jobs] == ["train A/1", "base", "train B/1", "train A/2", "train B/2"]
+    assert [j.name for j in runner.jobs] == [
+        "train A/1",
+        "base 1",
+        "train B/1",
+        "base 2",
+        "train A/2",
+        "train B/2",
+    ]
 
 
 def test_make_slots() -> None:
@@ -856,7 +982,7 @@ def test_runner_started_jobs_get_their_slots_devices(tmp_path: Path, monkeypatch
     sp = new_experiment(directory)
     slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
     runner, tables, starts = run_fake(directory, sp, slots=slots, kv_cache_gib=1.5)
-    assert len(starts) == 9
+    assert len(starts) == 10
     records = jobs_log(directory)
     assert all(r["ok"] for r in records)
     devices_of = {r["job"]: r["devices"] for r in records}
@@ -878,8 +1004,12 @@ def test_runner_argv_is_the_cells_commands(tmp_path: Path) -> None:
     assert ev[ev.index("--checkpoints") + 1] == str(
         tmp_path / "runs" / "A" / "capped_seed1" / "checkpoint-100"
     )
-    base = runner.argv(schedule.Job("base", "base"), slot)
-    assert base[-2:] == ["--out", str(tmp_path / "evals" / "base")] and "--num-gpus" in base
+    assert ev[ev.index("--seed") + 1] == "1"
+    base = runner.argv(schedule.Job("base 1", "base", seed=1), slot)
+    assert (
+        base[-4:] == ["--seed", "1", "--out", str(tmp_path / "evals" / "base" / "seed1")]
+        and "--num-gpus" in base
+    )
     cpu = schedule.Runner(tmp_path, sp, schedule.make_slots([], 0, 1))
     assert "--num-gpus" not in cpu.argv(schedule.Job("eval A/1", "eval", "A", 1), cpu.slots[0])
 
@@ -944,3 +1074,122 @@ def test_kv_cache_variable_is_tooling_not_a_config_field(monkeypatch) -> None:
     cli.refuse_method_env({"OPSD_KV_CACHE_GIB": "1", "PATH": "/bin"})
     message = refused(cli.refuse_method_env, {"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})
     assert "OPSD_BETA" in message and "OPSD_KV_CACHE_GIB" not in message
+
+
+# === report: what the seeds run cannot tell ====================================================================
+
+
+def test_report_with_one_sample_per_problem_gives_the_t_interval(tmp_path: Path, monkeypatch) -> None:
+    # eval_aime.py --n 1: each cell holds one sample per problem; the t interval over seeds stands, the split into
+    # between and within a seed is said to need n >= 2.
+    for key in list(CORRECT):
+        monkeypatch.setitem(CORRECT, key, [row[:1] for row in CORRECT[key]])
+        monkeypatch.setitem(BOXED, key, [row[:1] for row in BOXED[key]])
+    directory = experiment(tmp_path / "exp")
+    result, _ = report.write(directory, reps=200)
+    comp = result["comparisons"]["B"]["accuracy"]
+    diffs = [points(CORRECT["B", s]) - points(CORRECT["A", s]) for s in SEEDS]
+    assert diffs == pytest.approx(
+        [100 / 3, 0, 100 / 3]
+    )  # first samples: 100 - 66.67, 66.67 - 66.67, 66.67 - 33.33
+    iv = comp["interval"]
+    assert (iv["estimate"], iv["low"], iv["high"]) == pytest.approx(t_interval(diffs), abs=1e-4)
+    assert comp["variance"]["within_var"] is None and comp["variance"]["total_var"] == pytest.approx(
+        var1(diffs)
+    )
+    md = (directory / "report.md").read_text()
+    assert "needs n >= 2 samples per problem (this evaluation drew 1)" in md
+
+
+def test_report_says_when_the_between_part_cannot_be_told_from_zero(tmp_path: Path) -> None:
+    # Seeds 1 and 2 only: B - A = 25 and 33.33 (sd 5.89), below the within-seed sd of the paired difference.
+    directory = experiment(tmp_path / "exp", seeds=(1, 2))
+    result = report.build(directory, reps=200)
+    v = result["comparisons"]["B"]["accuracy"]["variance"]
+    within = mean(within_var(CORRECT["A", s], CORRECT["B", s]) for s in (1, 2))
+    assert v["total_var"] == pytest.approx(var1([25, 100 / 3]))
+    assert var1([25, 100 / 3]) < within
+    assert v["between_floored"] and v["between_var"] == 0.0
+    md = report.markdown(result)
+    assert f"below the within-seed (evaluation sampling) sd {math.sqrt(within):.2f} alone" in md
+    assert "cannot be told from 0 with 2 seeds" in md and "between seeds 0.00" not in md
+    assert "2 seeds cannot pin this down" in md
+
+
+# === disk: a scored cell keeps what the report reads ===========================================================
+
+STATE_FILES = (
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "global_step50/zero_pp_rank_0_optim_states.pt",
+)
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", ".complete")
+
+
+def trained_cell(directory: Path, arm: str, seed: int, steps=range(10, 101, 10)) -> None:
+    """A cell's run directory as train_capped.sh leaves it: a checkpoint every 10 steps with its adapter and the
+    optimizer state a resume reads (1000 bytes each)."""
+    for step in steps:
+        for name in (*STATE_FILES, *ADAPTER_FILES):
+            write(spec.run_dir(directory, arm, seed) / f"checkpoint-{step}" / name, "x" * 1000)
+
+
+def files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("keep_adapters", [False, True])
+def test_prune_cell_keeps_the_final_checkpoint_and_the_adapters_asked_for(
+    tmp_path: Path, keep_adapters
+) -> None:
+    trained_cell(tmp_path, "A", 1)
+    run = spec.run_dir(tmp_path, "A", 1)
+    # Not scored yet: nothing goes (the cell may still resume).
+    assert C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters) == 0
+    before = files(run)
+    write(spec.eval_dir(tmp_path, "A", 1) / "checkpoint-100" / "summary.json", "{}")
+    write(spec.eval_dir(tmp_path, "A", 1) / "checkpoint-30" / "summary.json", "{}")  # scored by hand
+    freed = C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters)
+    final = {f"checkpoint-100/{n}" for n in (*STATE_FILES, *ADAPTER_FILES)}
+    kept_adapters = {
+        f"checkpoint-{k}/{n}" for k in (range(10, 100, 10) if keep_adapters else [30]) for n in ADAPTER_FILES
+    }
+    assert files(run) == final | kept_adapters
+    assert freed == 1000 * (len(before) - len(files(run)))
+    assert C.prune_cell(tmp_path, "A", 1, keep_adapters=keep_adapters) == 0  # nothing left to drop
+
+
+def test_the_runner_prunes_scored_cells_only(tmp_path: Path) -> None:
+    directory = tmp_path / "exp"
+    sp = new_experiment(directory, seeds=(1,))
+    for arm in ("A", "B"):
+        trained_cell(directory, arm, 1, steps=range(10, 100, 10))  # the fake training writes checkpoint-100
+    runner, tables, starts = run_fake(directory, sp, failing={"eval B/1": "always"})
+    # A/1 scored: its intermediate checkpoints are gone. B/1's evaluation failed: its run is as training left it.
+    assert [c.name for c in C.checkpoints(spec.run_dir(directory, "A", 1))] == ["checkpoint-100"]
+    b = C.checkpoints(spec.run_dir(directory, "B", 1))
+    assert len(b) == 10 and all((c / "optimizer.pt").is_file() for c in b[:-1])
+
+
+def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.axes
+
+    labels: list[str] = []
+    real = matplotlib.axes.Axes.set_yticks
+
+    def record(self, ticks, tick_labels=None, **kw):
+        labels.extend(tick_labels or [])
+        return real(self, ticks, tick_labels, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
+    one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
+    report.figures(report.build(one, reps=200), one)
+    assert labels == [
+        "B: accuracy (paired t over problems, 1 seed)",
+        "B: format rate (paired t over problems, 1 seed)",
+    ]
+    labels.clear()
+    three = experiment(tmp_path / "three")
+    report.figures(report.build(three, reps=200), three)
+    assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]

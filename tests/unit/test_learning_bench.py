@@ -18,6 +18,7 @@ from bench.learning import (
     parse_arms,
     report_argv,
 )
+from opsd.evaluation.metrics import summarize
 
 RECIPE = (
     "CLIP_MODE={},BETA={},LEARNING_RATE={},TEACHER_REF_PAIRING={},MAX_COMPLETION_LENGTH={},PROBE_STEPS=10,"
@@ -112,12 +113,14 @@ M, SH = "rescale-b0-lr0.0001", "rescale-b0-lr0.0001-shuffled"
 
 
 def samples(where: Path, correct: list[list[int]], boxed: list[list[int]]) -> None:
-    """samples.jsonl of 3 problems x 2 samples (and the summary.json that marks it scored)."""
+    """samples.jsonl of 3 problems x 2 samples and the summary.json that eval_aime.py writes beside it."""
     where.mkdir(parents=True)
-    (where / "summary.json").write_text("{}")
-    lines = [json.dumps({"id": f"p{p}", "idx": i, "correct": bool(c), "has_box": bool(boxed[p][i])})
-             for p, row in enumerate(correct) for i, c in enumerate(row)]  # fmt: skip
-    (where / "samples.jsonl").write_text("\n".join(lines) + "\n")
+    records = [{"id": f"p{p}", "idx": i, "correct": bool(c), "has_box": bool(boxed[p][i]), "n_tokens": 10,
+                "truncated": False, "extracted": "1" if c else None, "gold": "1"}
+               for p, row in enumerate(correct) for i, c in enumerate(row)]  # fmt: skip
+    per_problem = {f"p{p}": [r for r in records if r["id"] == f"p{p}"] for p in range(len(correct))}
+    (where / "summary.json").write_text(json.dumps({"metrics": summarize(per_problem)}))
+    (where / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def comparison(per_seed: dict) -> dict:
@@ -134,7 +137,8 @@ def comparison(per_seed: dict) -> dict:
 def experiment(tmp_path):
     """Arms rescale matched and shuffled, seeds 42 and 43; shuffled/43 failed to train."""
     d = tmp_path / "controls"
-    samples(d / "evals" / "base", [[0, 0], [0, 0], [0, 0]], [[1, 0], [0, 0], [0, 0]])
+    for seed in (42, 43):  # the base model, scored with each seed's sampling seeds
+        samples(d / "evals" / "base" / f"seed{seed}", [[0, 0], [0, 0], [0, 0]], [[1, 0], [0, 0], [0, 0]])
     for seed in (42, 43):
         samples(d / "evals" / M / f"seed{seed}" / "checkpoint-100", [[1, 1], [1, 0], [0, 0]],
                 [[1, 1], [1, 1], [0, 1]])  # fmt: skip
@@ -144,6 +148,7 @@ def experiment(tmp_path):
     trained = {"avg": 50.0, "pass_at_k": 66.7, "maj": 33.3, "format_rate": 83.3}
     summary = {
         "baseline": M, "base": {"avg": 0.0, "pass_at_k": 0.0, "maj": 0.0, "format_rate": 16.7},
+        "base_per_seed": {s: {"avg": 0.0, "pass_at_k": 0.0, "maj": 0.0, "format_rate": 16.7} for s in ("42", "43")},
         "seeds_planned": [42, 43],
         "arms": {
             M: {"per_seed": {"42": trained, "43": trained}, "missing": {},
@@ -188,7 +193,8 @@ def test_rows_pair_each_cell_with_the_base_and_its_matched_arm(experiment):
     (e,) = s42["evals"]
     assert e["diff"] == pytest.approx(interval([50, 0, 0]))
     assert e["vs_matched"]["diff"] == pytest.approx(interval([-50, -50, 0]))
-    assert e["vs_matched"]["diff_format"] == pytest.approx(interval([0, 0, 0]))
+    # Identical per-problem differences: their spread is unknown, so no interval.
+    assert e["vs_matched"]["diff_format"] == {"mean": 0.0, "se": 0.0, "ci_low": None, "ci_high": None}
     assert "evals" not in s43 and s43["missing"] == "train failed (2 attempts)"
 
 

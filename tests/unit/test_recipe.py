@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
+from opsd.configuration.aliases import canonical_flags, canonical_keys
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.keys import BUDGET_KEYS, RECIPE_KEYS
+from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS, RECIPE_KEYS
 from opsd.configuration.recipe import (
     MAX_FILE_BYTES,
     Override,
@@ -23,6 +24,7 @@ from opsd.configuration.recipe import (
     to_argv,
 )
 from opsd.configuration.values import MAX_COMPLETION_CAP, field_specs
+from opsd.errors import InvalidValue
 
 BUDGET_MESSAGE = "fixed by the capped harness"
 
@@ -173,6 +175,67 @@ def test_refusals_name_file_line_and_fix(tmp_path, line, expected):
 def test_duplicate_names_both_lines(tmp_path):
     message = refusal(write(tmp_path, "BETA=0.5\nLORA_R=8\nOPSD_BETA=0.5\n"))
     assert "BETA is set twice, on lines 1 and 3" in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "JSD_TOKEN_CLIP=0.1\nDIVERGENCE_CLIP=0.2\n",
+        "DIVERGENCE_CLIP=0.2\nBETA=0.5\nOPSD_JSD_TOKEN_CLIP=0.1\n",
+        "OPSD_DIVERGENCE_CLIP=0.2\nJSD_TOKEN_CLIP=0.2\n",  # even with equal values
+    ],
+)
+def test_older_and_canonical_name_in_one_recipe_are_refused(tmp_path, text):
+    message = refusal(write(tmp_path, text))
+    assert "1 problem(s)" in message and "\n" not in message
+    assert "under its older and its canonical name" in message and "keep only DIVERGENCE_CLIP" in message
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"OPSD_JSD_TOKEN_CLIP": "0.1", "OPSD_DIVERGENCE_CLIP": "0.2"},
+        {"OPSD_DIVERGENCE_CLIP": "0.2", "OPSD_JSD_TOKEN_CLIP": "0.2", "OPSD_BETA": "0.5"},
+    ],
+)
+def test_older_and_canonical_name_in_the_environment_are_refused(environ):
+    for allowed in (None, CAPPED_KEYS):
+        with pytest.raises(RecipeError) as info:
+            env_overrides(environ, allowed=allowed)
+        message = str(info.value)
+        assert "OPSD_DIVERGENCE_CLIP and OPSD_JSD_TOKEN_CLIP both set divergence_clip" in message
+        assert "keep only OPSD_DIVERGENCE_CLIP" in message and "\n" not in message
+    # Alone, either name is read as divergence_clip.
+    assert [(o.field, o.value) for o in env_overrides({"OPSD_JSD_TOKEN_CLIP": "0.1"})] == [
+        ("divergence_clip", "0.1")
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--jsd_token_clip", "0.1", "--divergence_clip", "0.2"],
+        ["--divergence-clip=0.2", "--output_dir", "x", "--jsd-token-clip=0.1"],
+    ],
+)
+def test_older_and_canonical_flag_are_refused(argv):
+    with pytest.raises(
+        InvalidValue,
+        match=r"--jsd_token_clip and --divergence_clip are both given; keep only --divergence_clip",
+    ):
+        canonical_flags(argv)
+    assert canonical_flags(["--jsd-token-clip=0.1", "--beta", "1"]) == [
+        "--divergence_clip=0.1",
+        "--beta",
+        "1",
+    ]
+
+
+def test_older_and_canonical_yaml_key_are_refused():
+    with pytest.raises(
+        InvalidValue, match="jsd_token_clip and divergence_clip are both set; keep only divergence_clip"
+    ):
+        canonical_keys({"jsd_token_clip": 0.1, "divergence_clip": 0.2}, source="c.yaml")
 
 
 def test_invalid_utf8(tmp_path):
