@@ -1,0 +1,343 @@
+"""Tiny random float32 models of the architecture families the method is meant to train, for exactness tests.
+
+Every model is hidden 64 with 2 attention heads of head_dim 32 (vLLM's CPU attention rejects 16), sits next to
+the `bench.tiny.build_tokenizer` tokenizer, and reloads with `AutoModelForCausalLM` / `AutoTokenizer`. The
+layouts put every layer kind of a family into a few layers, with windows and kernels short enough to matter on
+test sequences of a few dozen tokens:
+
+- qwen3: 2 full-attention layers (`bench.tiny.build_qwen3`).
+- qwen3_5 (text-only `Qwen3_5ForCausalLM`): Gated DeltaNet, full attention, Gated DeltaNet, full attention;
+  DeltaNet heads 1 key / 2 value of dim 128, conv kernel 4; partial RoPE (a quarter of head_dim) with the
+  interleaved M-RoPE sections of the real configs. vLLM's CPU engine runs it in bfloat16 only (its Gated
+  DeltaNet kernel refuses float32), and its Qwen3.5 module needs torchvision to import.
+- olmo3: sliding (window 4), sliding, sliding, full attention.
+- smollm3: a RoPE attention layer, then a NoPE one (`no_rope_layers=[1, 0]`).
+- gemma3 (text `Gemma3ForCausalLM`): sliding (window 4), full, sliding, full attention, with
+  `final_logit_softcapping=5.0` (logits = 5 tanh(z / 5)).
+- lfm2: short conv (kernel 3), full attention, short conv, full attention; the config also carries the
+  `block_dim` / `conv_dim` widths that vLLM reads.
+- granitemoehybrid: Mamba2, attention, Mamba2, attention (no RoPE, as in Granite 4.0-H; conv kernel 4, scan
+  chunk 16); every layer has a 4-expert top-2 MoE beside its shared MLP; `logits_scaling=8.0` divides the
+  logits (the other multipliers keep their default 1.0).
+- nemotron_h: Mamba2, MLP, attention (no RoPE, as in Nemotron-H), MLP (conv kernel 4, scan chunk 16).
+
+`build_family(name, dir, shape="real")` (`build_real`) writes instead a random-weight model of the released shape in
+`REAL_SHAPES` (bfloat16, built on the GPU when there is one), beside the same tokenizer padded to its vocabulary:
+what the GPU benchmark `bench/families_gpu.py` trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
+
+HIDDEN = 64
+HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+HEAD_DIM = 32
+
+
+def _token_ids(tok) -> dict:
+    return dict(
+        vocab_size=len(tok),
+        bos_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+def _save(model_cls, config, out_dir: str | Path, tok, seed: int) -> Path:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def qwen3(out_dir: str | Path, tok, seed: int) -> Path:
+    return build_qwen3(out_dir, tokenizer=tok, seed=seed)
+
+
+def qwen3_5(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        **HEADS,
+        head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        # The released head dims: vLLM's CPU Gated DeltaNet kernel rejects 32 ("Unexpected head dim size").
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        # 8 rotary dims = 4 frequencies, split over the (text, height, width) sections as the real configs do.
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[2, 1, 1],
+            mrope_interleaved=True,
+        ),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(Qwen3_5ForCausalLM, config, out_dir, tok, seed)
+
+
+def olmo3(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    config = Olmo3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        **HEADS,
+        sliding_window=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=2048,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(Olmo3ForCausalLM, config, out_dir, tok, seed)
+
+
+def smollm3(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        **HEADS,
+        no_rope_layers=[1, 0],  # 1 = this layer uses RoPE
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(SmolLM3ForCausalLM, config, out_dir, tok, seed)
+
+
+def gemma3(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        **HEADS,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,  # the released checkpoints scale queries by their head_dim
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        final_logit_softcapping=5.0,
+        max_position_embeddings=2048,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(Gemma3ForCausalLM, config, out_dir, tok, seed)
+
+
+def lfm2(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        block_auto_adjust_ff_dim=False,  # else the MLP width is rounded up to a multiple of 256
+        num_hidden_layers=4,
+        **HEADS,
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3,
+        # Widths the released config.json files carry and vLLM's Lfm2 reads; transformers ignores them.
+        block_dim=HIDDEN,
+        conv_dim=HIDDEN,
+        conv_dim_out=HIDDEN,
+        max_position_embeddings=2048,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(Lfm2ForCausalLM, config, out_dir, tok, seed)
+
+
+def granitemoehybrid(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,  # per expert
+        shared_intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        **HEADS,
+        position_embedding_type=None,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        logits_scaling=8.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(GraniteMoeHybridForCausalLM, config, out_dir, tok, seed)
+
+
+def nemotron_h(out_dir: str | Path, tok, seed: int) -> Path:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+        **HEADS,
+        head_dim=HEAD_DIM,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_ids(tok),
+    )
+    return _save(NemotronHForCausalLM, config, out_dir, tok, seed)
+
+
+FAMILIES: dict[str, Callable[..., Path]] = {
+    "qwen3": qwen3,
+    "qwen3_5": qwen3_5,
+    "olmo3": olmo3,
+    "smollm3": smollm3,
+    "gemma3": gemma3,
+    "lfm2": lfm2,
+    "granitemoehybrid": granitemoehybrid,
+    "nemotron_h": nemotron_h,
+}
+
+
+def _pattern(unit: list[str], n: int) -> list[str]:
+    return (unit * (n // len(unit) + 1))[:n]
+
+
+_LFM2_ATTENTION = {2, 5, 9, 13, 17, 21, 24, 27}
+# Each family's released text-model shape: (config class, model class, public repo whose config.json it copies,
+# config values). Values that only matter to training (init ranges, dropout) keep the class defaults.
+REAL_SHAPES: dict[str, tuple[str, str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen/Qwen3-1.7B", qwen3_1p7b_shape()),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen/Qwen3.5-2B (text_config)", dict(
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        layer_types=_pattern(["linear_attention"] * 3 + ["full_attention"], 24),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                             mrope_section=[11, 11, 10], mrope_interleaved=True),
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", "allenai/Olmo-3-1025-7B", dict(
+        vocab_size=100278, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, sliding_window=4096,
+        layer_types=_pattern(["sliding_attention"] * 3 + ["full_attention"], 32),
+        # The released config's yarn `rope_scaling` applies to the full-attention layers (as transformers reads it).
+        rope_parameters={
+            "full_attention": dict(rope_type="yarn", rope_theta=500000.0, factor=8.0,
+                                   original_max_position_embeddings=8192, attention_factor=1.2079441541679836,
+                                   beta_fast=32.0, beta_slow=1.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=500000.0),
+        },
+        max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "HuggingFaceTB/SmolLM3-3B", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, no_rope_layers=_pattern([1, 1, 1, 0], 36),
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
+        max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "google/gemma-3-4b-it (text_config)", dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=1024, layer_types=_pattern(["sliding_attention"] * 5 + ["full_attention"], 34),
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        },
+        final_logit_softcapping=None, attn_logit_softcapping=None,  # Gemma 3 dropped Gemma 2's soft-caps
+        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", "LiquidAI/LFM2-2.6B", dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=10752, block_auto_adjust_ff_dim=False,
+        num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3,
+        layer_types=["full_attention" if i in _LFM2_ATTENTION else "conv" for i in range(30)],
+        block_dim=2048, block_ff_dim=10752, conv_dim=2048, conv_dim_out=2048,  # read by vLLM
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True,
+    )),
+}  # fmt: skip
+
+
+def build_real(
+    name: str, out_dir: str | Path, seed: int = 0, *, dtype: str = "bfloat16", device=None
+) -> Path:
+    """Write a random-weight model of family `name` at its released shape (`REAL_SHAPES`) in `dtype`, and the
+    `build_tokenizer` tokenizer padded to its vocabulary, to `out_dir` (safetensors). The weights are created on
+    `device` (default: the GPU if there is one), where initialising billions of parameters takes seconds."""
+    import torch
+    import transformers
+
+    if name not in REAL_SHAPES:
+        raise ValueError(f"family={name!r} has no real shape; choose one of {sorted(REAL_SHAPES)}")
+    config_cls, model_cls, _, shape = REAL_SHAPES[name]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir, pad_vocab_to=shape["vocab_size"])
+    ids = {k: v for k, v in _token_ids(tok).items() if k != "vocab_size"}
+    config = getattr(transformers, config_cls)(**shape, **ids, dtype=dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # parameters are created in dtype, not cast afterwards
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_cls)(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def build_family(
+    name: str, out_dir: str | Path, seed: int = 0, *, tokenizer=None, shape: str = "tiny", **real
+) -> Path:
+    """Write the tiny random model of family `name` (a key of FAMILIES) and its tokenizer to `out_dir`.
+
+    `tokenizer` reuses an already trained `build_tokenizer` tokenizer (training one takes a few seconds).
+    `shape="real"` writes the released shape instead (`build_real`, which takes `real`: dtype, device).
+    """
+    if shape == "real":
+        return build_real(name, out_dir, seed, **real)
+    if shape != "tiny":
+        raise ValueError(f"shape={shape!r} is not one of tiny, real")
+    if name not in FAMILIES:
+        raise ValueError(f"family={name!r} is unknown; choose one of {sorted(FAMILIES)}")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(out_dir)
+    return FAMILIES[name](out_dir, tok, seed)
