@@ -226,7 +226,9 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
     with pytest.raises(InvalidValue, match="keep only divergence_clip"):
         parse_config(["--config", str(both), *out], environ={})
     recipe.write_text("JSD_TOKEN_CLIP=0.3\nDIVERGENCE_CLIP=0.2\n")
-    with pytest.raises(RecipeError, match="DIVERGENCE_CLIP is set twice"):
+    with pytest.raises(
+        RecipeError, match="JSD_TOKEN_CLIP .line 1. and DIVERGENCE_CLIP .line 2. both set DIVERGENCE_CLIP"
+    ):
         parse_config([*out, "--recipe", str(recipe)], environ={})
 
 

@@ -43,14 +43,18 @@ def test_chunked_loss_uses_the_transformed_logits_and_their_gradient(scale, soft
     (grad_got,) = torch.autograd.grad(got, h_s)
 
     h_ref = h_s.detach().clone().requires_grad_(True)
-    want = oracle(by_hand(h_ref @ w.T, scale, softcap), by_hand(h_t @ w.T, scale, softcap), **kw)["loss"].sum()
+    want = oracle(by_hand(h_ref @ w.T, scale, softcap), by_hand(h_t @ w.T, scale, softcap), **kw)[
+        "loss"
+    ].sum()
     (grad_want,) = torch.autograd.grad(want, h_ref)
     # The loss does its math in float32 (test_loss.py's tolerances).
     torch.testing.assert_close(got.detach().double(), want.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad_got, grad_want, atol=1e-5, rtol=1e-5)
 
     # The same loss without the transform is another number: the test sees a loss that ignores it.
-    plain, _ = loss.chunked_opsd_loss(h_s, h_t, w, w, settings=settings(chunk_size=5, **kw), target_ids_N=None)
+    plain, _ = loss.chunked_opsd_loss(
+        h_s, h_t, w, w, settings=settings(chunk_size=5, **kw), target_ids_N=None
+    )
     assert abs(float(plain) - float(want)) > 1e-3
 
 
