@@ -1,12 +1,15 @@
-"""opsd_train.py with its default rollout engine (colocated vLLM, the CPU build here) on every architecture family of
+"""opsd_train.py with its default rollout engine (colocated vLLM, the CPU build here) on the architecture families of
 `bench.families`: two optimizer steps where this vLLM runs the family, one line naming engine, version, family
 and the engine that works where it does not.
 
-vLLM 0.32 serves olmo3 and smollm3 through its Transformers backend, which decorates the transformers decoder
-class in place when the engine starts; without `opsd.method.engine_classes` the trainer's own model of that class
-then fails ('Olmo3Model' object has no attribute 'do_not_compile'). Its CPU build cannot import its Qwen3.5 module
-(it needs torchvision), so qwen3_5 gets the one line. The same families with the transformers engine, in process:
-tests/integration/test_families_training.py.
+One family per engine path: olmo3 goes through vLLM 0.32's Transformers backend, which decorates the transformers
+decoder class in place when the engine starts (without `opsd.method.engine_classes` the trainer's own model of
+that class then fails: 'Olmo3Model' object has no attribute 'do_not_compile'; smollm3 takes the same path);
+gemma3 native with sliding windows and a soft-cap; lfm2 native with short convolutions; granitemoehybrid native
+with Mamba layers (as nemotron_h), MoE weights that transformers renames on load, and logits divided by 8. The
+CPU build cannot import its Qwen3.5 module (it needs torchvision), so qwen3_5 gets the one line. Every family
+with the transformers engine, in process: tests/integration/test_families_training.py; every family on vLLM
+0.26 at its released shape: bench/families_gpu.py (docs/families.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tests.e2e.test_train_cli import run_train
 
 pytest.importorskip("vllm")
 
-VLLM_FAMILIES = ("olmo3", "smollm3", "gemma3", "lfm2", "granitemoehybrid", "nemotron_h")
+VLLM_FAMILIES = ("olmo3", "gemma3", "lfm2", "granitemoehybrid")
 
 
 @pytest.fixture(scope="module")
