@@ -141,9 +141,14 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     if config.use_vllm and fixed_kv_cache():  # the colocated engine starts inside the trainer
         logger.info("vLLM KV cache fixed at %s GiB (OPSD_KV_CACHE_GIB)", kv_cache_gib())
-    trainer = OPSDTrainer(
-        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
-    )
+    with lora_targets.peft_refusal(config.lora_target_modules, model):
+        trainer = OPSDTrainer(
+            model=model,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
     if config.use_peft and state.is_main_process:
         lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))
     if probe_rows:

@@ -19,9 +19,13 @@ import functools
 import inspect
 import logging
 import re
+import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
+
+from opsd.errors import UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +173,21 @@ def log_coverage(model: torch.nn.Module) -> None:
                 "them; lora_target_modules=auto adapts every layer kind",
                 kind, ", ".join(rest),
             )  # fmt: skip
+
+
+@contextmanager
+def peft_refusal(requested: list[str], model: torch.nn.Module):
+    """Inside the block, peft refusing the LoRA targets (a Mamba `out_proj`, names that match no module) becomes
+    one line naming the targets, the model type and `lora_target_modules=auto`."""
+    try:
+        yield
+    except ValueError as err:
+        if not any("/peft/" in f.filename for f in traceback.extract_tb(err.__traceback__)):
+            raise
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        first = " ".join(str(err).split())[:300]
+        raise UnsupportedModel(
+            f"peft refuses lora_target_modules={','.join(requested)} on this {model_type!r} model ({first}); "
+            "use lora_target_modules=auto (the default), which adapts every layer kind and leaves out what a "
+            "fused kernel reads directly, or name other modules"
+        ) from err

@@ -134,3 +134,21 @@ def test_auto_reaches_the_projections_a_fixed_list_misses(family_dirs, caplog):
     # Granite's config names its Mamba layers' kind linear_attention
     assert "no LoRA adapter in the linear_attention layers (linear modules mamba.in_proj" in caplog.text
     assert coverage(granite)["linear_attention"]["adapted"] == []
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["no_such_proj"]])
+def test_targets_peft_refuses_are_one_line_naming_auto(family_dirs, targets):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from opsd.errors import UnsupportedModel
+    from opsd.method.lora_targets import peft_refusal
+
+    model = AutoModelForCausalLM.from_pretrained(family_dirs["nemotron_h"])
+    with pytest.raises(
+        UnsupportedModel, match="peft refuses lora_target_modules=.* on this 'nemotron_h' model"
+    ):
+        with peft_refusal(targets, model):
+            get_peft_model(model, LoraConfig(r=4, target_modules=resolve_targets(model, targets)))
+    with pytest.raises(ValueError, match="not from peft"), peft_refusal(targets, model):
+        raise ValueError("not from peft")  # other errors keep their own message and traceback
