@@ -11,6 +11,9 @@ states and normalised by the step's valid tokens (`opsd.method.loss`, `opsd.meth
 (`opsd.method.seeds`, `opsd.method.rollouts`), the
 EMA teacher started from the initial adapter and checkpointed (`opsd.method.ema_teacher`), eval-mode teacher
 forwards, non-finite steps skipped (`opsd.run.callbacks.NonFiniteGuard`), and phase timing and OPSD metrics.
+For other families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked
+against its logits on each model's first forward (`opsd.method.logits`), and with a colocated engine the model's
+classes are its own, out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", "") == "colocate"
         model = kwargs.get("model", args[0] if args else None)
-        if colocated:  # before the engine starts, which may decorate the model's classes in place
-            own_classes(model)
+        if colocated and isinstance(model, torch.nn.Module):  # before the engine starts, which may decorate
+            own_classes(model)  # the model's classes in place
         with (
             engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)),
             engine_start_refusal(colocated, model),
