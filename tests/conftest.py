@@ -126,13 +126,15 @@ def vllm_tiny(tiny_model_dir):
     return VLLMEngine(str(tiny_model_dir), max_model_len=512, dtype="float32")
 
 
-def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
-    """An OPSDTrainer on the tiny model with transformers rollouts: 2 problems per step, LoRA r4 on q/v."""
+def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj", "v_proj"), **overrides):
+    """An OPSDTrainer on the tiny model with transformers rollouts: 2 problems per step, LoRA r4 on `targets`
+    (q/v; `["auto"]` resolves them on the model as opsd_train.py does)."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
+    from opsd.method.lora_targets import resolve_targets
     from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
@@ -148,7 +150,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, **overrides):
             r=4,
             lora_alpha=8,
             lora_dropout=cfg.lora_dropout,
-            target_modules=["q_proj", "v_proj"],
+            target_modules=resolve_targets(model, list(targets)),
             task_type="CAUSAL_LM",
         )  # fmt: skip
         if use_peft

@@ -15,6 +15,7 @@ from bench.tiny import build_tokenizer
 from opsd.method.hidden import positions
 from opsd.method.logits import IDENTITY, LogitTransform
 from opsd.method.lora_targets import coverage, log_coverage, resolve_targets
+from tests.conftest import make_trainer
 
 PUBLISHED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # What each family applies after its lm_head (bench/families.py gives Granite logits_scaling 8, Gemma a soft-cap 5).
@@ -28,28 +29,8 @@ def family_dirs(tmp_path_factory):
     return {name: build_family(name, root / name, tokenizer=tok) for name in FAMILIES}
 
 
-def _trainer(model_dir, out_dir, targets=("auto",), **overrides):
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opsd.configuration.config import OPSDConfig
-    from opsd.run.preflight import build_paired_dataset
-    from opsd_trainer import OPSDTrainer
-
-    settings = dict(
-        output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        max_completion_length=8, use_vllm=False, learning_rate=5e-2, save_strategy="no",
-        gradient_checkpointing=False, report_to="none",
-    )  # fmt: skip
-    cfg = OPSDConfig(**{**settings, **overrides})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(
-        r=4, lora_alpha=8, target_modules=resolve_targets(model, list(targets)), task_type="CAUSAL_LM"
-    )
-    return OPSDTrainer(
-        model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
-        processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=lora,
-    )  # fmt: skip
+def _trainer(model_dir, out_dir, **overrides):
+    return make_trainer(model_dir, out_dir, targets=["auto"], report_to="none", **overrides)
 
 
 def _own_logits(model, prompt_ids, prompt_mask, c_ids, c_mask):
