@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import STEP_METRICS, machine, write  # noqa: E402
+from bench.families import FAMILIES as TINY_FAMILIES  # noqa: E402
 from bench.families import REAL_SHAPES  # noqa: E402
 from opsd.rundir import METRICS_FILE, read_step_log  # noqa: E402
 
@@ -285,7 +286,9 @@ def record(rows: dict, s: dict, a, machine_info: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--families", default=",".join(FAMILIES), help=f"comma-separated, of {','.join(FAMILIES)}"
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, of {','.join(FAMILIES)} (with --tiny also {','.join(sorted(set(TINY_FAMILIES) - set(FAMILIES)))})",
     )
     ap.add_argument("--out", default="bench/results/families_h200.json")
     ap.add_argument("--work", default="/tmp/families", help="scratch: models, run directories, logs")
@@ -308,8 +311,9 @@ def main() -> None:
     if a.one:
         return one(a)
     names = a.families.split(",")
-    if unknown := sorted(set(names) - set(FAMILIES)):
-        raise SystemExit(f"unknown families {unknown}; choose from {','.join(FAMILIES)}")
+    known = TINY_FAMILIES if a.tiny else FAMILIES  # every tiny family; the released shapes of six
+    if unknown := sorted(set(names) - set(known)):
+        raise SystemExit(f"unknown families {unknown}; choose from {','.join(known)}")
     s, out = settings(a), Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() else {}
     rows = {r["family"]: r for r in old.get("rows", []) if not a.rerun}

@@ -133,3 +133,32 @@ def test_targets_peft_refuses_are_one_line_naming_auto(family_dirs, targets):
             get_peft_model(model, LoraConfig(r=4, target_modules=resolve_targets(model, targets)))
     with pytest.raises(ValueError, match="not from peft"), peft_refusal(targets, model):
         raise ValueError("not from peft")  # other errors keep their own message and traceback
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "qwen3_5", "lfm2"])
+def test_synced_weights_are_the_merged_checkpoint_on_disk(family, family_dirs, tmp_path):
+    """What the trainer pushes into the engine (`merged_named_weights`) is what save_pretrained writes for the
+    merged model, name for name: the engine reads checkpoint names (Granite's MoE weights are renamed on load)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from opsd.method.weights import merged_named_weights
+
+    model = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=resolve_targets(model, ["auto"])))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # a trained adapter: the merge must show in the pushed weights
+    synced = dict(merged_named_weights(peft))
+    copy.deepcopy(peft).merge_and_unload().save_pretrained(tmp_path / "merged")
+    disk = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(synced) == sorted(disk)
+    for name, tensor in disk.items():
+        torch.testing.assert_close(synced[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    base = load_file(family_dirs[family] / "model.safetensors")
+    assert any(not torch.equal(disk[n], base[n]) for n in base)  # the adapter moved the merged weights
