@@ -4,9 +4,9 @@ Both prompts are one user turn rendered with the tokenizer's chat template; the 
 and the teacher's are separate. They drive one variable of the template (`thinking_switch`: `enable_thinking` in
 Qwen3's and Qwen3.5's templates), found among the variables the parsed template reads (`template_variables`);
 `auto` takes `enable_thinking` where the template reads it and renders without a switch where it does not (with
-a warning: both roles' prompts then render alike); a named switch the template does not read is refused. The
-teacher turn holds the
-problem, the privileged reference between BEGIN/END markers, and an instruction to reason independently.
+a warning: both roles' prompts then render alike); a named switch the template does not read is refused.
+The teacher turn holds the problem, the privileged reference between BEGIN/END markers, and an instruction to
+reason independently.
 
 Wording lives in two templates that a file can replace: the student template must contain `{problem}`,
 the teacher template `{problem}` and `{reference}`. Placeholders are substituted literally (no
