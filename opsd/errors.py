@@ -36,6 +36,12 @@ class MissingPath(UserError, FileNotFoundError):
     """A file or directory named by the user that does not exist or is not of the right kind."""
 
 
+def raised_inside(err: BaseException, package: str) -> bool:
+    """Whether `err` was raised from the code of `package` (a path part such as "/vllm/"): what turns a
+    library's refusal of a model into one line, while every other error keeps its traceback."""
+    return any(package in frame.filename for frame in traceback.extract_tb(err.__traceback__))
+
+
 class UnsupportedModel(UserError, ValueError):
     """A model (or a model with the chosen engine) that opsd cannot train exactly; the message names the fix."""
 

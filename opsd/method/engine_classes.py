@@ -18,12 +18,11 @@ engine that works.
 
 from __future__ import annotations
 
-import traceback
 from contextlib import contextmanager
 
 import torch
 
-from opsd.errors import UnsupportedModel
+from opsd.errors import UnsupportedModel, raised_inside
 
 # The base class vLLM's decorator appends (vllm.compilation.wrapper); matched by name so this module needs no vLLM.
 ENGINE_WRAPPER = "TorchCompileWithNoGuardsWrapper"
@@ -75,8 +74,7 @@ def engine_start_refusal(colocated: bool, model):
     try:
         yield
     except Exception as err:
-        frames = traceback.extract_tb(err.__traceback__)
-        if not colocated or not any(ENGINE_PACKAGE in f.filename for f in frames):
+        if not colocated or not raised_inside(err, ENGINE_PACKAGE):
             raise
         import vllm
 

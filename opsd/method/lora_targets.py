@@ -19,13 +19,12 @@ import functools
 import inspect
 import logging
 import re
-import traceback
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 
-from opsd.errors import UnsupportedModel
+from opsd.errors import UnsupportedModel, raised_inside
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ def peft_refusal(requested: list[str], model: torch.nn.Module):
     try:
         yield
     except ValueError as err:
-        if not any("/peft/" in f.filename for f in traceback.extract_tb(err.__traceback__)):
+        if not raised_inside(err, "/peft/"):
             raise
         model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         first = " ".join(str(err).split())[:300]

@@ -76,15 +76,20 @@ def _logit_transform(model, logits_NV: torch.Tensor) -> torch.Tensor:
     return logits_NV
 
 
-def _batched_logprobs(model, prompts, completions, pad) -> torch.Tensor:
-    """(N, V) log-probs of every completion token, from the padded batch's completion hidden states."""
+def _batched_logprobs(
+    model, prompts, completions, pad, *, fix_positions=True, transform=True
+) -> torch.Tensor:
+    """(N, V) log-probs of every completion token, from the padded batch's completion hidden states
+    (`fix_positions=False`: the reference code's rows; `transform=False`: the head's raw logits)."""
     p_ids, p_mask = left_pad(prompts, pad, "cpu")
     c_ids, c_mask = right_pad(completions, pad, "cpu")
     with torch.no_grad():
         hidden_NH = completion_hidden(
-            model, p_ids, p_mask, c_ids, c_mask, fix_positions=True, pad_token_id=pad
+            model, p_ids, p_mask, c_ids, c_mask, fix_positions=fix_positions, pad_token_id=pad
         )
-        logits_NV = _logit_transform(model, model.get_output_embeddings()(hidden_NH))
+        logits_NV = model.get_output_embeddings()(hidden_NH)
+        if transform:
+            logits_NV = _logit_transform(model, logits_NV)
     return logits_NV.log_softmax(-1)
 
 
@@ -145,13 +150,7 @@ def test_the_logit_transform_is_part_of_the_comparison(families, family):
     models, tok = families
     model = models[family]
     prompts, completions = _rows(tok, "student")
-    p_ids, p_mask = left_pad(prompts, tok.pad_token_id, "cpu")
-    c_ids, c_mask = right_pad(completions, tok.pad_token_id, "cpu")
-    with torch.no_grad():
-        hidden_NH = completion_hidden(
-            model, p_ids, p_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None
-        )
-        raw_NV = model.get_output_embeddings()(hidden_NH).log_softmax(-1)
+    raw_NV = _batched_logprobs(model, prompts, completions, tok.pad_token_id, transform=False)
     assert (raw_NV - _unpadded_logprobs(model, prompts, completions)).abs().max().item() > 1e-3
 
 
@@ -162,13 +161,7 @@ def test_reference_rows_differ_from_unpadded_rows(families, family):
     models, tok = families
     model = models[family]
     prompts, completions = _rows(tok, "student")
-    p_ids, p_mask = left_pad(prompts, tok.pad_token_id, "cpu")
-    c_ids, c_mask = right_pad(completions, tok.pad_token_id, "cpu")
-    with torch.no_grad():
-        hidden_NH = completion_hidden(
-            model, p_ids, p_mask, c_ids, c_mask, fix_positions=False, pad_token_id=tok.pad_token_id
-        )
-        ref_NV = _logit_transform(model, model.get_output_embeddings()(hidden_NH)).log_softmax(-1)
+    ref_NV = _batched_logprobs(model, prompts, completions, tok.pad_token_id, fix_positions=False)
     assert (ref_NV - _unpadded_logprobs(model, prompts, completions)).abs().max().item() > 1e-3
 
 
