@@ -88,6 +88,7 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         "_setup_teacher_model",
         "training_step",
         "_prepare_training_batch",
+        "_compute_rollout_logps",
         "_tokenize_prompts",
         "_generate",
         "_generate_vllm",
@@ -125,6 +126,7 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         self.teacher_context_builder = TeacherRowBuilder(self)
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
+        self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
         # The loss's logit transform (opsd.method.logits), picked and checked on each model's first forward.
         self.logit_transform = None
         self.logits_checked: set[int] = set()
@@ -160,6 +162,10 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
 
     # -- 1. a micro-batch, and the step's batch on its first one -----------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._buffered_inputs is None:
+            # TRL's micro-batch counter starts at 0 in every process; a run resumed at a step inside a window
+            # of steps_per_rollout steps must take that step's share of the regenerated window.
+            self._step = self.state.global_step * self.args.gradient_accumulation_steps
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
         self.nonfinite.note_loss(out)
@@ -167,10 +173,16 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
 
     def _prepare_training_batch(self, inputs):
         batch = super()._prepare_training_batch(inputs)
-        # The whole accumulation window is generated here at once, so its valid-token count across all
-        # processes is known before the first backward: that count is the loss denominator.
-        local = self._loss_mask(batch["completion_ids"], batch["completion_mask"]).sum()
-        batch["num_loss_tokens"] = self.accelerator.reduce(local.clone(), reduction="sum")
+        # The batch holds steps_per_rollout optimizer steps of rows, in order (TRL cuts it into micro-batches
+        # in order). Each step's valid-token count over all processes is known before its first backward:
+        # it is that step's loss denominator, carried by each of its rows.
+        steps = self.args.steps_per_rollout if self.model.training else 1
+        local_S = (
+            self._loss_mask(batch["completion_ids"], batch["completion_mask"]).sum(1).view(steps, -1).sum(1)
+        )
+        total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
+        batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
+        self.rollout_step = self.state.global_step
         # Lists are sliced into micro-batches with the tensors (TRL's split_tensor_dict).
         batch["problems"] = [row["prompt"] for row in inputs]
         batch["references"] = [row.get("privileged_context") for row in inputs]
@@ -178,6 +190,11 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
             float(self.teacher_context_builder.num_truncated)
         )
         return batch
+
+    def _compute_rollout_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        # TRL scores a window of several steps' rollouts under the generating weights, for an importance
+        # ratio; OPSD's loss has none (the later steps' staleness is logged instead), so that pass is skipped.
+        return None
 
     def _tokenize_prompts(self, prompts):
         # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own

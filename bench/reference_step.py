@@ -83,7 +83,7 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             settings=a.loss_settings(),
             target_ids_BT=completion_ids,
         )
-        loss = loss_sum / inputs["num_loss_tokens"].clamp(min=1) * self.accelerator.num_processes
+        loss = loss_sum / inputs["num_loss_tokens"][0].clamp(min=1) * self.accelerator.num_processes
         self._record_loss_stats(loss_sum.detach(), stats)
         return loss
 

@@ -149,6 +149,15 @@ class OPSDConfig(SDFTConfig):
     temperature: float = field(default=1.1, metadata=_help("Rollout sampling temperature."))
     top_p: float = field(default=0.95, metadata=_help("Rollout top-p."))
     top_k: int = field(default=20, metadata=_help("Rollout top-k (0 = off)."))
+    steps_per_rollout: int = field(
+        default=1,
+        metadata=_help(
+            "Optimizer steps served by one generation: the student rolls out k steps' problems at once with "
+            "the weights of the window's first step, and each step trains on its own problems (steps after "
+            "the first are up to k-1 steps off-policy: rollout/staleness_steps). 1 = on-policy (published). "
+            "Must divide max_steps; TRL's steps_per_generation becomes k x gradient_accumulation_steps."
+        ),
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.6, metadata=_help("Share of GPU memory for colocated vLLM.")
     )
@@ -382,15 +391,29 @@ class OPSDConfig(SDFTConfig):
         if self.bf16 and not torch.cuda.is_available():
             logger.info("bf16 mixed precision needs a GPU; training in float32 on this machine")
             self.bf16 = False
+        # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps.
+        k = self.steps_per_rollout
+        if k > 1 and self.num_iterations > 1:
+            raise ValueError(
+                f"steps_per_rollout={k} with num_iterations={self.num_iterations}: both train several steps "
+                "on one generation; set one of them"
+            )
+        if self.max_steps > 0 and self.max_steps % k:
+            raise ValueError(
+                f"steps_per_rollout={k} does not divide max_steps={self.max_steps}: the last generation would "
+                "roll out problems no step trains on; choose a divisor of max_steps"
+            )
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = k * self.gradient_accumulation_steps
         super().__post_init__()
-        # The loss denominator is counted over one generation batch (opsd_trainer `_prepare_training_batch`),
-        # which is one optimizer step's tokens only when the two windows coincide (docs/method.md §1.5).
-        if self.steps_per_generation != self.gradient_accumulation_steps:
+        # Each optimizer step is normalised by its own valid tokens (opsd_trainer `_prepare_training_batch`
+        # counts them per step of the window), so a window must be whole optimizer steps (docs/method.md §1.5).
+        if self.steps_per_generation != k * self.gradient_accumulation_steps:
             raise ValueError(
                 f"steps_per_generation={self.steps_per_generation} (generation_batch_size="
-                f"{self.generation_batch_size}) differs from gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps}: OPSD normalises each optimizer step by its own tokens, "
-                "so rollouts are generated one optimizer step at a time; leave both generation settings unset"
+                f"{self.generation_batch_size}) is not steps_per_rollout x gradient_accumulation_steps = "
+                f"{k} x {self.gradient_accumulation_steps}: TRL's window counts micro-batches; leave both TRL "
+                "generation settings unset and set steps_per_rollout (optimizer steps per generation)"
             )
 
     def loss_settings(self) -> LossSettings:

@@ -13,7 +13,7 @@ RECIPE_KEYS = frozenset({
     "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "adam_beta1",
     "adam_beta2",
     # rollouts
-    "temperature", "top_p", "top_k", "max_completion_length",
+    "temperature", "top_p", "top_k", "max_completion_length", "steps_per_rollout",
     # loss
     "beta", "loss_temperature", "divergence_clip", "clip_mode", "top_k_loss", "loss_type", "fix_position_ids",
     "num_loss_tokens_to_skip",

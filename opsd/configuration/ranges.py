@@ -104,6 +104,7 @@ RANGES: dict[str, Range] = {
     "vllm_server_port": Range(1, 65535),
     "vllm_server_timeout": POSITIVE,
     "num_iterations": Range(1),
+    "steps_per_rollout": Range(1, note="1 = on-policy"),
     "dataloader_num_workers": NON_NEGATIVE,
     # loss
     "beta": Range(0, 1),

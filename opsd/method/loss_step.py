@@ -46,6 +46,8 @@ class LossHooks:
     `completions_steps`, the completions log."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss of a micro-batch: its clipped divergence summed over its valid tokens, divided by its
+        optimizer step's valid tokens over all processes (`num_loss_tokens`, carried by every row)."""
         if return_outputs:
             raise ValueError("OPSDTrainer does not return outputs")
         a: OPSDConfig = self.args
@@ -73,9 +75,13 @@ class LossHooks:
                 transform=hidden.logit_transform,
             )
             # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
-            denom = inputs["num_loss_tokens"].clamp(min=1).to(loss_sum.dtype)
+            denom = inputs["num_loss_tokens"][0].clamp(min=1).to(loss_sum.dtype)
             loss = loss_sum / denom * self.accelerator.num_processes
             self._record_loss_stats(loss_sum.detach(), stats)
+            if self.model.training:
+                self.record_metrics(
+                    {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
+                )
             if self._completions_due():
                 self._log_completions(inputs, hidden)
         return loss
@@ -175,7 +181,7 @@ class LossHooks:
             and self.model.training
             and self.accelerator.is_main_process
             and self.state.global_step % every == 0
-            and self._step % self.args.steps_per_generation == 0
+            and self._step % self.args.gradient_accumulation_steps == 0
         )
 
     def _log_completions(self, inputs, hidden: CompletionHiddenStates) -> None:

@@ -77,6 +77,9 @@ def test_dry_run_refusals(tmp_path):
     assert rc == 2 and "bad.env:2" in err and "fixed by the capped harness" in err
     rc, _, err = finish(harness("--dry-run", env={"OPSD_MAX_STEPS": "50"}))
     assert rc == 2 and "OPSD_MAX_STEPS" in err
+    rc, _, err = finish(harness("--dry-run", env={"OPSD_STEPS_PER_ROLLOUT": "3"}))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "steps_per_rollout=3 does not divide max_steps=100" in err and "OPSD_STEPS_PER_ROLLOUT" in err
 
 
 def _adapter(ckpt):

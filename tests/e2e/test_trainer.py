@@ -25,7 +25,8 @@ def test_positions_against_naive():
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
-    """Two optimizer steps of LoRA OPSD with vLLM rollouts; returns the trainer and the initial weights."""
+    """Two optimizer steps of LoRA OPSD with vLLM rollouts, both rolled out in one generation
+    (steps_per_rollout=2); returns the trainer and the initial weights."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,6 +46,7 @@ def trained(tiny_model_dir, tmp_path_factory):
         save_strategy="no",
         gradient_checkpointing=False,
         max_teacher_prompt_length=60,
+        steps_per_rollout=2,
     )
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -74,6 +76,14 @@ def trained(tiny_model_dir, tmp_path_factory):
     lora_init = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     batch = _scoring_batch(trainer, tok)
     teacher_before = _teacher_hidden(trainer, batch)
+    generate, trainer.engine_calls = trainer._generate_vllm, []
+
+    def recorded(prompt_ids):
+        out = generate(prompt_ids)
+        trainer.engine_calls.append((trainer.state.global_step, len(prompt_ids), len(out[1])))
+        return out
+
+    trainer._generate_vllm = recorded
     trainer.train()
     return trainer, tok, initial, lora_init, batch, teacher_before
 
@@ -178,6 +188,15 @@ def test_lora_trained_base_unchanged(trained):
     assert logs[0]["prompts/teacher_truncated"] > 0
 
 
+def test_one_engine_call_serves_both_steps(trained):
+    trainer = trained[0]
+    # 2 problems x 2 micro-batches x 2 steps, rolled out once with the initial weights.
+    assert trainer.engine_calls == [(0, 8, 8)]
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["rollout/staleness_steps"] for r in logs] == [0.0, 1.0]
+    assert "time/rollout_s" in logs[0] and "time/rollout_s" not in logs[1]
+
+
 def test_fixed_teacher_is_the_initial_model(trained):
     trainer, _, _, _, batch, teacher_before = trained
     torch.testing.assert_close(_teacher_hidden(trainer, batch), teacher_before, atol=0, rtol=0)
@@ -221,7 +240,7 @@ def test_all_masked_batch_gives_connected_zero_loss(trained):
     b = {
         **batch,
         "completion_mask": torch.zeros_like(batch["completion_mask"]),
-        "num_loss_tokens": torch.tensor(0),
+        "num_loss_tokens": torch.zeros(2, dtype=torch.long),
     }
     n = b["completion_ids"].size(1)
     b["teacher_attention_mask"] = b["teacher_attention_mask"].clone()

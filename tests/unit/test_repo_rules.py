@@ -151,15 +151,20 @@ def test_the_restatement_check_passes_what_is_not_a_choice_set():
     assert restated_choices("modes = ('element', 'token', 'rescale', 'none', 'other')") == []
 
 
-def test_generation_window_other_than_the_optimizer_step_is_refused(tmp_path):
+def test_generation_window_other_than_whole_optimizer_steps_is_refused(tmp_path):
     from opsd.configuration.config import OPSDConfig
 
-    # The loss denominator is one generation batch's tokens: it must be exactly one optimizer step's.
+    # Each optimizer step is normalised by its own tokens: TRL's window (in micro-batches) must be
+    # steps_per_rollout whole steps, and is set through steps_per_rollout.
     for extra in ({"steps_per_generation": 1}, {"steps_per_generation": 4}, {"generation_batch_size": 16}):
-        with pytest.raises(ValueError, match="normalises each optimizer step by its own tokens"):
+        with pytest.raises(ValueError, match="set steps_per_rollout"):
             OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, **extra)
     cfg = OPSDConfig(output_dir=str(tmp_path), gradient_accumulation_steps=2, steps_per_generation=2)
     assert cfg.steps_per_generation == 2
+    cfg = OPSDConfig(
+        output_dir=str(tmp_path), gradient_accumulation_steps=2, steps_per_generation=4, steps_per_rollout=2
+    )
+    assert cfg.generation_batch_size == 4 * cfg.per_device_train_batch_size
 
 
 # -- one source for the published recipe -------------------------------------------------------------------
