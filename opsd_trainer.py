@@ -36,7 +36,7 @@ from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
 from opsd.method.seeds import RolloutSeeds
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
-from opsd.run.compiled_layers import compile_decoder_layers
+from opsd.run.compiled_layers import compile_decoder_layers, compiled_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,8 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
         self.nonfinite.note_loss(out)
+        if self.args.compile_layers:
+            self.record_metrics({"compile/graphs": compiled_graphs()})
         return out
 
     def _prepare_training_batch(self, inputs):

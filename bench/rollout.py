@@ -67,6 +67,12 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=512)
     ap.add_argument("--out", default="bench/results/rollout.json")
     ap.add_argument("--only-hf", action="store_true", help="measure the transformers engine only")
+    ap.add_argument("--only-vllm", action="store_true", help="measure the vLLM engine only")
+    ap.add_argument(
+        "--batches",
+        default="8,32,128",
+        help="vLLM batch sizes, comma-separated (32,64,128: k = 1, 2, 4 steps of 32 problems per generation)",
+    )
     a = ap.parse_args()
     model_dir = qwen3_1p7b_dir(a.model_dir)
     rows = []
@@ -75,7 +81,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    for cache in (None, "static"):
+    for cache in () if a.only_vllm else (None, "static"):
         engine = HFEngine(model, tok, batch_size=32, cache_implementation=cache)
         # Warm up at the timed shape: a static cache of another length would recompile inside the timing.
         timed(engine, 32, a.prompt, a.hf_new_tokens)
@@ -86,7 +92,7 @@ def main() -> None:
         write(record(rows, a, None), a.out)
     if a.only_hf:
         return
-    del model, engine
+    del model
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -94,8 +100,9 @@ def main() -> None:
     vllm = VLLMEngine(str(model_dir), gpu_memory_utilization=0.6, max_model_len=a.prompt + a.new_tokens + 16)
     start_s = time.perf_counter() - t0
     timed(vllm, 8, a.prompt, 32)
-    for batch in (8, 32, 128):
+    for batch in (int(b) for b in a.batches.split(",")):
         row = timed(vllm, batch, a.prompt, a.new_tokens)
+        row["decode_step_ms"] = 1000 * row["seconds"] / a.new_tokens
         row["engine"] = "vLLM (CUDA graphs, gpu_memory_utilization 0.6)"
         rows.append(row)
         print(row, flush=True)

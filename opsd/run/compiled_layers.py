@@ -45,3 +45,12 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") ->
         "compile_layers: %d decoder layers compiled (%s) for passes without a KV cache", len(layers), backend
     )
     return len(layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has captured in this process so far: the first compile of each kind of pass, then one
+    per recompilation (a new sequence width first recompiles with dynamic shapes, after which widths share it).
+    The trainer logs it as `compile/graphs` each step when compile_layers is on."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -22,6 +22,7 @@ def _train(tiny_model_dir, out, compiled: bool):
     trainer = make_trainer(tiny_model_dir, out, gradient_checkpointing=True, teacher_mode="fixed")
     if compiled:
         assert compile_decoder_layers(trainer.model, backend="aot_eager") == 2  # the tiny model's 2 layers
+        trainer.args.compile_layers = True  # what the switch sets besides: the compile/graphs metric
     result = trainer.train()
     return trainer, result.training_loss
 
@@ -46,6 +47,10 @@ def test_compiled_layers_train_as_the_eager_layers_do(tiny_model_dir, tmp_path):
     # two layers share each graph rather than compiling one apiece.
     graphs = counters["stats"]["unique_graphs"]
     assert 2 <= graphs <= 6, dict(counters["stats"])
+    # Each step logs how many graphs the process has compiled so far (recompilations show as increments).
+    logged = [r["compile/graphs"] for r in compiled.state.log_history if "compile/graphs" in r]
+    assert len(logged) == 2 and logged[-1] == graphs and logged == sorted(logged)
+    assert not any("compile/graphs" in r for r in eager.state.log_history)
 
     # Generation passes a KV cache and keeps the eager forward: nothing new is captured.
     model = compiled.model
