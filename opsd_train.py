@@ -70,12 +70,13 @@ def main(argv: list[str] | None = None) -> Path | None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from opsd.method import lora_targets, pairing
+    from opsd.method import lora_targets
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
     from opsd.run import microbatch
     from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.run.probe import Probe, split_probe
     from opsd.run.provenance import provenance
+    from opsd.run.resume import save_pairing
     from opsd.rundir import (
         CONFIG_FILE,
         STEP_LOGS,
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             "history": history,
         }
         (out / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str))
-        pairing.save(out, pairing_record)
+        save_pairing(out, pairing_record)
         logger.info(
             "resolved config (also in %s):\n%s",
             out / CONFIG_FILE,

@@ -4,16 +4,18 @@
     from opsd.configuration.config import OPSDConfig
     trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
 
-What differs from `SDFTTrainer` (vLLM colocate/server/sleep/TP rollouts, the teacher kinds and the buffered
-generation over the accumulation window are TRL's): OPSD's prompts with their own thinking switches
-(`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped divergence computed in chunks from hidden
-states and normalised by the step's valid tokens (`opsd.method.loss`, `opsd.method.loss_step`), per-row rollout seeds
-(`opsd.method.seeds`, `opsd.method.rollouts`), the
-EMA teacher started from the initial adapter and checkpointed (`opsd.method.ema_teacher`), eval-mode teacher
-forwards, non-finite steps skipped (`opsd.run.callbacks.NonFiniteGuard`), and phase timing and OPSD metrics.
-For other families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked
-against its logits on each model's first forward (`opsd.method.logits`), and with a colocated engine the model's
-classes are its own, out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
+Every TRL method OPSD overrides is in this file, in the order one optimizer step calls them; what they compute is in
+pure functions of `opsd.method` that take what they need as arguments. What differs from `SDFTTrainer` (vLLM
+colocate/server/sleep/TP rollouts, the teacher kinds and the buffered generation window are TRL's): OPSD's prompts
+with their own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped
+divergence computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`),
+per-row rollout seeds (`opsd.method.seeds`), merged weights pushed into the engine out of place
+(`opsd.method.weights`), the EMA teacher started from the initial adapter and checkpointed
+(`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.callbacks`), several
+steps per generation (`steps_per_rollout`, docs/method.md §1.9), and phase timing and OPSD metrics. For other
+families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked against its logits
+on each model's first forward (`opsd.method.logits`), and with a colocated engine the model's classes are its own,
+out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import textwrap
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from peft import PeftModel
@@ -28,37 +32,38 @@ from trl.experimental.sdft import SDFTTrainer
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
+from opsd.method import completions
 from opsd.method.ema_teacher import InitialisedAdapterEMA
 from opsd.method.engine_classes import engine_start_refusal, own_classes
-from opsd.method.loss_step import LossHooks
-from opsd.method.prompts import PromptBuilder
-from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
-from opsd.method.seeds import RolloutSeeds
+from opsd.method.hidden import CompletionHiddenStates, completion_hidden, eval_mode, loss_token_mask
+from opsd.method.logits import lm_head_weight, one_transform, resolve_logit_transform
+from opsd.method.loss import chunked_opsd_loss, loss_metrics
+from opsd.method.prompts import PromptBuilder, teacher_rows
+from opsd.method.seeds import RolloutSeeds, SeededLLM, first_rollout_row, row_seed
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
+from opsd.method.weights import sync_colocated_engine
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
 from opsd.run.compiled_layers import compile_decoder_layers, compiled_graphs
+from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
 
 logger = logging.getLogger(__name__)
 
 
-class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
-    """Clipped-JSD on-policy self-distillation. One optimizer step, in the order its methods run (the rollout
-    side in `opsd.method.rollouts.RolloutHooks`, the loss side in `opsd.method.loss_step.LossHooks`):
+class OPSDTrainer(SDFTTrainer):
+    """Clipped-JSD on-policy self-distillation. One optimizer step, in the order its methods run below:
 
-    1. `training_step` (one call per micro-batch; its time is the `train_micro` phase) gets its micro-batch
-       from TRL's `_prepare_inputs`, which on the step's first micro-batch builds the whole step's batch:
-       `_prepare_training_batch`
+    1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from TRL's
+       `_prepare_inputs`, which at the start of a generation window (every step, or every `steps_per_rollout`
+       steps) builds the window's batch: `_prepare_training_batch` -> TRL's `sample_rollouts`:
        a. `_tokenize_prompts`: the student prompt of each problem (`opsd.method.prompts`);
        b. `_generate` (phase `rollout`) -> `_generate_vllm`: `_sync_rollout_weights` when the weights changed
-          (phase `weight_sync`: merged LoRA weights pushed into the colocated engine), then TRL's generate
-          with one seed per row (`_first_rollout_row`); or `_generate_transformers` in eval mode;
-       c. `TeacherRowBuilder.build` (TRL's teacher-context hook): `[teacher prompt ; completion]` rows;
-       d. the step's valid-token count over all processes: the loss denominator; each row's problem and
-          reference, for the completions log.
-    2. `compute_loss` (part `score_loss`): `completion_hidden_states` gives both roles' final hidden states of the
-       completion tokens (the student with gradients, the teacher under
-       `_get_teacher_context_for_self_distillation` in eval mode), `chunked_opsd_loss` their clipped
-       divergence; then the `opsd/*` metrics and, every `completions_steps`, the completions log.
+          (phase `weight_sync`), then the engine with one seed per row; or `_generate_transformers` in eval mode;
+       c. `_compute_rollout_logps`: skipped (the loss takes no importance ratio);
+       d. `teacher_context_builder.build` (TRL's teacher-context hook): `[teacher prompt ; completion]` rows;
+       e. each optimizer step's valid-token count over all processes: its loss denominator.
+    2. `compute_loss` (part `score_loss`): `completion_hidden_states` gives both roles' final hidden states of
+       the completion tokens (the teacher under `_get_teacher_context_for_self_distillation`, in eval mode),
+       `chunked_opsd_loss` their clipped divergence; then the `opsd/*` metrics and the completions log.
     3. TRL's backward; after the last micro-batch TRL's optimizer step, which `NonFiniteGuard` skips for a
        non-finite loss or gradient; `InitialisedAdapterEMA` updates an EMA teacher; `StepTimer` logs the
        step's phases (`time/<phase>_s`) and memory.
@@ -88,13 +93,13 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         "_setup_teacher_model",
         "training_step",
         "_prepare_training_batch",
-        "_compute_rollout_logps",
         "_tokenize_prompts",
         "_generate",
         "_generate_vllm",
         "_generate_transformers",
-        "_get_teacher_context_for_self_distillation",
+        "_compute_rollout_logps",
         "compute_loss",
+        "_get_teacher_context_for_self_distillation",
         "_save",
         "_load_optimizer_and_scheduler",
     )
@@ -123,7 +128,7 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
             thinking_switch=a.thinking_switch,
             max_teacher_prompt_tokens=a.max_teacher_prompt_length,
         )
-        self.teacher_context_builder = TeacherRowBuilder(self)
+        self.teacher_context_builder = TeacherRows(self.prompt_builder, self.processing_class.pad_token_id)
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
@@ -157,10 +162,11 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
                     sync_steps=cb.sync_steps,
                     accelerator=cb.accelerator,
                     step_skipped=lambda: self.nonfinite.last_skipped,
+                    state_file=EMA_TEACHER_FILE,
                 )
             )
 
-    # -- 1. a micro-batch, and the step's batch on its first one -----------------------------------------------
+    # -- 1. a micro-batch, and the window's batch at its start ------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._buffered_inputs is None:
             # TRL's micro-batch counter starts at 0 in every process; a run resumed at a step inside a window
@@ -193,15 +199,198 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
         )
         return batch
 
+    def _tokenize_prompts(self, prompts):
+        # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
+        # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
+        return [self.prompt_builder.student_ids(p) for p in prompts]
+
+    def _generate(self, prompt_ids):
+        with self.clock.phase("rollout") as timed:
+            out = super()._generate(prompt_ids)
+        n_tokens = sum(len(c) for c in out[1])
+        self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(timed.seconds, 1e-9))
+        return out
+
+    def _generate_vllm(self, prompt_ids):
+        if self.state.global_step != self._last_loaded_step:
+            with self.clock.phase("weight_sync"):
+                self._sync_rollout_weights()
+            self._last_loaded_step = self.state.global_step
+        gen, a = self.vllm_generation, self.args
+        if gen.mode == "colocate":
+            if not isinstance(gen.llm, SeededLLM):
+                tp, rank = a.vllm_tensor_parallel_size, self.accelerator.process_index
+                gen.llm = self.seeds.seeded(gen.llm, lambda n: first_rollout_row(rank, tp, n))
+        else:
+            # The server samples the whole batch from one seed (its i-th sample of a prompt from seed + i).
+            rank = self.accelerator.process_index // a.vllm_tensor_parallel_size
+            gen.generation_kwargs = {
+                **(gen.generation_kwargs or {}),
+                "seed": row_seed(a.seed, self.seeds.step, rank),
+            }
+        return super()._generate_vllm(prompt_ids)
+
+    def _sync_rollout_weights(self) -> None:
+        gen = self.vllm_generation
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        if gen.mode != "colocate" or zero3:
+            gen.sync_weights()  # TRL's path: server mode, sharded parameters
+            return
+        on_cpu = self.accelerator.device.type == "cpu"
+        sync_colocated_engine(gen, self.accelerator.unwrap_model(self.model), on_cpu=on_cpu)
+
+    def _generate_transformers(self, prompt_ids):
+        # Rollouts come from the policy without dropout, as the vLLM engine's do.
+        with eval_mode(self.accelerator.unwrap_model(self.model)):
+            return super()._generate_transformers(prompt_ids)
+
     def _compute_rollout_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
         # TRL scores a window of several steps' rollouts under the generating weights, for an importance
         # ratio; OPSD's loss has none (the later steps' staleness is logged instead), so that pass is skipped.
         return None
 
-    def _tokenize_prompts(self, prompts):
-        # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
-        # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
-        return [self.prompt_builder.student_ids(p) for p in prompts]
+    # -- 2. the loss of a micro-batch --------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss of a micro-batch: its clipped divergence summed over its valid tokens, divided by its
+        optimizer step's valid tokens over all processes (`num_loss_tokens`, carried by every row)."""
+        if return_outputs:
+            raise ValueError("OPSDTrainer does not return outputs")
+        a: OPSDConfig = self.args
+        with self.clock.part("score_loss"):
+            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+            width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
+            hidden = self.completion_hidden_states(
+                model,
+                inputs["prompt_ids"],
+                inputs["prompt_mask"],
+                inputs["teacher_input_ids"][:, :width],
+                inputs["teacher_attention_mask"][:, :width],
+                completion_ids,
+                completion_mask,
+            )
+            # Hidden states come flattened over completion_mask; the loss counts the subset keep_N.
+            keep_N = self._loss_mask(completion_ids, completion_mask)[completion_mask.bool()].bool()
+            loss_sum, stats = chunked_opsd_loss(
+                hidden.student_hidden_NH[keep_N],
+                hidden.teacher_hidden_NH[keep_N],
+                hidden.student_weight_VH,
+                hidden.teacher_weight_VH,
+                settings=a.loss_settings(),
+                target_ids_N=completion_ids[completion_mask.bool()][keep_N],
+                transform=hidden.logit_transform,
+            )
+            # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
+            denom = inputs["num_loss_tokens"][0].clamp(min=1).to(loss_sum.dtype)
+            loss = loss_sum / denom * self.accelerator.num_processes
+            self.record_metrics(loss_metrics(loss_sum.detach(), stats))
+            if self.model.training:
+                self.record_metrics(
+                    {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
+                )
+            if self._completions_due():
+                self._log_completions(inputs, hidden)
+        return loss
+
+    def completion_hidden_states(
+        self, model, student_ids, student_mask, teacher_ids, teacher_mask, completion_ids, completion_mask
+    ) -> CompletionHiddenStates:
+        """Both roles' final hidden states of the valid completion tokens of a batch, and their lm_heads.
+
+        The student goes through `model` (the wrapped model in training, so DDP/DeepSpeed see the forward),
+        with gradients if they are enabled; the teacher through TRL's teacher context in eval mode, without
+        gradients. Prompts are left-padded, completions right-padded (`opsd.method.hidden`).
+        """
+        student_NH = self._completion_hidden(
+            model, student_ids, student_mask, completion_ids, completion_mask
+        )
+        with torch.no_grad(), self._get_teacher_context_for_self_distillation():
+            teacher_NH = self._completion_hidden(
+                self.teacher_model, teacher_ids, teacher_mask, completion_ids, completion_mask
+            )
+        unwrap = self.accelerator.unwrap_model
+        return CompletionHiddenStates(
+            student_hidden_NH=student_NH,
+            teacher_hidden_NH=teacher_NH.detach(),
+            student_weight_VH=lm_head_weight(unwrap(model)),
+            teacher_weight_VH=lm_head_weight(unwrap(self.teacher_model)).detach(),
+            logit_transform=self.logit_transform,
+        )
+
+    def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        return completion_hidden(
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            fix_positions=self.args.fix_position_ids,
+            pad_token_id=self.processing_class.pad_token_id,
+            on_last_logits=None if id(model) in self.logits_checked else self._logits_check(model),
+        )
+
+    def _logits_check(self, model):
+        """For a model's first forward: the loss's logit transform must reproduce its own logits
+        (`opsd.method.logits`); the first model's picks it, and every other model must share it."""
+
+        def check(hidden_BH, logits_BV):
+            unwrapped = self.accelerator.unwrap_model(model)
+            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
+            if self.logit_transform is None:
+                logger.info("logit transform after the lm_head, checked against the model's logits: %s",
+                            found.describe())  # fmt: skip
+            self.logit_transform = one_transform(self.logit_transform, found)
+            self.logits_checked.add(id(model))
+
+        return check
+
+    @contextmanager
+    def _get_teacher_context_for_self_distillation(self):
+        # The teacher must be a deterministic function of its weights: in training mode LoRA dropout would
+        # make the EMA adapter and the dynamic teacher (the student itself) score the same tokens differently
+        # on every call. So every teacher forward (loss, probe) runs in eval mode.
+        with (
+            eval_mode(self.accelerator.unwrap_model(self.teacher_model)),
+            super()._get_teacher_context_for_self_distillation(),
+        ):
+            yield
+
+    def _loss_mask(self, completion_ids, completion_mask):
+        a: OPSDConfig = self.args
+        pad = None if a.fix_position_ids else self.processing_class.pad_token_id
+        return loss_token_mask(
+            completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad
+        )
+
+    def _completions_due(self) -> bool:
+        """The first micro-batch of every `completions_steps`-th optimizer step, on the main process."""
+        every = self.args.completions_steps
+        return (
+            every > 0
+            and self.model.training
+            and self.accelerator.is_main_process
+            and self.state.global_step % every == 0
+            and self._step % self.args.gradient_accumulation_steps == 0
+        )
+
+    def _log_completions(self, inputs, hidden: CompletionHiddenStates) -> None:
+        a: OPSDConfig = self.args
+        rows = completions.completion_rows(
+            step=self.state.global_step,
+            problems=inputs["problems"],
+            references=inputs["references"],
+            completion_ids_BC=inputs["completion_ids"],
+            completion_mask_BC=inputs["completion_mask"],
+            student_hidden_NH=hidden.student_hidden_NH.detach(),
+            teacher_hidden_NH=hidden.teacher_hidden_NH,
+            student_weight_VH=hidden.student_weight_VH.detach(),
+            teacher_weight_VH=hidden.teacher_weight_VH,
+            transform=hidden.logit_transform,
+            tokenizer=self.processing_class,
+            rows=a.completions_rows,
+            settings=a.loss_settings(),
+        )
+        completions.append(Path(a.output_dir) / COMPLETIONS_FILE, rows)
+        completions.to_trackers(a.report_to, rows)
 
     # -- 4. checkpoints ----------------------------------------------------------------------------------------
     def _save(self, output_dir=None, state_dict=None):
@@ -227,9 +416,44 @@ class OPSDTrainer(RolloutHooks, LossHooks, SDFTTrainer):
                 if isinstance(cb, InitialisedAdapterEMA):
                     cb.restore(checkpoint)
 
-    # -- for the probe and the loss side ---------------------------------------------------------------------
+    # -- for the probe -----------------------------------------------------------------------------------------
+    def sample_probe_rollouts(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """One completion per prompt from the current student, for the probe (`opsd.run.probe`).
+
+        Sampled like a training rollout but from seeds no training step uses, with the global random state
+        restored afterwards (the transformers engine draws from it), and kept out of the step's timing and
+        rollout metrics: a run with the probe draws the same training rollouts as one without.
+        """
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with self.seeds.probe(), torch.random.fork_rng(devices=devices):
+            _, completions_ = super()._generate(prompt_ids)
+        return [list(c) for c in completions_]
+
     def record_metrics(self, metrics: dict[str, float]) -> None:
         """Adds values to the current logging window (averaged there like every metric)."""
         window = self._metrics["train" if self.model.training else "eval"]
         for key, value in metrics.items():
             window[key].append(value)
+
+
+class TeacherRows:
+    """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
+    (`opsd.method.prompts.teacher_rows`); `num_truncated` counts the teacher prompts cut to their cap."""
+
+    def __init__(self, prompt_builder: PromptBuilder, pad_token_id: int):
+        self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
+        self.num_truncated = 0
+
+    def select_generation_prompts(self, prompts, privileged_contexts):
+        return prompts
+
+    def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
+        rows, self.num_truncated = teacher_rows(
+            self.prompt_builder,
+            prompts,
+            privileged_contexts,
+            completion_ids,
+            completion_mask,
+            self.pad_token_id,
+        )
+        return rows

@@ -28,6 +28,7 @@ import opsd_trainer  # noqa: E402
 from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
 from opsd.method.hidden import positions  # noqa: E402
+from opsd.method.loss import loss_metrics  # noqa: E402
 
 
 class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
@@ -84,7 +85,7 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             target_ids_BT=completion_ids,
         )
         loss = loss_sum / inputs["num_loss_tokens"][0].clamp(min=1) * self.accelerator.num_processes
-        self._record_loss_stats(loss_sum.detach(), stats)
+        self.record_metrics(loss_metrics(loss_sum.detach(), stats))
         return loss
 
 

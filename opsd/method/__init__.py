@@ -1,4 +1,6 @@
-"""The method (docs/method.md §1): one OPSD step, from the rollout to the loss.
+"""The method (docs/method.md §1): what one OPSD step computes, as functions and classes that take what they need
+as arguments. `opsd_trainer.OPSDTrainer` calls them, in the order of a step, from its TRL overrides; nothing here
+reads the trainer or knows the run directory's file names (the trainer passes them in).
 
 Modules, in the order a step uses them:
 
@@ -6,19 +8,17 @@ Modules, in the order a step uses them:
 * `engine_classes`: the trainer's model classes kept out of the colocated engine's in-place decoration, and an
   engine that cannot start on a family refused in one line;
 * `seeds`: per-row rollout seeds, the same for any number of processes and on resume;
-* `weights`: the student's weights pushed into the running vLLM engine before each rollout;
-* `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution);
+* `weights`: the student's merged weights pushed into the running vLLM engine before each generation;
+* `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution), and the
+  `[teacher prompt ; completion]` rows;
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
 * `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
-* `hidden`: rows laid out for one role (positions, padding) and the final hidden states of completion tokens;
+* `hidden`: rows laid out for one role (positions, padding) and the final hidden states of completion tokens
+  (`CompletionHiddenStates`: both roles');
 * `logits`: what turns a hidden state into the model's logits (the lm_head, then the model's own scale or
   soft-cap, found against its logits);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
-  arguments: `LossSettings`, built by `OPSDConfig.loss_settings`);
-* `rollouts`: the trainer's rollout side (TRL's generation hooks, seeded, weights pushed into the engine) and
-  its `[teacher prompt ; completion]` rows;
-* `loss_step`: the trainer's loss side (both roles' hidden states, the loss over the step's tokens, metrics,
-  the completions log);
+  arguments: `LossSettings`, built by `OPSDConfig.loss_settings`) and its `opsd/*` metrics;
 * `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;
 * `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
 """

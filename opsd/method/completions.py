@@ -26,11 +26,9 @@ import torch
 
 from opsd.method.logits import LogitTransform, head_logits
 from opsd.method.loss import LossSettings, token_divergence_with_grad
-from opsd.rundir import COMPLETIONS_FILE
 
 logger = logging.getLogger(__name__)
 
-FILENAME = COMPLETIONS_FILE
 TOP_TOKENS = 5  # tokens of largest divergence listed per row
 COLUMNS = (
     "step",
@@ -102,9 +100,9 @@ def completion_rows(
     return out
 
 
-def append(output_dir: str | Path, rows: Sequence[dict[str, Any]]) -> None:
-    path = Path(output_dir) / FILENAME
-    with path.open("a", encoding="utf-8") as f:
+def append(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Appends `rows` to the log at `path` (the run directory's completions.jsonl: opsd.rundir)."""
+    with Path(path).open("a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 

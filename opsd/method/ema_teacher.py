@@ -10,9 +10,8 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
-
-from opsd.rundir import EMA_TEACHER_FILE, checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +24,13 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
     trainable weights, teacher_t = decay * teacher_{t-1} + (1 - decay) * student_t (docs/method.md §1).
     The average lives in a float32 copy (`shadow_weights`) that is cast into the teacher adapter after each
     update: in bf16, 0.999 * x rounds back to x, so a bf16 average would barely move. A resumed run reloads
-    that copy from `STATE_FILE` in the checkpoint instead of restarting the teacher from the student. A step
+    that copy from `state_file` in the checkpoint instead of restarting the teacher from the student. A step
     for which `step_skipped()` is true (non-finite, no update) leaves the teacher as it is.
     """
 
-    STATE_FILE = EMA_TEACHER_FILE
-
-    def __init__(self, *args, step_skipped=lambda: False, **kwargs):
+    def __init__(self, *args, state_file: str, step_skipped=lambda: False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.state_file = state_file  # its name in a checkpoint (the run directory's layout: opsd.rundir)
         self.step_skipped = step_skipped
         self._resumed: dict[str, torch.Tensor] | None = None
 
@@ -67,20 +65,20 @@ class InitialisedAdapterEMA(PEFTAdapterEMACallback):
         self._copy_to_teacher()
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = checkpoint_dir(args.output_dir, state.global_step)
+        ckpt = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if state.is_world_process_zero and ckpt.is_dir() and self._initialized:
             shadow = {k: v.cpu() for k, v in self.shadow_weights.items()}
-            torch.save({"shadow": shadow, "update_rate": self.update_rate}, ckpt / self.STATE_FILE)
+            torch.save({"shadow": shadow, "update_rate": self.update_rate}, ckpt / self.state_file)
 
     def restore(self, checkpoint_dir: str | Path) -> None:
         """Continue the average saved in `checkpoint_dir` (call before or after the teacher adapter exists)."""
-        path = Path(checkpoint_dir) / self.STATE_FILE
+        path = Path(checkpoint_dir) / self.state_file
         if not path.is_file():
             logger.warning(
                 "%s has no %s (written before the EMA teacher was checkpointed): the EMA teacher restarts "
                 "from the resumed student",
                 checkpoint_dir,
-                self.STATE_FILE,
+                self.state_file,
             )
             return
         shadow = torch.load(path, map_location="cpu")["shadow"]

@@ -8,8 +8,26 @@ completion]`; positions are computed from the masks so padding never shifts a re
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from opsd.method.logits import LogitTransform
+
+
+@dataclass
+class CompletionHiddenStates:
+    """Both roles' hidden states (N, H) of the valid completion tokens, flattened over the completion mask, and
+    the lm_head weights (V, H) and transform that turn them into each role's logits (`OPSDTrainer.
+    completion_hidden_states`; the loss, the probe and the completions log read them)."""
+
+    student_hidden_NH: torch.Tensor
+    teacher_hidden_NH: torch.Tensor
+    student_weight_VH: torch.Tensor
+    teacher_weight_VH: torch.Tensor
+    logit_transform: LogitTransform
 
 
 @contextmanager

@@ -128,6 +128,16 @@ def resolve_logit_transform(
     )
 
 
+def one_transform(current: LogitTransform | None, found: LogitTransform) -> LogitTransform:
+    """The transform the loss applies to both roles: the first model's, which every other model must share."""
+    if current is not None and found != current:
+        raise UnsupportedModel(
+            f"the teacher's logits follow another transform ({found.describe()}) than the student's "
+            f"({current.describe()}); the loss applies one transform to both roles"
+        )
+    return found
+
+
 def head_logits(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
     """The model's logits (N, V) in float32: transform(h @ W.T), the matmul in the weight's dtype as the model's
     lm_head runs it."""

@@ -295,3 +295,14 @@ def chunked_opsd_loss(
     stats_sums = dict(zip(STAT_KEYS, stat_sums_3.unbind(), strict=True))
     stats_sums["num_tokens"] = torch.tensor(float(student_hidden_NH.shape[0]), device=loss_sum.device)
     return loss_sum, stats_sums
+
+
+def loss_metrics(loss_sum: torch.Tensor, stats: dict) -> dict[str, float]:
+    """The `opsd/*` metrics of one micro-batch: `chunked_opsd_loss`'s sums per valid token."""
+    n = max(float(stats["num_tokens"]), 1.0)
+    return {
+        "opsd/divergence": float(stats["divergence"]) / n,
+        "opsd/clipped_frac": float(stats["clipped_frac"]) / n,
+        "opsd/top1_agree": float(stats["top1_agree"]) / n,
+        "opsd/loss_per_token": float(loss_sum) / n,
+    }

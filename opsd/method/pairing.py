@@ -12,7 +12,7 @@
 The rewrite is one column of the trainer's table (`privileged_context`), made at load time: the trainer,
 the probe and the completions log read it as they read a matched reference.
 
-A shuffled run saves its pairing as `<output_dir>/teacher_pairing.json`: `reference_of[i]` is the row whose
+A shuffled run saves its pairing as `<output_dir>/teacher_pairing.json` (opsd.run.resume): `reference_of[i]` is the row whose
 reference row i's teacher reads (rows of the training table after the data filter, in order), with digests
 of the problems and of the permutation. A resume draws the pairing again and refuses one that differs from
 the saved file (other data under the same name, say).
@@ -25,12 +25,10 @@ import json
 import random
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opsd.configuration.choices import check_choice
 from opsd.errors import InvalidValue
-from opsd.rundir import PAIRING_FILE
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -128,46 +126,3 @@ def apply_pairing(
 def summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
     """The record without its permutation (what the dry run prints)."""
     return None if record is None else {k: v for k, v in record.items() if k != "reference_of"}
-
-
-def check_saved(out: Path, record: dict[str, Any] | None, *, allow: bool) -> None:
-    """Refuse to resume a run in `out` whose saved pairing differs from `record` (reads only).
-
-    Checked only when `out` holds a complete checkpoint (a resume) and a saved pairing; `allow`
-    (--allow-config-change) lets the run continue with the new one, which is then saved.
-    """
-    from opsd.rundir import ALLOW_FLAG, latest_complete_checkpoint
-
-    path = out / PAIRING_FILE
-    if record is None or latest_complete_checkpoint(out) is None or not path.is_file():
-        return
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidValue(
-            f"{path} cannot be read ({err}), so this run's teacher pairing cannot be checked before resuming; "
-            "restore the file or use a new --output_dir"
-        ) from err
-    keys = ("problems_sha256", "reference_of_sha256")
-    if not isinstance(saved, dict) or any(saved.get(k) != record[k] for k in keys):
-        if allow:
-            return
-        raise InvalidValue(
-            f"{out} holds a run whose teachers read other references ({path} differs from the pairing drawn "
-            "now: the training table or the pairing changed); use a new --output_dir, or rerun with "
-            f"{ALLOW_FLAG} to continue with the new pairing"
-        )
-
-
-def save(out: Path, record: dict[str, Any] | None) -> None:
-    """Write the pairing of a shuffled run to `out`; remove a stale one when the run has none."""
-    path = out / PAIRING_FILE
-    if record is None:
-        path.unlink(missing_ok=True)
-        return
-    tmp = path.with_suffix(".json.partial")
-    # The header one field a line, the permutation on one line.
-    head = json.dumps({**record, "reference_of": None}, indent=1)
-    body = head.replace('"reference_of": null', f'"reference_of": {json.dumps(record["reference_of"])}')
-    tmp.write_text(body + "\n", encoding="utf-8")
-    tmp.replace(path)

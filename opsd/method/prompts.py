@@ -193,3 +193,21 @@ def reference_text(row: dict, teacher_ref: str, max_chars: int) -> str:
     if max_chars and len(text) > max_chars:
         text = text[:max_chars] + TRUNCATION_MARK
     return text
+
+
+def teacher_rows(
+    builder: PromptBuilder, problems, references, completion_ids_BC, completion_mask_BC, pad_id: int
+):
+    """The `[teacher prompt ; completion]` rows of a batch (left-padded teacher prompts, then the completions as
+    they are) and how many teacher prompts were cut to their cap: (rows dict in TRL's teacher keys, cut)."""
+    import torch
+
+    from opsd.method.hidden import left_pad
+
+    built = [builder.teacher_ids(p, r) for p, r in zip(problems, references, strict=True)]
+    ids, mask = left_pad([t.ids for t in built], pad_id, completion_ids_BC.device)
+    rows = {
+        "teacher_input_ids": torch.cat([ids, completion_ids_BC], dim=1),
+        "teacher_attention_mask": torch.cat([mask, completion_mask_BC], dim=1),
+    }
+    return rows, sum(t.truncated for t in built)

@@ -20,6 +20,18 @@ def row_seed(seed: int, step: int, position: int) -> int:
     return ((seed * 1_000_003 + step) * (1 << 20) + position) % (1 << 62)
 
 
+def first_rollout_row(process_index: int, tensor_parallel_size: int, num_rows: int) -> int:
+    """Global position in a generation's batch of the first of this process's `num_rows` colocated prompts.
+
+    Each process generates its contiguous share of the global generation batch (TRL's sampler), and a
+    tensor-parallel group generates the shares of its ranks in rank order, so the position is the group's first
+    rank x rows per rank. Hence every row has its own seed (repeated prompts get different samples), a resumed
+    run draws the same rollouts, and the rollouts do not depend on how many processes share the batch.
+    """
+    first = process_index // tensor_parallel_size * tensor_parallel_size
+    return first * (num_rows // tensor_parallel_size)
+
+
 class RolloutSeeds:
     """The seeds of a run's rollouts: `for_rows(first, n)` for n rows starting at global position `first` of
     the current step (`step_of()`, e.g. the trainer's global step), or of the probe inside `probe()`."""

@@ -90,3 +90,22 @@ def _cpu_backend() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def sync_colocated_engine(generation, model, *, on_cpu: bool) -> None:
+    """Pushes `model`'s merged weights (LoRA folded in, computed out of place) into TRL's colocated engine
+    (`generation`, a `VLLMGeneration`). Out of place because TRL's merge_adapter/unmerge_adapter round trip
+    perturbs the base weights by rounding error, which would slowly move the fixed teacher."""
+    weights = list(merged_named_weights(model))
+    llm = generation.llm
+    if on_cpu:
+        # vLLM's CPU backend packs float32 linear weights for oneDNN, so per-parameter `load_weights` fails;
+        # reloading in checkpoint format re-runs that packing, and a tied lm_head is rebuilt.
+        tied = model.config.get_text_config().tie_word_embeddings
+        push_weights(llm, weights, tie_word_embeddings=tied)
+        return
+    if generation.enable_sleep_mode:
+        llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+    llm.reset_prefix_cache()

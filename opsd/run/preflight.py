@@ -95,10 +95,9 @@ def check_inputs(config: OPSDConfig, *, dry_run: bool = False):
 def check_run(config: OPSDConfig, extra: argparse.Namespace, *, num_processes: int | None) -> CheckedRun:
     """Every check before the model loads: the inputs (`check_inputs`), `OPSD_KV_CACHE_GIB`, and that a rerun in
     a run directory keeps its method and budget (opsd/run/resume.py; `num_processes` too, None in a dry run)
-    and its teacher pairing (opsd/method/pairing.py), refused before anything is written. Raises `UserError`."""
+    and its teacher pairing (opsd/run/resume.py), refused before anything is written. Raises `UserError`."""
     from opsd.configuration.engine_env import kv_cache_gib
-    from opsd.method import pairing
-    from opsd.run.resume import json_settings, resume_history
+    from opsd.run.resume import check_saved_pairing, json_settings, resume_history
 
     dataset, pairing_record = check_inputs(config, dry_run=extra.dry_run)
     kv_cache_gib()  # a bad OPSD_KV_CACHE_GIB is refused here; a real run applies it when the engine starts
@@ -106,7 +105,7 @@ def check_run(config: OPSDConfig, extra: argparse.Namespace, *, num_processes: i
     history = resume_history(
         Path(config.output_dir), {**json_settings(config), **processes}, allow=extra.allow_config_change
     )
-    pairing.check_saved(Path(config.output_dir), pairing_record, allow=extra.allow_config_change)
+    check_saved_pairing(Path(config.output_dir), pairing_record, allow=extra.allow_config_change)
     return CheckedRun(dataset, pairing_record, history)
 
 

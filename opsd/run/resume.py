@@ -33,7 +33,7 @@ from typing import Any
 from opsd.configuration.aliases import canonical_keys
 from opsd.configuration.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import InvalidValue
-from opsd.rundir import ALLOW_FLAG, CONFIG_FILE
+from opsd.rundir import ALLOW_FLAG, CONFIG_FILE, PAIRING_FILE, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +161,45 @@ def resume_history(out: Path, current: Mapping[str, Any], *, allow: bool) -> lis
 def json_settings(config) -> dict[str, Any]:
     """The config's settings as they are saved in opsd_config.json (JSON values, so they compare equal)."""
     return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+# -- the teacher pairing of a run (opsd.method.pairing draws it) ------------------------------------------
+def check_saved_pairing(out: Path, record: dict[str, Any] | None, *, allow: bool) -> None:
+    """Refuse to resume a run in `out` whose saved pairing differs from `record` (reads only).
+
+    Checked only when `out` holds a complete checkpoint (a resume) and a saved pairing; `allow`
+    (--allow-config-change) lets the run continue with the new one, which is then saved.
+    """
+    path = out / PAIRING_FILE
+    if record is None or latest_complete_checkpoint(out) is None or not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidValue(
+            f"{path} cannot be read ({err}), so this run's teacher pairing cannot be checked before resuming; "
+            "restore the file or use a new --output_dir"
+        ) from err
+    keys = ("problems_sha256", "reference_of_sha256")
+    if not isinstance(saved, dict) or any(saved.get(k) != record[k] for k in keys):
+        if allow:
+            return
+        raise InvalidValue(
+            f"{out} holds a run whose teachers read other references ({path} differs from the pairing drawn "
+            "now: the training table or the pairing changed); use a new --output_dir, or rerun with "
+            f"{ALLOW_FLAG} to continue with the new pairing"
+        )
+
+
+def save_pairing(out: Path, record: dict[str, Any] | None) -> None:
+    """Write the pairing of a shuffled run to `out`; remove a stale one when the run has none."""
+    path = out / PAIRING_FILE
+    if record is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".json.partial")
+    # The header one field a line, the permutation on one line.
+    head = json.dumps({**record, "reference_of": None}, indent=1)
+    body = head.replace('"reference_of": null', f'"reference_of": {json.dumps(record["reference_of"])}')
+    tmp.write_text(body + "\n", encoding="utf-8")
+    tmp.replace(path)

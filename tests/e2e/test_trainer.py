@@ -263,7 +263,7 @@ def test_the_trl_hooks_the_trainer_overrides_exist_in_trl():
 
     from opsd_trainer import OPSDTrainer
 
-    # OPSDTrainer and the OPSD classes mixed in ahead of SDFTTrainer (opsd.method.rollouts, opsd.method.loss_step).
+    # OPSDTrainer and any class mixed in ahead of SDFTTrainer.
     own = OPSDTrainer.__mro__[: OPSDTrainer.__mro__.index(SDFTTrainer)]
     defined = {name: member for cls in reversed(own) for name, member in vars(cls).items()}
     for name in OPSDTrainer.TRL_HOOKS:

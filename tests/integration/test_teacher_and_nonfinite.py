@@ -89,7 +89,9 @@ def test_ema_teacher_is_kept_in_float32_under_bf16(tiny_model_dir):
         model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     )
     rate, steps = 1e-3, 50
-    ema = InitialisedAdapterEMA(model=model, teacher_adapter_name="teacher", update_rate=rate)
+    ema = InitialisedAdapterEMA(
+        model=model, teacher_adapter_name="teacher", update_rate=rate, state_file="ema_teacher.pt"
+    )
     state, control = TrainerState(), TrainerControl()
     # peft keeps adapters in float32; DeepSpeed's bf16 engine (and QLoRA) casts them to bf16, as done here.
     model.to(torch.bfloat16)

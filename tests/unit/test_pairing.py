@@ -13,9 +13,11 @@ from datasets import Dataset
 
 from bench.tiny import build_tokenizer
 from opsd.errors import InvalidValue
-from opsd.method.pairing import apply_pairing, check_saved, derangement, save
+from opsd.method.pairing import apply_pairing, derangement
 from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
 from opsd.run.resume import ALLOW_FLAG
+from opsd.run.resume import check_saved_pairing as check_saved
+from opsd.run.resume import save_pairing as save
 from opsd.rundir import PAIRING_FILE
 
 BEGIN, END = "=== BEGIN REFERENCE ===", "=== END REFERENCE ==="
