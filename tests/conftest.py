@@ -222,3 +222,16 @@ def train_boxer(model_dir, base_dir, save: dict) -> float:
             peft_model.save_pretrained(save[step])
     torch.set_num_threads(threads)
     return loss.item()
+
+
+def stop_at(step: int):
+    """A trainer callback that ends training after optimizer step `step`, as a killed run would have (the
+    step's save still runs)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return StopAt()

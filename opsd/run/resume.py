@@ -145,17 +145,22 @@ def resume_history(out: Path, current: Mapping[str, Any], *, allow: bool) -> lis
     resume = latest_complete_checkpoint(out)
     if resume is None or not cfg_path.is_file():
         return []
-    try:
-        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidValue(
-            f"{cfg_path} cannot be read ({err}), so this run's settings cannot be checked before resuming; "
-            "restore the file or use a new --output_dir"
-        ) from err
+    saved = _read_saved(cfg_path, "settings")
     if not isinstance(saved, dict):
         raise InvalidValue(f"{cfg_path} is not a JSON object; restore the file or use a new --output_dir")
     at_step = checkpoint_step(resume)
     return check_resume(saved, current, allow=allow, where=str(out), at_step=at_step)
+
+
+def _read_saved(path: Path, what: str):
+    """A run's saved JSON file, refused in one line when it cannot be read (before anything is resumed)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidValue(
+            f"{path} cannot be read ({err}), so this run's {what} cannot be checked before resuming; "
+            "restore the file or use a new --output_dir"
+        ) from err
 
 
 def json_settings(config) -> dict[str, Any]:
@@ -173,13 +178,7 @@ def check_saved_pairing(out: Path, record: dict[str, Any] | None, *, allow: bool
     path = out / PAIRING_FILE
     if record is None or latest_complete_checkpoint(out) is None or not path.is_file():
         return
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidValue(
-            f"{path} cannot be read ({err}), so this run's teacher pairing cannot be checked before resuming; "
-            "restore the file or use a new --output_dir"
-        ) from err
+    saved = _read_saved(path, "teacher pairing")
     keys = ("problems_sha256", "reference_of_sha256")
     if not isinstance(saved, dict) or any(saved.get(k) != record[k] for k in keys):
         if allow:

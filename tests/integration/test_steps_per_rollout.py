@@ -4,18 +4,8 @@ valid tokens, the staleness is logged, a run resumed inside a window trains the 
 refused where it cannot work."""
 
 import pytest
-from transformers import TrainerCallback
 
-from tests.conftest import make_trainer
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
+from tests.conftest import make_trainer, stop_at
 
 
 def _recorded(trainer):
@@ -97,7 +87,7 @@ def test_resume_inside_a_window_trains_the_same_problems(tiny_model_dir, tmp_pat
     _, whole = _train(tiny_model_dir, tmp_path / "whole", 2)
     cut = tmp_path / "cut"
     save = dict(save_strategy="steps", save_steps=1)
-    _train(tiny_model_dir, cut, 2, StopAt(1), CompleteMark(), **save)
+    _train(tiny_model_dir, cut, 2, stop_at(1), CompleteMark(), **save)
     ckpt = latest_complete_checkpoint(cut)
     assert ckpt.name == "checkpoint-1"  # inside the window of steps 0 and 1
     trainer, resumed = _train(tiny_model_dir, cut, 2, CompleteMark(), resume=str(ckpt), **save)

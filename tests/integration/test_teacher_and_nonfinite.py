@@ -9,24 +9,13 @@ import pytest
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
-from tests.conftest import make_trainer
+from tests.conftest import make_trainer, stop_at
 from tests.e2e.test_trainer import _scoring_batch, _teacher_hidden
 
 
 def _adapters(trainer):
     """Student (`.default.`) and EMA teacher (`.teacher.`) LoRA weights, cloned."""
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".lora_" in n}
-
-
-class StopAt(TrainerCallback):
-    """Ends training after optimizer step `step`, as a killed run would have (the step's save still runs)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 # -- EMA teacher: resume and float32 ---------------------------------------------------------------------------
@@ -57,7 +46,7 @@ def test_ema_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
     expected = _adapters(whole)
     assert any(".teacher." in n for n in expected) and any(".default." in n for n in expected)
 
-    first = _ema_trainer(tiny_model_dir, tmp_path / "cut", StopAt(2))
+    first = _ema_trainer(tiny_model_dir, tmp_path / "cut", stop_at(2))
     first.train()
     ckpt = latest_complete_checkpoint(tmp_path / "cut")
     assert ckpt.name == "checkpoint-2" and (ckpt / "ema_teacher.pt").is_file()
