@@ -9,12 +9,12 @@ pure functions of `opsd.method` that take what they need as arguments. What diff
 colocate/server/sleep/TP rollouts, the teacher kinds and the buffered generation window are TRL's): OPSD's prompts
 with their own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped
 divergence computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`),
-per-row rollout seeds (`opsd.method.seeds`), merged weights pushed into the engine out of place
-(`opsd.method.weights`), the EMA teacher started from the initial adapter and checkpointed
+per-row rollout seeds and merged weights pushed into the engine out of place (`opsd.method.engine`),
+the EMA teacher started from the initial adapter and checkpointed
 (`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.callbacks`), several
 steps per generation (`steps_per_rollout`, docs/method.md §1.9), and phase timing and OPSD metrics. For other
 families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked against its logits
-on each model's first forward (`opsd.method.logits`), and with a colocated engine the model's classes are its own,
+on each model's first forward (`opsd.method.hidden`), and with a colocated engine the model's classes are its own,
 out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
 """
 
@@ -34,14 +34,26 @@ from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
 from opsd.method.ema_teacher import InitialisedAdapterEMA
+from opsd.method.engine import (
+    RolloutSeeds,
+    SeededLLM,
+    first_rollout_row,
+    row_seed,
+    sync_colocated_engine,
+)
 from opsd.method.engine_classes import engine_start_refusal, own_classes
-from opsd.method.hidden import CompletionHiddenStates, completion_hidden, eval_mode, loss_token_mask
-from opsd.method.logits import lm_head_weight, one_transform, resolve_logit_transform
+from opsd.method.hidden import (
+    CompletionHiddenStates,
+    completion_hidden,
+    eval_mode,
+    lm_head_weight,
+    loss_token_mask,
+    one_transform,
+    resolve_logit_transform,
+)
 from opsd.method.loss import chunked_opsd_loss, loss_metrics
 from opsd.method.prompts import PromptBuilder, teacher_rows
-from opsd.method.seeds import RolloutSeeds, SeededLLM, first_rollout_row, row_seed
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
-from opsd.method.weights import sync_colocated_engine
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
 from opsd.run.compiled_layers import compile_decoder_layers, compiled_graphs
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
@@ -132,7 +144,7 @@ class OPSDTrainer(SDFTTrainer):
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
-        # The loss's logit transform (opsd.method.logits), picked and checked on each model's first forward.
+        # The loss's logit transform (opsd.method.hidden), picked and checked on each model's first forward.
         self.logit_transform = None
         self.logits_checked: set[int] = set()
         self.add_callback(StepTimer(self._metrics["train"], self.clock))
@@ -330,7 +342,7 @@ class OPSDTrainer(SDFTTrainer):
 
     def _logits_check(self, model):
         """For a model's first forward: the loss's logit transform must reproduce its own logits
-        (`opsd.method.logits`); the first model's picks it, and every other model must share it."""
+        (`opsd.method.hidden`); the first model's picks it, and every other model must share it."""
 
         def check(hidden_BH, logits_BV):
             unwrapped = self.accelerator.unwrap_model(model)

@@ -98,8 +98,7 @@ def agreement(trainer, n_prompts: int, n_tokens: int, seed: int) -> dict:
     import torch
     from vllm import SamplingParams
 
-    from opsd.method.hidden import eval_mode, left_pad, right_pad
-    from opsd.method.logits import IDENTITY, head_logits, lm_head_weight
+    from opsd.method.hidden import IDENTITY, eval_mode, head_logits, left_pad, lm_head_weight, right_pad
 
     gen = trainer.vllm_generation
     trainer._sync_rollout_weights()  # the last optimizer step's weights are not in the engine yet

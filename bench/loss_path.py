@@ -31,8 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
-from opsd.method.hidden import completion_hidden  # noqa: E402
-from opsd.method.logits import lm_head_weight  # noqa: E402
+from opsd.method.hidden import (
+    completion_hidden,  # noqa: E402
+    lm_head_weight,  # noqa: E402
+)
 from opsd.method.loss import LossSettings, chunked_opsd_loss  # noqa: E402
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]

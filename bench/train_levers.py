@@ -79,8 +79,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
 
     from opsd.configuration.choices import CLIP_MODES
     from opsd.configuration.config import OPSDConfig
-    from opsd.method.hidden import completion_hidden, left_pad, right_pad
-    from opsd.method.logits import lm_head_weight
+    from opsd.method.hidden import completion_hidden, left_pad, lm_head_weight, right_pad
     from opsd.method.lora_targets import resolve_targets
     from opsd.method.loss import chunked_opsd_loss
 

@@ -21,8 +21,8 @@ not reproduce run to run (use --merge-adapter there for byte-identical reruns; d
 
 One engine. vLLM starts once on the base model; every checkpoint is then put into the running engine:
 * on vLLM's CPU backend (adapters merged by default, `resolve_adapter_mode`): base + LoRA delta computed
-  with peft from the base model and the adapter (`opsd.method.weights.merged_named_weights`, the trainer's
-  rollout sync) and loaded in place (`opsd.method.weights.push_weights`: vLLM's `reload_weights`);
+  with peft from the base model and the adapter (`opsd.method.engine.merged_named_weights`, the trainer's
+  rollout sync) and loaded in place (`opsd.method.engine.push_weights`: vLLM's `reload_weights`);
 * on a GPU (adapters served as LoRAs by default): each adapter a `LoRARequest` of its own on an engine
   started with LoRA enabled and `max_lora_rank` fitting the largest adapter, the base weights unchanged;
 * a full fine-tune, or the base model after merged or full weights: its checkpoint reloaded in place
@@ -224,7 +224,7 @@ class SweepEngine:
 
     def serve(self, job: Job):
         """Start the engine if needed and put `job`'s weights in it; returns (engine, LoRARequest or None)."""
-        from opsd.method.weights import merged_named_weights, push_weights
+        from opsd.method.engine import merged_named_weights, push_weights
 
         settings = job.settings
         mode, adapter = settings.adapter_mode, settings.adapter_path

@@ -7,16 +7,15 @@ Modules, in the order a step uses them:
 * `lora_targets`: which modules get LoRA adapters (`auto`: every layer kind's projections), logged per layer kind;
 * `engine_classes`: the trainer's model classes kept out of the colocated engine's in-place decoration, and an
   engine that cannot start on a family refused in one line;
-* `seeds`: per-row rollout seeds, the same for any number of processes and on resume;
-* `weights`: the student's merged weights pushed into the running vLLM engine before each generation;
+* `engine`: the rollout engine as the trainer drives it: per-row seeds (the same rollouts for any number of
+  processes and on resume), and the student's merged weights pushed into it before each generation;
 * `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution), and the
   `[teacher prompt ; completion]` rows;
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
 * `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
-* `hidden`: rows laid out for one role (positions, padding) and the final hidden states of completion tokens
-  (`CompletionHiddenStates`: both roles');
-* `logits`: what turns a hidden state into the model's logits (the lm_head, then the model's own scale or
-  soft-cap, found against its logits);
+* `hidden`: rows laid out for one role (positions, padding), the final hidden states of completion tokens
+  (`CompletionHiddenStates`: both roles'), and what turns them into the model's logits (the lm_head, then the
+  model's own scale or soft-cap, found against its logits);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
   arguments: `LossSettings`, built by `OPSDConfig.loss_settings`) and its `opsd/*` metrics;
 * `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from opsd.method.logits import LogitTransform, head_logits
+from opsd.method.hidden import LogitTransform, head_logits
 from opsd.method.loss import LossSettings, token_divergence_with_grad
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd.configuration.loss_settings import LossSettings
-from opsd.method.logits import IDENTITY, LogitTransform
+from opsd.method.hidden import IDENTITY, LogitTransform
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
 
@@ -264,7 +264,7 @@ def chunked_opsd_loss(
     """Summed OPSD loss from final hidden states without materialising all (N, V) logits (the training path).
 
     loss_sum = sum over the N tokens of the per-token loss on logits transform(h @ W.T) (lm_head without bias;
-    `transform` is what the model applies after it, `opsd.method.logits`: identity for most families), but only
+    `transform` is what the model applies after it, `opsd.method.hidden`: identity for most families), but only
     ``settings.chunk_size`` tokens' logits exist at a time. For each chunk the forward pass computes the
     student and teacher logits, the per-token loss and right away (`token_divergence_with_grad`) the gradient
     of the chunk's loss sum w.r.t. the student hidden chunk, and w.r.t. the student weight (accumulated in a

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from opsd.method.hidden import eval_mode, left_pad, right_pad
-from opsd.method.logits import IDENTITY, LogitTransform, head_logits
+from opsd.method.hidden import IDENTITY, LogitTransform, eval_mode, head_logits, left_pad, right_pad
 from opsd.method.loss import LossSettings, pointwise_jsd_terms
 from opsd.rundir import PROBE_FILE
 

@@ -120,7 +120,7 @@ def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
     seed."""
     from vllm import SamplingParams
 
-    from opsd.method.seeds import RolloutSeeds
+    from opsd.method.engine import RolloutSeeds
 
     tok = vllm_tiny.llm.get_tokenizer()
     rows = [{"prompt_token_ids": tok("What is 2 + 3?").input_ids}] * 4 + [

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from opsd.method.hidden import positions
-from opsd.method.logits import lm_head_weight
+from opsd.method.hidden import lm_head_weight, positions
 from tests.conftest import free_port
 
 

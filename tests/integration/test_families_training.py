@@ -12,8 +12,7 @@ import torch
 from bench import reference_loss
 from bench.families import FAMILIES, build_family
 from bench.tiny import build_tokenizer
-from opsd.method.hidden import positions
-from opsd.method.logits import IDENTITY, LogitTransform
+from opsd.method.hidden import IDENTITY, LogitTransform, positions
 from opsd.method.lora_targets import coverage, log_coverage, resolve_targets
 from tests.conftest import make_trainer
 
@@ -145,7 +144,7 @@ def test_synced_weights_are_the_merged_checkpoint_on_disk(family, family_dirs, t
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from opsd.method.weights import merged_named_weights
+    from opsd.method.engine import merged_named_weights
 
     model = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
     peft = get_peft_model(model, LoraConfig(r=4, target_modules=resolve_targets(model, ["auto"])))

@@ -1,4 +1,4 @@
-"""Tests for opsd.method.logits (the transform a model applies after its lm_head) and its use by the chunked loss:
+"""Tests for opsd.method.hidden (the transform a model applies after its lm_head) and its use by the chunked loss:
 against the float64 oracle of test_loss.py, fed logits transformed by hand, and against autograd."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from opsd.errors import UnsupportedModel
 from opsd.method import loss
-from opsd.method.logits import IDENTITY, LogitTransform, candidates, resolve_logit_transform
+from opsd.method.hidden import IDENTITY, LogitTransform, candidates, resolve_logit_transform
 from tests.unit.test_loss import CLIP_MODES, oracle, settings
 
 
