@@ -26,20 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
-from bench.train_profile import run_length  # noqa: E402
+from common import machine, qwen3_1p7b_dir, write
+from train_profile import run_length
 
 LIGER_KERNELS = {
     "rms_norm": True,

@@ -94,7 +94,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from bench.tiny import build_tiny_model
+    from opsd.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 

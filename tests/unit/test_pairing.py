@@ -11,12 +11,12 @@ import logging
 import pytest
 from datasets import Dataset
 
-from bench.tiny import build_tokenizer
 from opsd.errors import InvalidValue
 from opsd.method.pairing import apply_pairing, check_saved, derangement, save
 from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
 from opsd.run.resume import ALLOW_FLAG
 from opsd.rundir import PAIRING_FILE
+from opsd.testing.tiny import build_tokenizer
 
 BEGIN, END = "=== BEGIN REFERENCE ===", "=== END REFERENCE ==="
 

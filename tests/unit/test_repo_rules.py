@@ -30,6 +30,40 @@ def test_no_tracked_file_points_outside_the_repo():
     assert res.returncode == 1 and not res.stdout, res.stdout
 
 
+def path_edits(source: str) -> list[int]:
+    """The lines of `source` that add a folder to sys.path (insert, append or extend)."""
+    pattern = re.compile(r"\bsys\.path\.(insert|append|extend)\b")
+    return [n for n, line in enumerate(source.splitlines(), 1) if pattern.search(line)]
+
+
+def test_no_tracked_module_edits_sys_path():
+    """Scripts import the installed package (opsd, opsd.testing, the root entry points) and, in bench/, their
+    siblings from their own folder; none reaches into the checkout through sys.path."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    assert "bench/learning.py" in tracked and "tests/conftest.py" in tracked
+    found = {name: path_edits((ROOT / name).read_text()) for name in tracked if (ROOT / name).is_file()}
+    edits = {name: lines for name, lines in found.items() if lines}
+    assert not edits, f"sys.path edited at these lines: {edits}"
+
+
+# Assembled from pieces so that this file does not match itself.
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "sys.path." + "insert(0, str(ROOT))",
+        "import sys\nsys.path." + "append('..')",
+        "  sys.path." + "extend([p])",
+    ],
+)
+def test_the_sys_path_check_finds_an_edit(snippet):
+    assert path_edits(snippet), snippet
+    assert not path_edits("print(sys.path)\nfrom common import write")
+
+
 def test_method_doc_has_every_section_the_code_cites():
     method = (ROOT / "docs" / "method.md").read_text()
     headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)[ .]", method, flags=re.M))
