@@ -13,10 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from trl.experimental.sdft import SDFTConfig
 
-from opsd.configuration.choices import CHOICES, check_choice
+from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
 from opsd.configuration.loss_settings import LossSettings
 from opsd.configuration.ranges import check_ranges
-from opsd.run.microbatch import parse_micro_batch_size
 
 logger = logging.getLogger(__name__)
 
