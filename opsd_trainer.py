@@ -36,7 +36,7 @@ from opsd.method.rollouts import RolloutHooks, TeacherRowBuilder
 from opsd.method.seeds import RolloutSeeds
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
-from opsd.run.compiled_layers import compile_decoder_layers
+from opsd.speed.compiled_layers import compile_decoder_layers
 
 logger = logging.getLogger(__name__)
 

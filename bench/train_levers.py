@@ -9,7 +9,7 @@ random-weight Qwen3-1.7B, `micro_batch_size=auto` as beside vLLM at 0.6, phases 
 - `liger`: transformers' own switch `use_liger_kernel=True` (a `TrainingArguments` field, so also
   `--use_liger_kernel` on `opsd_train.py`) with Liger's RMSNorm, RoPE and SwiGLU kernels and neither of its
   cross-entropy losses: the loss stays `opsd.method.loss`;
-- `compile`: `compile_layers=True` (`opsd.run.compiled_layers`: every decoder layer compiled, LoRA and
+- `compile`: `compile_layers=True` (`opsd.speed.compiled_layers`: every decoder layer compiled, LoRA and
   checkpointing inside, for the passes without a KV cache), after a warm-up step. The committed JSONs were
   measured before that switch existed, with `Module.compile()` of each decoder layer (no generation runs here,
   so the same passes were compiled).

@@ -228,7 +228,7 @@ def train_flops(model_config, tokens: Counter, checkpointing: bool) -> float:
     """bench/opsd_step.py's `bounds` estimate: 2 x body weights per token and pass (student forward, its recompute
     with checkpointing, activation backward with frozen base weights; teacher forward) and three lm_head
     products per completion token; attention scores and LoRA left out."""
-    from opsd.run.microbatch import ModelShape
+    from opsd.speed.microbatch import ModelShape
 
     s = ModelShape.from_config(model_config)
     body = s.params - s.vocab * s.hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
@@ -295,10 +295,10 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     from transformers import AutoModelForCausalLM
 
     from opsd.configuration.config import OPSDConfig
+    from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
     from opsd.models import load_tokenizer, resolve_attn_implementation
-    from opsd.run import microbatch
-    from opsd.run.preflight import build_paired_dataset
+    from opsd.speed import microbatch
 
     cuda, work = a.device == "cuda", tempfile.mkdtemp(prefix="train-profile-")
     config = OPSDConfig(

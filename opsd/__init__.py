@@ -2,7 +2,9 @@
 
 * `method/`: one OPSD step, from the rollout to the loss;
 * `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
-* `run/`: a training run's logs, resume, budget and probe;
+* `run/`: a training run's logs, resume and probe;
+* `launch/`: a run's inputs checked before any model loads, the dry run and the capped budget's plan;
+* `speed/`: how a step is split into micro-batches and compiled (memory and time, not method);
 * `data/`: training and evaluation tables, and the built-in sets;
 * `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
 * `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);

@@ -134,8 +134,8 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
+    from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
-    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     settings = dict(

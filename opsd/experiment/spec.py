@@ -231,7 +231,7 @@ _REWRITE = "it was edited or damaged: restore it, or run the experiment again in
 def _check_data(data: dict) -> str | None:
     """What is wrong with experiment.json's content, in words; None when every field is as a run writes it."""
     from opsd.configuration.recipe import RecipeError, parse_recipe
-    from opsd.run.capped import PROFILES
+    from opsd.launch.capped import PROFILES
 
     names = [f.name for f in fields(Spec)]
     unknown = sorted(set(data) - set(names))

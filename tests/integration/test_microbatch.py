@@ -1,5 +1,5 @@
-"""Micro-batch plans (opsd.run.microbatch): parsing, divisibility, the memory estimate and auto's choice, against
-hand-computed values."""
+"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.choices), divisibility, the memory
+estimate and auto's choice, against hand-computed values."""
 
 from types import SimpleNamespace
 
@@ -7,8 +7,8 @@ import pytest
 
 from opsd.configuration.choices import AUTO, parse_micro_batch_size
 from opsd.errors import InvalidValue
-from opsd.run import microbatch
-from opsd.run.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
+from opsd.speed import microbatch
+from opsd.speed.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
 
 QWEN3_1P7B = SimpleNamespace(
     hidden_size=2048,
