@@ -39,7 +39,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 from common import machine, write
-from opsd.evaluation.config import EvalConfig
+from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params
 from opsd.evaluation.requests import ListSource, plan_requests
 

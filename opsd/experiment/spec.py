@@ -172,7 +172,7 @@ def check_eval_flags(flags: list[str]) -> None:
     import contextlib
     import io
 
-    from opsd.evaluation.config import EvalConfig, parse_config
+    from opsd.evaluation.eval_config import EvalConfig, parse_config
 
     placeholder = "(the experiment's)"
     usage = io.StringIO()
