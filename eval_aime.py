@@ -52,7 +52,7 @@ import sys
 import traceback
 
 from opsd import errors
-from opsd.evaluation.run import RunFailed, run
+from opsd.evaluation.evaluate import RunFailed, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ training_process_env()
 
 from opsd.configuration.config import OPSDConfig  # noqa: E402
 from opsd.errors import run_main  # noqa: E402
-from opsd.run import preflight  # noqa: E402
+from opsd.launch import preflight  # noqa: E402
 
 logger = logging.getLogger("opsd")
 
@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     from opsd.method import lora_targets
     from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
-    from opsd.run import microbatch
     from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.run.probe import Probe, split_probe
     from opsd.run.provenance import provenance
@@ -87,6 +86,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         mark_complete,
         trim_step_log,
     )
+    from opsd.speed import microbatch
     from opsd_trainer import OPSDTrainer
 
     model_path = resolve_model_path(config.model_name_or_path)

@@ -55,8 +55,8 @@ from opsd.method.loss import chunked_opsd_loss, loss_metrics
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
-from opsd.run.compiled_layers import compile_decoder_layers, compiled_graphs
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
+from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
 logger = logging.getLogger(__name__)
 

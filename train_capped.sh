@@ -15,10 +15,11 @@
 # OPSD_DEBUG=1 adds the traceback. Writes
 # runs/<name>/capped_seed<seed>/checkpoint-100 and prints that path last. Rerunning the same command
 # after an interruption resumes from the last complete checkpoint and still stops at step 100.
-# --profile demo/smoke keep the 100 steps with 4/2 problems per step for CPU machines (see opsd/run/capped.py).
+# --profile demo/smoke keep the 100 steps with 4/2 problems per step for CPU machines
+# (see opsd/launch/capped.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
 export TRL_EXPERIMENTAL_SILENCE=1
-exec "$py" -m opsd.run.capped --root "$root" "$@"
+exec "$py" -m opsd.launch.capped --root "$root" "$@"

@@ -29,11 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import STEP_METRICS, machine, qwen3_1p7b_dir, write
+from opsd.rundir import latest_complete_checkpoint, read_step_log
 
-from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
-from opsd.rundir import latest_complete_checkpoint, read_step_log  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class GPUMemoryPoller:

@@ -25,7 +25,7 @@ STEP_METRICS = [
 
 def qwen3_1p7b_dir(path: str | Path) -> Path:
     """A random-weight Qwen3-1.7B (bf16) with a locally trained tokenizer padded to its 151,936-token vocabulary."""
-    from bench.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
+    from opsd.testing.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from capped_run import step_stats, timed
 from common import machine, qwen3_1p7b_dir, write
-
 from opsd.rundir import read_step_log
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,9 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import machine, write  # noqa: E402
+from common import machine, write
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eval_aime.py"
@@ -54,7 +52,7 @@ SCRIPT = REPO / "eval_aime.py"
 
 def base_model(kind: str, work: Path) -> str:
     if kind == "tiny":
-        from bench.tiny import build_tiny_model
+        from opsd.testing.tiny import build_tiny_model
 
         path = work / "tiny-model"
         if not (path / "config.json").is_file():

@@ -38,12 +38,10 @@ import time
 from pathlib import Path
 from statistics import NormalDist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import machine, write  # noqa: E402
-from opsd.evaluation.config import EvalConfig  # noqa: E402
-from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params  # noqa: E402
-from opsd.evaluation.requests import ListSource, plan_requests  # noqa: E402
+from common import machine, write
+from opsd.evaluation.eval_config import EvalConfig
+from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params
+from opsd.evaluation.requests import ListSource, plan_requests
 
 PROMPT_LEN = 128
 
@@ -59,7 +57,7 @@ def model_dir(kind: str, path: Path) -> Path:
     """config.json and tokenizer of the benchmark model; vLLM draws dummy weights."""
     from transformers import Qwen3Config
 
-    from bench.tiny import build_tokenizer, qwen3_1p7b_shape, tiny_qwen3_shape
+    from opsd.testing.tiny import build_tokenizer, qwen3_1p7b_shape, tiny_qwen3_shape
 
     path = path / kind
     if not (path / "config.json").is_file():
@@ -201,7 +199,7 @@ HBM_BYTES_PER_S = 4.8e12
 
 def kv_bytes_per_token(kind: str) -> int:
     """Bytes of K and V cached per token over all layers (bf16 for the Qwen3-1.7B shape, fp32 for tiny)."""
-    from bench.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
+    from opsd.testing.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
 
     shape = qwen3_1p7b_shape() if kind == "qwen3-1.7b" else tiny_qwen3_shape()
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]

@@ -7,9 +7,9 @@ how closely the rollout engine's log-probs match the trainer's on the same token
 Each family (qwen3 = Qwen3-1.7B, the control; qwen3_5 = Qwen3.5-2B text model; olmo3 = OLMo-3-7B; smollm3 =
 SmolLM3-3B; gemma3 = Gemma-3-4B text model; lfm2 = LFM2-2.6B) runs in its own process (`--one FAMILY`, this script
 again, killed after `--timeout` s). That process writes a random-weight bf16 model of the released shape
-(`bench.families.REAL_SHAPES`, built on the GPU) and trains it with `opsd_train.main`: `--steps` optimizer steps of
-32 built-in problems (per-device batch 4 x accumulation 8), one rollout each of exactly `--length` tokens, vLLM
-colocated at `--gpu-memory-utilization`, LoRA on the default targets, gradient checkpointing. The rows hold the
+(`opsd.testing.families.REAL_SHAPES`, built on the GPU) and trains it with `opsd_train.main`: `--steps` optimizer
+steps of 32 built-in problems (per-device batch 4 x accumulation 8), one rollout each of exactly `--length` tokens,
+vLLM colocated at `--gpu-memory-utilization`, LoRA on the default targets, gradient checkpointing. The rows hold the
 time split and memory the trainer logs (`bench.common.STEP_METRICS`), medians over the steps after the first
 (engine warm-up), and every step's values.
 
@@ -20,7 +20,8 @@ with the engine's log-prob of each sampled token, and scores those tokens with t
 the engine's log-prob mode and the engine's model class (whether it ran the family through vLLM's Transformers
 backend). A failed family is recorded with its error line and stderr tail, and the next one runs. The JSON is
 rewritten after every family; a family already `ok` in --out is kept unless --rerun. `--tiny` runs the same flow on
-the tiny float32 models of `bench.families` (2 steps of 2 problems, 16 tokens), which vLLM's CPU engine can run.
+the tiny float32 models of `opsd.testing.families` (2 steps of 2 problems, 16 tokens), which vLLM's CPU engine can
+run.
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import STEP_METRICS, machine, write
+from opsd.rundir import METRICS_FILE, read_step_log
+from opsd.testing.families import FAMILIES as TINY_FAMILIES
+from opsd.testing.families import REAL_SHAPES
 
-from bench.common import STEP_METRICS, machine, write  # noqa: E402
-from bench.families import FAMILIES as TINY_FAMILIES  # noqa: E402
-from bench.families import REAL_SHAPES  # noqa: E402
-from opsd.rundir import METRICS_FILE, read_step_log  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FAMILIES = ("qwen3", "qwen3_5", "olmo3", "smollm3", "gemma3", "lfm2")
 # (steps, per-device batch, accumulation, length, agreement prompts, agreement tokens) on the GPU and with --tiny.
@@ -156,7 +156,7 @@ def one(a) -> None:
 
     import torch
 
-    from bench.families import build_family
+    from opsd.testing.families import build_family
 
     s = settings(a)
     work = Path(a.work) / a.one
@@ -232,7 +232,7 @@ def run_family(name: str, a, s: dict) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the engine's helpers go with it
             rc, timed_out = proc.wait(), True
     stderr = (work / "stderr.log").read_text(errors="replace")
-    source = "bench.families tiny model" if a.tiny else REAL_SHAPES[name][2]
+    source = "opsd.testing.families tiny model" if a.tiny else REAL_SHAPES[name][2]
     row = {"family": name, "shape_of": source, "wall_s": round(time.perf_counter() - start, 1)}
     if (work / "build.json").is_file():
         row.update(json.loads((work / "build.json").read_text()))
@@ -268,7 +268,9 @@ def record(rows: dict, s: dict, a, machine_info: dict) -> dict:
         "benchmark": "families",
         "machine": machine_info,
         "config": {
-            "models": "tiny float32 (bench.families)" if a.tiny else "released shapes, random weights, bf16",
+            "models": "tiny float32 (opsd.testing.families)"
+            if a.tiny
+            else "released shapes, random weights, bf16",
             "shapes": {} if a.tiny else {n: REAL_SHAPES[n][2] for n in rows},
             "problems_per_step": s["batch"] * s["accumulation"],
             **s,

@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import machine, write  # noqa: E402
-from bench.reference_loss import token_divergence  # noqa: E402
-from bench.tiny import build_tiny_model  # noqa: E402
-from opsd.data.builtin import builtin_train_rows  # noqa: E402
-from opsd.method.hidden import completion_hidden, left_pad, right_pad  # noqa: E402
-from opsd.method.prompts import PromptBuilder  # noqa: E402
+from common import machine, write
+from opsd.data.builtin import builtin_train_rows
+from opsd.method.hidden import completion_hidden, left_pad, right_pad
+from opsd.method.prompts import PromptBuilder
+from opsd.testing.reference_loss import token_divergence
+from opsd.testing.tiny import build_tiny_model
 
 # The published loss (beta 0, temperature 1.1, clip 0.05) in each mode.
 MODES = {

@@ -57,16 +57,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import machine, write
+from learning_figures import plot
+from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS
+from opsd.experiment import cells as C
+from opsd.experiment import report as R
+from opsd.experiment import spec as S
+from opsd.experiment import stats
 
-from bench.common import machine, write  # noqa: E402
-from bench.learning_figures import plot  # noqa: E402
-from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS  # noqa: E402
-from opsd.experiment import cells as C  # noqa: E402
-from opsd.experiment import report as R  # noqa: E402
-from opsd.experiment import spec as S  # noqa: E402
-from opsd.experiment import stats  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MATCHED = TEACHER_REF_PAIRINGS[0]
 # clip_mode:beta:learning_rate[:teacher_ref_pairing]. The four clip modes at the published beta = 0, beta = 0.5

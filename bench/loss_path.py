@@ -7,8 +7,8 @@ One micro-batch = student forward+backward on [prompt 256 ; completion C], teach
 [teacher prompt 1024 ; completion C], and the clipped-JSD loss (docs/method.md §1, published settings), with LoRA r64
 on all projections and gradient checkpointing, as in training.
 - reference: both roles' logits materialised over the whole vocabulary (`model(...).logits`, as the
-  reference code does) and the loss computed from them (`bench.reference_loss.opsd_loss_from_logits`, the unchunked
-  function that the tests check against the naive oracle);
+  reference code does) and the loss computed from them (`opsd.testing.reference_loss.opsd_loss_from_logits`, the
+  unchunked function that the tests check against the naive oracle);
 - project: final hidden states only, and `opsd.method.loss.chunked_opsd_loss` (logits in chunks of 1024 tokens,
   gradient computed in the forward, never all at once).
 Writes bench/results/loss_path_<gpu>.json: machine, versions, config, peak memory and median time per size.
@@ -22,20 +22,14 @@ import functools
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
-from opsd.method.hidden import (
-    completion_hidden,  # noqa: E402
-    lm_head_weight,  # noqa: E402
-)
-from opsd.method.loss import LossSettings, chunked_opsd_loss  # noqa: E402
+from opsd.method.hidden import completion_hidden, lm_head_weight
+from opsd.method.loss import LossSettings, chunked_opsd_loss
+from opsd.testing.reference_loss import opsd_loss_from_logits
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]
 
@@ -52,7 +46,7 @@ def build_model(tiny: bool, device: str):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bench.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
+    from opsd.testing.tiny import qwen3_1p7b_shape, tiny_qwen3_shape
 
     shape = dict(tiny_qwen3_shape(), vocab_size=512) if tiny else qwen3_1p7b_shape()
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -35,11 +35,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import STEP_METRICS, machine, qwen3_1p7b_dir, write
+from opsd.rundir import METRICS_FILE, read_step_log
 
-from bench.common import STEP_METRICS, machine, qwen3_1p7b_dir, write  # noqa: E402
-from opsd.rundir import METRICS_FILE, read_step_log  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # The reference's micro-batch 4 runs out of memory beside vLLM at 2048 on an H200; its micro-batch 2 runs.
 DEFAULT_VARIANTS = (

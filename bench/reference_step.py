@@ -8,27 +8,23 @@ from `OPSDTrainer` is what the published OPSD code does, and nothing else:
   detokenised outputs;
 - weight sync: TRL's `sync_weights` (merge the LoRA adapter into the base weights, push them, unmerge);
 - scoring and loss: both roles' logits over the whole vocabulary (`model(...).logits`, prompt positions
-  included), then the clipped divergence on the completion positions (`bench.reference_loss.opsd_loss_from_logits`,
-  the same formula as the chunked loss);
+  included), then the clipped divergence on the completion positions
+  (`opsd.testing.reference_loss.opsd_loss_from_logits`, the same formula as the chunked loss);
 - micro-batch and checkpointing: whatever the arguments say (the reference used 4 and checkpointing on).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import opsd_train  # noqa: E402  (first: it sets the engine's environment before vLLM loads)
-import opsd_trainer  # noqa: E402
-from bench.reference_loss import opsd_loss_from_logits  # noqa: E402
-from opsd.errors import run_main  # noqa: E402
-from opsd.method.hidden import positions  # noqa: E402
-from opsd.method.loss import loss_metrics  # noqa: E402
+import opsd_train  # first: it sets the engine's environment before vLLM loads
+import opsd_trainer
+from opsd.errors import run_main
+from opsd.method.hidden import positions
+from opsd.method.loss import loss_metrics
+from opsd.testing.reference_loss import opsd_loss_from_logits
 
 
 class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):

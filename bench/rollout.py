@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
-from opsd.evaluation.sampling import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
+from common import machine, qwen3_1p7b_dir, write
+from opsd.evaluation.sampling import HFEngine, SamplingConfig, VLLMEngine
 
 
 def prompts(n: int, length: int, vocab: int = 151_000) -> list[list[int]]:

@@ -27,7 +27,6 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,9 +36,8 @@ for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_AD
 os.environ.setdefault("MASTER_PORT", "29531")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
+from common import machine, qwen3_1p7b_dir, write  # noqa: E402
 
 VARIANTS = {
     "reference": {"seeds": False, "detokenize": True},

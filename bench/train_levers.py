@@ -9,7 +9,7 @@ random-weight Qwen3-1.7B, `micro_batch_size=auto` as beside vLLM at 0.6, phases 
 - `liger`: transformers' own switch `use_liger_kernel=True` (a `TrainingArguments` field, so also
   `--use_liger_kernel` on `opsd_train.py`) with Liger's RMSNorm, RoPE and SwiGLU kernels and neither of its
   cross-entropy losses: the loss stays `opsd.method.loss`;
-- `compile`: `compile_layers=True` (`opsd.run.compiled_layers`: every decoder layer compiled, LoRA and
+- `compile`: `compile_layers=True` (`opsd.speed.compiled_layers`: every decoder layer compiled, LoRA and
   checkpointing inside, for the passes without a KV cache), after a warm-up step. The committed JSONs were
   measured before that switch existed, with `Module.compile()` of each decoder layer (no generation runs here,
   so the same passes were compiled).
@@ -26,20 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
-from bench.train_profile import run_length  # noqa: E402
+from common import machine, qwen3_1p7b_dir, write
+from train_profile import run_length
 
 LIGER_KERNELS = {
     "rms_norm": True,

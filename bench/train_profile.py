@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -39,17 +38,14 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
-from transformers.trainer_callback import PrinterCallback  # noqa: E402
+import torch
+from torch.autograd import DeviceType
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import machine, qwen3_1p7b_dir, write  # noqa: E402
-from bench.opsd_step import BF16_DENSE_FLOPS  # noqa: E402
-from opsd_trainer import OPSDTrainer  # noqa: E402
+from common import machine, qwen3_1p7b_dir, write
+from opsd_step import BF16_DENSE_FLOPS
+from opsd_trainer import OPSDTrainer
 
 # A kernel's (CPU op's) family: by the nearest of these profiler ranges around the op that launched it (for
 # backward work, around the forward op that recorded its node), else by the first name pattern that matches.
@@ -232,7 +228,7 @@ def train_flops(model_config, tokens: Counter, checkpointing: bool) -> float:
     """bench/opsd_step.py's `bounds` estimate: 2 x body weights per token and pass (student forward, its recompute
     with checkpointing, activation backward with frozen base weights; teacher forward) and three lm_head
     products per completion token; attention scores and LoRA left out."""
-    from opsd.run.microbatch import ModelShape
+    from opsd.speed.microbatch import ModelShape
 
     s = ModelShape.from_config(model_config)
     body = s.params - s.vocab * s.hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
@@ -299,10 +295,10 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     from transformers import AutoModelForCausalLM
 
     from opsd.configuration.config import OPSDConfig
+    from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
     from opsd.models import load_tokenizer, resolve_attn_implementation
-    from opsd.run import microbatch
-    from opsd.run.preflight import build_paired_dataset
+    from opsd.speed import microbatch
 
     cuda, work = a.device == "cuda", tempfile.mkdtemp(prefix="train-profile-")
     config = OPSDConfig(

@@ -2,14 +2,16 @@
 
 * `method/`: one OPSD step, from the rollout to the loss;
 * `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
-* `run/`: a training run's logs, resume, budget and probe;
+* `run/`: a training run's logs, resume and probe;
+* `launch/`: a run's inputs checked before any model loads, the dry run and the capped budget's plan;
+* `speed/`: how a step is split into micro-batches and compiled (memory and time, not method);
 * `data/`: training and evaluation tables, and the built-in sets;
 * `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
 * `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);
+* `testing/`: what tests and benchmarks share: small models built locally, the loss from full logits;
 * `errors`, `paths`, `rundir`, `models`: user errors, the paths a user names, a run directory's layout
   (file names, checkpoints, step logs), model and tokenizer loading.
 
 The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
-`train_capped.sh`); the package never imports them. Small models built locally for tests and benchmarks
-are `bench/tiny.py`; the loss from full logits, the benchmarks' baseline, `bench/reference_loss.py`.
+`train_capped.sh`); the package never imports them, and only tests and `bench/` import `testing/`.
 """

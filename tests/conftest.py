@@ -94,7 +94,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from bench.tiny import build_tiny_model
+    from opsd.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
@@ -134,8 +134,8 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
+    from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
-    from opsd.run.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     settings = dict(

@@ -3,10 +3,13 @@
 `OPSDConfig` validates its fields against these (and hands them to the CLI parser as `choices`), the
 recipe parser checks `recipe.env` / `OPSD_*` values against them, and the data modules validate their own
 arguments with the same tuples. The loss checks nothing again: its settings come from a checked config
-(`OPSDConfig.loss_settings`). No dependencies, so any module can import it.
+(`OPSDConfig.loss_settings`). `parse_micro_batch_size` reads the one switch that is a choice or a number
+(`micro_batch_size`: auto, a positive integer or unset). No dependencies, so any module can import it.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 CLIP_MODES = ("element", "token", "rescale", "none")
 LOSS_TYPES = ("jsd", "sampled_token")
@@ -35,3 +38,25 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...] | None = None) 
     allowed = CHOICES[name] if allowed is None else allowed
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+# micro_batch_size (memory, not method) is no plain choice: auto, a number of rows, or unset.
+AUTO = "auto"
+# micro_batch_size once parsed.
+MicroBatchSize = int | Literal["auto"] | None
+
+
+def parse_micro_batch_size(value: str | int | None) -> MicroBatchSize:
+    """None for unset ("" or None), `AUTO` for auto (any case), else a positive int; ValueError naming the allowed
+    values. A value already parsed is returned as it is (`dataclasses.replace` of a config parses it again)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    text = str(value).strip().lower()
+    if text in ("", AUTO):
+        return text or None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ValueError(
+        f"micro_batch_size={value!r} is not allowed; give auto, a positive integer that divides the problems "
+        "per process per step, or leave it unset (per_device_train_batch_size as given)"
+    )

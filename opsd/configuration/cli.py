@@ -1,7 +1,7 @@
 """opsd_train.py's command line: flags, YAML, `recipe.env` and `OPSD_*` into one checked `OPSDConfig`.
 
 `parse_config` is the one parser of training's settings: `opsd_train.py` and `train_capped.sh`'s dry run
-(`opsd.run.preflight`) both call it. Every problem is a `UserError` naming the source of the bad value.
+(`opsd.launch.preflight`) both call it. Every problem is a `UserError` naming the source of the bad value.
 """
 
 from __future__ import annotations

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from trl.experimental.sdft import SDFTConfig
 
-from opsd.configuration.choices import CHOICES, check_choice
+from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
 from opsd.configuration.loss_settings import LossSettings
 from opsd.configuration.ranges import check_ranges
-from opsd.run.microbatch import parse_micro_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class OPSDConfig(SDFTConfig):
         default=None,
         metadata=_help(
             "Rows per forward/backward, keeping per_device_train_batch_size x gradient_accumulation_steps "
-            "problems per process per step (memory, not method; opsd.run.microbatch): unset = "
+            "problems per process per step (memory, not method; opsd.speed.microbatch): unset = "
             "per_device_train_batch_size as given; N (must divide them); auto = the largest that fits beside "
             "the engine on a GPU, the plan as given without one. train_capped.sh uses auto. Parsed once, here, "
             "into None, an int or 'auto'."
@@ -125,7 +124,7 @@ class OPSDConfig(SDFTConfig):
         default=False,
         metadata=_help(
             "torch.compile every decoder layer for the training and teacher forwards; generation stays eager "
-            "(time, not method: opsd.run.compiled_layers). The first steps and each new sequence width pay "
+            "(time, not method: opsd.speed.compiled_layers). The first steps and each new sequence width pay "
             "the compile; on a CPU it needs a C++ compiler."
         ),
     )

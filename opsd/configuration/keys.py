@@ -2,7 +2,7 @@
 
 `RECIPE_KEYS` (the method) and `OPERATIONAL_KEYS` (logging and memory) may be set in `recipe.env` and `OPSD_*`
 under the harness; `BUDGET_KEYS` are fixed by it. Read by the recipe parser (`opsd.configuration.recipe`), the
-resume check (`opsd.run.resume`), the harness (`opsd.run.capped`) and docs/configuration.md's table.
+resume check (`opsd.run.resume`), the harness (`opsd.launch.capped`) and docs/configuration.md's table.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ RECIPE_KEYS = frozenset({
 
 # Settings that change neither the budget nor the method (trackers, logging, memory): the capped harness
 # takes them from recipe.env, OPSD_* variables and its pass-through flags (`train_capped.sh -- --report_to
-# wandb`). Gradient checkpointing, the loss chunk size and the micro-batch (opsd.run.microbatch) trade memory for
-# time on identical arithmetic; compile_layers (opsd.run.compiled_layers) fuses the same arithmetic into fewer kernels.
+# wandb`). Gradient checkpointing, the loss chunk size and the micro-batch (opsd.speed.microbatch) trade memory
+# for time on identical arithmetic; compile_layers (opsd.speed.compiled_layers) fuses the same arithmetic into
+# fewer kernels.
 OPERATIONAL_KEYS = frozenset({
     "report_to", "run_name", "logging_steps", "logging_first_step", "log_level", "disable_tqdm",
     "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "gradient_checkpointing", "loss_chunk_size",

@@ -7,7 +7,7 @@ Modules, in the order a run uses them (each imports only those before it):
 * `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
   one builder of vLLM `SamplingParams`;
-* `config`: `EvalConfig` (eval_aime.py's flags; their ranges: `opsd.configuration.ranges.EVAL_RANGES`),
+* `eval_config`: `EvalConfig` (eval_aime.py's flags; their ranges: `opsd.configuration.ranges.EVAL_RANGES`),
   `parse_config`, `EvalSettings` (one evaluation's resolved settings, generated from `EvalConfig`'s fields and
   `Resolved`'s, saved as eval_config.json), the errors the entry point reports;
 * `samples`: the result directory's files: samples.jsonl (read, repaired, appended), shard merging,
@@ -21,7 +21,7 @@ Modules, in the order a run uses them (each imports only those before it):
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
 * `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;
 * `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start;
-* `run`: one run start to finish, or a sweep or a report mode (eval_aime.py calls `run.run`).
+* `evaluate`: one run start to finish, or a sweep or a report mode (eval_aime.py calls `evaluate.run`).
 
 Output directory (`--out DIR`):
 

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EngineDied, EvalConfig, EvalSettings
 from opsd.evaluation.engines import build_engine
+from opsd.evaluation.eval_config import EngineDied, EvalConfig, EvalSettings
 from opsd.evaluation.job import Job, cuda_available
 from opsd.evaluation.requests import ListSource, Request, Source
 from opsd.evaluation.samples import ENGINE_ERROR_LOG, append_samples, read_samples

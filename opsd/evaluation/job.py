@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EvalConfig, EvalSettings, UserError
+from opsd.evaluation.eval_config import EvalConfig, EvalSettings, UserError
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """What one evaluation still has to generate, and how its results are reported: shared by a single run
-(`opsd.evaluation.run`) and a sweep (`opsd.evaluation.sweep`)."""
+(`opsd.evaluation.evaluate`) and a sweep (`opsd.evaluation.sweep`)."""
 
 from __future__ import annotations
 
 import logging
 
-from opsd.evaluation.config import UserError
+from opsd.evaluation.eval_config import UserError
 from opsd.evaluation.job import Job
 from opsd.evaluation.requests import Prompts, Request, plan_requests
 from opsd.evaluation.samples import (

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EvalSettings, UserError
+from opsd.evaluation.eval_config import EvalSettings, UserError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from opsd.evaluation.config import RunFailed
+from opsd.evaluation.eval_config import RunFailed
 from opsd.evaluation.job import Job
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, index_samples, read_samples
 from opsd.run.provenance import package_versions

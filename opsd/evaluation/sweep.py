@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EvalConfig, UserError
+from opsd.evaluation.eval_config import EvalConfig, UserError
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job, resolve, resolve_model
 from opsd.evaluation.plan import missing_requests, report_lines

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.config import EvalConfig, RunFailed, UserError
+from opsd.evaluation.eval_config import EvalConfig, RunFailed, UserError
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job
 from opsd.evaluation.requests import PromptOf, Prompts, Request, make_request

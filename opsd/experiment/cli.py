@@ -152,7 +152,7 @@ def refuse_method_env(environ=os.environ) -> None:
 
 
 def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.Spec:
-    from opsd.run.capped import PROFILES
+    from opsd.launch.capped import PROFILES
 
     profile = a.profile or (old.profile if old else "full")
     if profile not in PROFILES:

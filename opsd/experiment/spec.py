@@ -39,7 +39,7 @@ RUNS = "runs"
 EVALS = "evals"
 LOGS = "logs"
 BASE = "base"
-STEPS = 100  # the capped budget's steps (opsd.run.capped.STEPS); the final checkpoint is checkpoint-100
+STEPS = 100  # the capped budget's steps (opsd.launch.capped.STEPS); the final checkpoint is checkpoint-100
 # An arm name becomes a directory and a file name: a plain name, short, starting with a letter or digit.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 MAX_NAME_CHARS = 64
@@ -172,7 +172,7 @@ def check_eval_flags(flags: list[str]) -> None:
     import contextlib
     import io
 
-    from opsd.evaluation.config import EvalConfig, parse_config
+    from opsd.evaluation.eval_config import EvalConfig, parse_config
 
     placeholder = "(the experiment's)"
     usage = io.StringIO()
@@ -231,7 +231,7 @@ _REWRITE = "it was edited or damaged: restore it, or run the experiment again in
 def _check_data(data: dict) -> str | None:
     """What is wrong with experiment.json's content, in words; None when every field is as a run writes it."""
     from opsd.configuration.recipe import RecipeError, parse_recipe
-    from opsd.run.capped import PROFILES
+    from opsd.launch.capped import PROFILES
 
     names = [f.name for f in fields(Spec)]
     unknown = sorted(set(data) - set(names))

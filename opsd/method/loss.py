@@ -15,7 +15,7 @@ there. D_beta = sum_v term_v with
 Reduction convention: the batch-level functions return the SUM of per-token losses over valid tokens; the
 caller divides by the global number of valid tokens, which keeps gradient accumulation and data parallelism
 exact. Teacher inputs are always detached. The same loss computed the reference code's way, from full
-(B, T, V) logits through autograd, is bench/reference_loss.py: the benchmarks' baseline and the tests' check.
+(B, T, V) logits through autograd, is opsd/testing/reference_loss.py: the benchmarks' baseline and the tests' check.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from opsd.rundir import ALLOW_FLAG, CONFIG_FILE, PAIRING_FILE, latest_complete_c
 logger = logging.getLogger(__name__)
 
 HISTORY_KEY = "history"
-# How a process splits its problems per step into micro-batches (opsd/run/microbatch.py: memory, not method):
-# these may change on resume as long as PROBLEMS_PER_PROCESS, their product, does not.
+# How a process splits its problems per step into micro-batches (opsd/speed/microbatch.py: memory, not
+# method): these may change on resume as long as PROBLEMS_PER_PROCESS, their product, does not.
 SPLIT_KEYS = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
 })  # fmt: skip

@@ -237,7 +237,7 @@ def test_dry_run_validates_in_one_interpreter(tmp_path, monkeypatch, capsys):
     # transformers and TRL again; it now runs training's checks in this one.
     import subprocess
 
-    from opsd.run import capped
+    from opsd.launch import capped
 
     def no_child(*args, **kwargs):
         raise AssertionError(f"the dry run started a process: {args}")

@@ -413,7 +413,7 @@ def test_cli_mistakes_get_the_hint(args, message, tmp_path):
 
 
 def test_harness_passes_allow_config_change_to_training(tmp_path, monkeypatch, capsys):
-    from opsd.run import capped
+    from opsd.launch import capped
 
     for key in [k for k in __import__("os").environ if k.startswith("OPSD_") and k != "OPSD_CACHE_DIR"]:
         monkeypatch.delenv(key)

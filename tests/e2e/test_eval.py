@@ -228,14 +228,14 @@ FLAG_SPELLINGS = {
 
 @pytest.mark.parametrize("flags", list(FLAG_SPELLINGS), ids=lambda f: " ".join(f) or "none")
 def test_merge_adapter_flag_spellings(flags):
-    from opsd.evaluation.config import parse_config
+    from opsd.evaluation.eval_config import parse_config
 
     config = parse_config(["--adapter", "ckpt", *flags, "--n", "3", "--out", "x"])
     assert config.merge_adapter == FLAG_SPELLINGS[flags] and config.n == 3  # a bare flag takes no value
 
 
 def test_merge_adapter_bad_values_are_user_errors():
-    from opsd.evaluation.config import UserError, parse_config
+    from opsd.evaluation.eval_config import UserError, parse_config
 
     with pytest.raises(UserError, match="choose auto, true"):
         parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])

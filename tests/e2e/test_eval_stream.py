@@ -38,7 +38,7 @@ class CountingEngine:
 def test_stream_window_bounds_requests_in_flight_and_matches_batched_generate(vllm_tiny):
     from vllm import SamplingParams
 
-    from opsd.evaluation.config import EvalConfig
+    from opsd.evaluation.eval_config import EvalConfig
     from opsd.evaluation.generate import stream, vllm_params
     from opsd.evaluation.requests import ListSource, plan_requests
 

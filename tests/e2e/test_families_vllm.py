@@ -1,6 +1,6 @@
 """opsd_train.py with its default rollout engine (colocated vLLM, the CPU build here) on the architecture families of
-`bench.families`: two optimizer steps where this vLLM runs the family, one line naming engine, version, family
-and the engine that works where it does not.
+`opsd.testing.families`: two optimizer steps where this vLLM runs the family, one line naming engine, version,
+family and the engine that works where it does not.
 
 One family per engine path: olmo3 goes through vLLM 0.32's Transformers backend, which decorates the transformers
 decoder class in place when the engine starts (without `opsd.method.engine_classes` the trainer's own model of
@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from bench.families import build_family
-from bench.tiny import build_tokenizer
+from opsd.testing.families import build_family
+from opsd.testing.tiny import build_tokenizer
 from tests.e2e.test_train_cli import run_train
 
 pytest.importorskip("vllm")

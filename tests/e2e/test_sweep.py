@@ -298,7 +298,7 @@ def test_sweep_argument_errors_are_one_line(run_dir, tmp_path):
 
 def test_expand_orders_complete_checkpoints_and_names_them_uniquely(tmp_path):
     from opsd import errors
-    from opsd.evaluation.config import UserError
+    from opsd.evaluation.eval_config import UserError
     from opsd.evaluation.sweep import expand
 
     assert issubclass(UserError, errors.UserError)  # eval_aime.py reports both the same way

@@ -30,7 +30,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd.run.preflight import build_paired_dataset
+    from opsd.launch.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     cfg = OPSDConfig(

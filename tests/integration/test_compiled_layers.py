@@ -16,7 +16,7 @@ def _adapters(trainer):
 
 
 def _train(tiny_model_dir, out, compiled: bool):
-    from opsd.run.compiled_layers import compile_decoder_layers
+    from opsd.speed.compiled_layers import compile_decoder_layers
 
     torch.manual_seed(0)
     trainer = make_trainer(tiny_model_dir, out, gradient_checkpointing=True, teacher_mode="fixed")
@@ -62,7 +62,7 @@ def test_compiled_layers_train_as_the_eager_layers_do(tiny_model_dir, tmp_path):
 
 
 def test_compile_layers_switch_reaches_the_trainer(tiny_model_dir, tmp_path):
-    from opsd.run import compiled_layers
+    from opsd.speed import compiled_layers
 
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", compile_layers=True)
     layers = [m for m in trainer.model.modules() if type(m).__name__ == "Qwen3DecoderLayer"]
@@ -73,7 +73,7 @@ def test_compile_layers_switch_reaches_the_trainer(tiny_model_dir, tmp_path):
 
 
 def test_a_model_without_decoder_layers_is_refused():
-    from opsd.run.compiled_layers import compile_decoder_layers
+    from opsd.speed.compiled_layers import compile_decoder_layers
 
     with pytest.raises(ValueError, match="compile_layers found no decoder layer"):
         compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))

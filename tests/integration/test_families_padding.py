@@ -1,4 +1,4 @@
-"""Padding exactness of completion scoring on every architecture family of `bench.families`.
+"""Padding exactness of completion scoring on every architecture family of `opsd.testing.families`.
 
 A batch's rows are `[left-padded prompt ; right-padded completion]` with position ids from the masks
 (`completion_hidden(fix_positions=True)`). For each family, each completion token's log-probs from the padded
@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.families import FAMILIES, build_family
-from bench.tiny import build_tokenizer
 from opsd.method.hidden import completion_hidden, left_pad, positions, right_pad
 from opsd.method.prompts import PromptBuilder
+from opsd.testing.families import FAMILIES, build_family
+from opsd.testing.tiny import build_tokenizer
 
 # Families whose attention rotates queries and keys by position (granitemoehybrid and nemotron_h have none).
 ROPE_FAMILIES = ("qwen3", "qwen3_5", "olmo3", "smollm3", "gemma3", "lfm2")

@@ -1,6 +1,6 @@
-"""The trainer on every architecture family of `bench.families` (transformers rollouts, in this process): its loss
-is the divergence of the model's own logits, LoRA `auto` reaches every layer kind, and two optimizer steps change
-every layer kind's adapters. The same steps with colocated vLLM are tests/e2e/test_families_vllm.py."""
+"""The trainer on every architecture family of `opsd.testing.families` (transformers rollouts, in this process): its
+loss is the divergence of the model's own logits, LoRA `auto` reaches every layer kind, and two optimizer steps
+change every layer kind's adapters. The same steps with colocated vLLM are tests/e2e/test_families_vllm.py."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import logging
 import pytest
 import torch
 
-from bench import reference_loss
-from bench.families import FAMILIES, build_family
-from bench.tiny import build_tokenizer
 from opsd.method.hidden import IDENTITY, LogitTransform, positions
 from opsd.method.lora_targets import coverage, log_coverage, resolve_targets
+from opsd.testing import reference_loss
+from opsd.testing.families import FAMILIES, build_family
+from opsd.testing.tiny import build_tokenizer
 from tests.conftest import make_trainer
 
 PUBLISHED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# What each family applies after its lm_head (bench/families.py gives Granite logits_scaling 8, Gemma a soft-cap 5).
+# What each family applies after its lm_head (opsd/testing/families.py gives Granite logits_scaling 8, Gemma a
+# soft-cap 5).
 TRANSFORMS = {"granitemoehybrid": LogitTransform(1 / 8.0, 0.0), "gemma3": LogitTransform(1.0, 5.0)}
 
 

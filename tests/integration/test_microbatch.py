@@ -1,13 +1,14 @@
-"""Micro-batch plans (opsd.run.microbatch): parsing, divisibility, the memory estimate and auto's choice, against
-hand-computed values."""
+"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.choices), divisibility, the memory
+estimate and auto's choice, against hand-computed values."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from opsd.configuration.choices import AUTO, parse_micro_batch_size
 from opsd.errors import InvalidValue
-from opsd.run import microbatch
-from opsd.run.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
+from opsd.speed import microbatch
+from opsd.speed.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
 
 QWEN3_1P7B = SimpleNamespace(
     hidden_size=2048,
@@ -32,7 +33,7 @@ def cfg(**kw):
         loss_chunk_size=1024,
     )
     out = SimpleNamespace(**{**base, **kw})
-    out.micro_batch_size = microbatch.parse_micro_batch_size(out.micro_batch_size)
+    out.micro_batch_size = parse_micro_batch_size(out.micro_batch_size)
     return out
 
 
@@ -46,16 +47,16 @@ def test_shape_of_qwen3_1p7b():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("", None), (None, None), ("auto", microbatch.AUTO), ("AUTO", "auto"), ("8", 8), (" 2 ", 2), (8, 8)],
+    [("", None), (None, None), ("auto", AUTO), ("AUTO", "auto"), ("8", 8), (" 2 ", 2), (8, 8)],
 )
 def test_parse(value, expected):
-    assert microbatch.parse_micro_batch_size(value) == expected
+    assert parse_micro_batch_size(value) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-4", "two", "1.5"])
 def test_parse_refuses(value):
     with pytest.raises(ValueError, match="micro_batch_size"):
-        microbatch.parse_micro_batch_size(value)
+        parse_micro_batch_size(value)
 
 
 def test_fixed_plans_keep_the_problems_per_process():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.reference_loss import token_divergence
 from opsd.configuration.config import IGNORED_SDFT_OPTIONS, OPSDConfig
 from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
+from opsd.testing.reference_loss import token_divergence
 from tests.conftest import make_trainer
 
 

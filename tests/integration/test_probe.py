@@ -128,7 +128,7 @@ def _probe_run(model_dir, out, *, clip_mode, probe=True, steps=6, lr=1e-2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.configuration.config import OPSDConfig
-    from opsd.run.preflight import build_paired_dataset
+    from opsd.launch.preflight import build_paired_dataset
     from opsd_trainer import OPSDTrainer
 
     cfg = OPSDConfig(

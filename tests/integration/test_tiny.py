@@ -1,4 +1,5 @@
-"""Tests for bench/tiny.py: the locally trained tokenizer, its Qwen3-style chat template, and the tiny Qwen3."""
+"""Tests for opsd/testing/tiny.py: the locally trained tokenizer, its Qwen3-style chat template, and the tiny
+Qwen3."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.tiny import build_qwen3, build_tiny_model, build_tokenizer
+from opsd.testing.tiny import build_qwen3, build_tiny_model, build_tokenizer
 
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 

@@ -1,5 +1,5 @@
-"""An evaluation's resolved settings (opsd.evaluation.config.EvalSettings, eval_config.json) and its requests,
-built whole (opsd.evaluation.requests): no model, a stand-in prompt builder."""
+"""An evaluation's resolved settings (opsd.evaluation.eval_config.EvalSettings, eval_config.json) and its
+requests, built whole (opsd.evaluation.requests): no model, a stand-in prompt builder."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from opsd.evaluation.config import EvalConfig, EvalSettings, UserError
+from opsd.evaluation.eval_config import EvalConfig, EvalSettings, UserError
 from opsd.evaluation.plan import missing_requests
 from opsd.evaluation.requests import Prompts, plan_requests
 from opsd.evaluation.samples import CONFIG_FILE, RESUME_KEYS, check_resume, sample_seed

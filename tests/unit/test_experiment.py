@@ -1,7 +1,7 @@
 """Tests for opsd.experiment (spec, cells, schedule, report, cli) and the fixed KV cache of opsd.configuration.engine_env.
 
 No model, engine or training run: arms are parsed from recipe files written here; commands are parsed back
-with shlex and checked against opsd.run.capped's own plan of where a run writes; reports are built from synthetic
+with shlex and checked against opsd.launch.capped's own plan of where a run writes; reports are built from synthetic
 experiment directories whose per-sample values are typed in below and whose statistics are recomputed here in
 plain Python (t quantiles typed from a table); the scheduler runs `sh -c` jobs that create the files it
 checks.
@@ -24,7 +24,7 @@ from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
 from opsd.experiment import cli, power, report, schedule, spec
-from opsd.run.capped import make_plan
+from opsd.launch.capped import make_plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Two-sided 95% Student t quantiles t_{0.975, df}, typed from a table.
@@ -409,7 +409,7 @@ def check_train(train: list[str], directory: Path, sp: spec.Spec, arm: str, seed
 
 
 def where_capped_writes(train: list[str]) -> Path:
-    """opsd.run.capped's own plan for these train_capped.sh flags: the run's final checkpoint."""
+    """opsd.launch.capped's own plan for these train_capped.sh flags: the run's final checkpoint."""
     flags = options(train[2:])
     plan = make_plan(
         name=flags["--name"], seed=int(flags["--seed"]), num_gpus=1, profile=flags["--profile"],
@@ -456,7 +456,7 @@ def test_print_commands_one_line_per_cell(
         target = run if every_checkpoint else run / "checkpoint-100"
         assert ev[10:] == ["--checkpoints", str(target), "--no-base", "--merge-adapter",
                           "--out", str(directory / "evals" / arm / f"seed{seed}")]  # fmt: skip
-        # The checkpoint scored is the one train_capped.sh writes, by opsd.run.capped's own plan.
+        # The checkpoint scored is the one train_capped.sh writes, by opsd.launch.capped's own plan.
         assert where_capped_writes(train) == run / "checkpoint-100"
 
 

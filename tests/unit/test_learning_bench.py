@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import (
+from learning import (
     arm_entries,
     baselines,
     build_rows,

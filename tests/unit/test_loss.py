@@ -1,5 +1,5 @@
-"""Tests for opsd.method.loss (the training loss) and bench/reference_loss.py (the same loss from materialised
-logits, through autograd) against a naive float64 oracle written independently below."""
+"""Tests for opsd.method.loss (the training loss) and opsd/testing/reference_loss.py (the same loss from
+materialised logits, through autograd) against a naive float64 oracle written independently below."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from bench import reference_loss
 from opsd.configuration.config import OPSDConfig
 from opsd.method import loss
 from opsd.method.loss import LossSettings
+from opsd.testing import reference_loss
 
 ATOL = RTOL = 1e-5
 BETAS = (0.0, 0.3, 0.5, 1.0)  # 0.3: asymmetric, so swapped mixture weights are caught

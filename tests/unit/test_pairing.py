@@ -11,7 +11,6 @@ import logging
 import pytest
 from datasets import Dataset
 
-from bench.tiny import build_tokenizer
 from opsd.errors import InvalidValue
 from opsd.method.pairing import apply_pairing, derangement
 from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
@@ -19,6 +18,7 @@ from opsd.run.resume import ALLOW_FLAG
 from opsd.run.resume import check_saved_pairing as check_saved
 from opsd.run.resume import save_pairing as save
 from opsd.rundir import PAIRING_FILE
+from opsd.testing.tiny import build_tokenizer
 
 BEGIN, END = "=== BEGIN REFERENCE ===", "=== END REFERENCE ==="
 

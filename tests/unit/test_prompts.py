@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from bench import tiny
-from bench.tiny import build_tokenizer
 from opsd.errors import UnsupportedModel
 from opsd.method.prompts import PromptBuilder, reference_text, template_variables
+from opsd.testing import tiny
+from opsd.testing.tiny import build_tokenizer
 
 MARK = "\n[... reference truncated ...]"
 BEGIN = "=== BEGIN REFERENCE ==="

@@ -1,6 +1,6 @@
 """Rules the repository keeps, checked without a model or an engine: it stands on its own, its configs take
-TRL/open-r1's shape, the published recipe and each choice have one source, its package has no import cycle,
-and its generated docs are current."""
+TRL/open-r1's shape, the published recipe and each choice have one source, no script edits sys.path, its
+package's imports run down its floor plan with no cycle, and its generated docs are current."""
 
 import ast
 import json
@@ -28,6 +28,40 @@ def test_no_tracked_file_points_outside_the_repo():
         ["git", "grep", "-nE", "|".join(words)], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert res.returncode == 1 and not res.stdout, res.stdout
+
+
+def path_edits(source: str) -> list[int]:
+    """The lines of `source` that add a folder to sys.path (insert, append or extend)."""
+    pattern = re.compile(r"\bsys\.path\.(insert|append|extend)\b")
+    return [n for n, line in enumerate(source.splitlines(), 1) if pattern.search(line)]
+
+
+def test_no_tracked_module_edits_sys_path():
+    """Scripts import the installed package (opsd, opsd.testing, the root entry points) and, in bench/, their
+    siblings from their own folder; none reaches into the checkout through sys.path."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    assert "bench/learning.py" in tracked and "tests/conftest.py" in tracked
+    found = {name: path_edits((ROOT / name).read_text()) for name in tracked if (ROOT / name).is_file()}
+    edits = {name: lines for name, lines in found.items() if lines}
+    assert not edits, f"sys.path edited at these lines: {edits}"
+
+
+# Assembled from pieces so that this file does not match itself.
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "sys.path." + "insert(0, str(ROOT))",
+        "import sys\nsys.path." + "append('..')",
+        "  sys.path." + "extend([p])",
+    ],
+)
+def test_the_sys_path_check_finds_an_edit(snippet):
+    assert path_edits(snippet), snippet
+    assert not path_edits("print(sys.path)\nfrom common import write")
 
 
 def test_method_doc_has_every_section_the_code_cites():
@@ -254,8 +288,8 @@ def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
 # -- the package and its generated docs --------------------------------------------------------------------
 
 
-def test_the_package_import_graph_has_no_cycle():
-    """No module of opsd imports (at the top or inside a function) one that imports it back, directly or not."""
+def package_import_graph() -> dict[str, set[str]]:
+    """Each module of opsd -> the modules of opsd it imports, at the top or inside a function."""
     modules = {}
     for path in (ROOT / "opsd").rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -270,7 +304,56 @@ def test_the_package_import_graph_has_no_cycle():
             else:
                 continue
             graph[name] |= {t for t in targets if t in modules and t != name}
-    assert "opsd.evaluation.config" in graph["opsd.evaluation.run"]  # the walk sees real edges
+    assert "opsd.evaluation.eval_config" in graph["opsd.evaluation.evaluate"]  # the walk sees real edges
+    return graph
+
+
+# The floor plan of docs/decisions.md (Structure), lowest first: a module imports only from a lower floor or
+# from its own folder (errors, paths and rundir, the ground floor, from each other).
+FLOORS = [
+    {"errors", "paths", "rundir"},
+    {"configuration"},
+    {"method", "data", "models"},
+    {"speed", "run"},
+    {"launch", "evaluation"},
+    {"experiment"},
+    {"testing"},
+]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The edges of `graph` that do not run down the floor plan, as "importer -> imported"."""
+    floor = {part: n for n, parts in enumerate(FLOORS) for part in parts}
+
+    def part(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else "opsd"
+
+    found = []
+    for name, targets in graph.items():
+        for target in targets:
+            a, b = part(name), part(target)
+            if a == b or "opsd" in (a, b) or (floor[a] == floor[b] == 0) or floor[b] < floor[a]:
+                continue
+            found.append(f"{name} -> {target}")
+    return sorted(found)
+
+
+def test_imports_only_run_down_the_floor_plan():
+    graph = package_import_graph()
+    parts = {m.split(".")[1] for m in graph if m.count(".")}
+    assert parts == set().union(*FLOORS), "a folder or top module missing from FLOORS"
+    assert upward_imports(graph) == []
+    assert upward_imports({"opsd.configuration.config": {"opsd.speed.microbatch"}}) == [
+        "opsd.configuration.config -> opsd.speed.microbatch"
+    ]
+    assert upward_imports(
+        {"opsd.method.loss": {"opsd.launch.capped"}, "opsd.run.probe": {"opsd.speed.microbatch"}}
+    )
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """No module of opsd imports (at the top or inside a function) one that imports it back, directly or not."""
+    graph = package_import_graph()
 
     def path_back(start, node, seen):
         for nxt in graph[node]:

@@ -1,11 +1,11 @@
 """Tiny random float32 models of the architecture families the method is meant to train, for exactness tests.
 
 Every model is hidden 64 with 2 attention heads of head_dim 32 (vLLM's CPU attention rejects 16), sits next to
-the `bench.tiny.build_tokenizer` tokenizer, and reloads with `AutoModelForCausalLM` / `AutoTokenizer`. The
-layouts put every layer kind of a family into a few layers, with windows and kernels short enough to matter on
-test sequences of a few dozen tokens:
+the `opsd.testing.tiny.build_tokenizer` tokenizer, and reloads with `AutoModelForCausalLM` / `AutoTokenizer`.
+The layouts put every layer kind of a family into a few layers, with windows and kernels short enough to matter
+on test sequences of a few dozen tokens:
 
-- qwen3: 2 full-attention layers (`bench.tiny.build_qwen3`).
+- qwen3: 2 full-attention layers (`opsd.testing.tiny.build_qwen3`).
 - qwen3_5 (text-only `Qwen3_5ForCausalLM`): Gated DeltaNet, full attention, Gated DeltaNet, full attention;
   DeltaNet heads 1 key / 2 value of dim 128, conv kernel 4; partial RoPE (a quarter of head_dim) with the
   interleaved M-RoPE sections of the real configs. vLLM's CPU engine runs it in bfloat16 only (its Gated
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
+from opsd.testing.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
 
 HIDDEN = 64
 HEADS = dict(num_attention_heads=2, num_key_value_heads=1)

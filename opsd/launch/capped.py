@@ -3,8 +3,8 @@
 100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
 The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the
 number of processes. How each process splits its share into micro-batches is memory, not method
-(`opsd.run.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine on
-a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
+(`opsd.speed.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine
+on a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
 `-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
 which `opsd_train.py --capped` checks against the whitelist in `opsd.configuration.recipe`.
 
@@ -14,11 +14,11 @@ Profiles keep the 100 steps and shrink the rest for machines without GPUs:
   rollouts, sized for a 2-core CPU (scripts/demo.sh adds configs/recipes/demo.env);
 - `smoke`: 2 problems per step, 8-token rollouts and the probe at steps 0, 50 and 100, for CI on a tiny model.
 
-    python -m opsd.run.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] [--dataset D] \
-        [--dry-run] [--debug] [-- --report_to wandb --run_name x]
+    python -m opsd.launch.capped --num-gpus 4 --name myrun --seed 42 [--profile full] [--model M] \
+        [--dataset D] [--dry-run] [--debug] [-- --report_to wandb --run_name x]
 
 prints the launch command as a JSON plan (`train_capped.sh` executes it). Before launching, and in a dry run,
-it runs training's dry run (`opsd.run.preflight`, what `opsd_train.py --dry-run` runs) on the planned
+it runs training's dry run (`opsd.launch.preflight`, what `opsd_train.py --dry-run` runs) on the planned
 arguments, in this interpreter: the configuration is validated by the code a real run uses, with no model
 loaded. `--allow-config-change` is passed on to
 training (resuming a run whose recipe changed, recorded in its history). Flags after `--` pass through to
@@ -152,8 +152,8 @@ def make_plan(
 
 
 def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
-    """The dry run of training (`opsd.run.preflight.dry_run`) on the planned arguments: the checks a real run
-    makes before loading a model (config values, recipe and `OPSD_*`, prompt files, local model and data).
+    """The dry run of training (`opsd.launch.preflight.dry_run`) on the planned arguments: the checks a real
+    run makes before loading a model (config values, recipe and `OPSD_*`, prompt files, local model and data).
     Returns its report (resolved config, data rows, micro-batch plan, teacher pairing).
 
     It runs in this interpreter, so the training stack is imported once, not a second time in a child process
@@ -166,7 +166,7 @@ def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
     from opsd.configuration.engine_env import training_process_env
 
     training_process_env()  # as opsd_train.py sets it, before TRL loads
-    from opsd.run.preflight import dry_run
+    from opsd.launch.preflight import dry_run
 
     script = str(root / "opsd_train.py")
     args = plan.command[plan.command.index(script) + 1 :]

@@ -113,7 +113,7 @@ def dry_run_report(config: OPSDConfig, extra: argparse.Namespace) -> dict[str, A
     """`opsd_train.py --dry-run`: `check_run`, then the resolved config, the number of training rows, the
     micro-batch plan and the teacher pairing's summary (what the dry run prints as JSON)."""
     from opsd.method import pairing
-    from opsd.run import microbatch
+    from opsd.speed import microbatch
 
     checked = check_run(config, extra, num_processes=None)
     # No model path: a dry run reads no GPU memory (train_capped.sh runs it in its own long-lived process,

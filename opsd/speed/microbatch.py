@@ -6,7 +6,7 @@ micro-batches and processes (docs/method.md §1.5). So splitting those rows into
 total changes nothing but the order of float sums; a larger m only costs memory and saves time.
 
 `micro_batch_size` chooses m and re-derives the accumulation from the problems per process. `OPSDConfig`
-parses it once (`parse_micro_batch_size`) into one of:
+parses it once (`opsd.configuration.choices.parse_micro_batch_size`) into one of:
 - None (unset, the default; "" reads as unset): `per_device_train_batch_size` as given;
 - a positive integer: that m, which must divide the problems per process;
 - `AUTO` ("auto"): on a GPU, the largest divisor whose estimated memory fits beside the colocated engine
@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
+from opsd.configuration.choices import AUTO
 from opsd.errors import InvalidValue
 
 logger = logging.getLogger(__name__)
@@ -74,27 +74,6 @@ class MicroBatchPlan:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-AUTO = "auto"
-# micro_batch_size once parsed: unset, a number of rows, or auto.
-MicroBatchSize = int | Literal["auto"] | None
-
-
-def parse_micro_batch_size(value: str | int | None) -> MicroBatchSize:
-    """None for unset ("" or None), `AUTO` for auto (any case), else a positive int; ValueError naming the allowed
-    values. A value already parsed is returned as it is (`dataclasses.replace` of a config parses it again)."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        return value
-    text = str(value).strip().lower()
-    if text in ("", AUTO):
-        return text or None
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise ValueError(
-        f"micro_batch_size={value!r} is not allowed; give auto, a positive integer that divides the problems "
-        "per process per step, or leave it unset (per_device_train_batch_size as given)"
-    )
 
 
 def estimate_micro_batch_bytes(

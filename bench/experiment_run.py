@@ -1,7 +1,7 @@
 """Benchmark: one `python -m opsd.experiment` run end to end, timed, with its verdict, in one JSON.
 
-    python bench/experiment.py --out bench/results/experiment_h200.json       # one H200, the preset below
-    python bench/experiment.py --out X.json -- --out runs/exp/mine --arm ... # any experiment's flags after --
+    python bench/experiment_run.py --out bench/results/experiment_h200.json  # one H200, the preset below
+    python bench/experiment_run.py --out X.json -- --out runs/exp/mine --arm ...  # experiment flags after --
 
 The preset (no flags after `--`): the embedded SmolLM2-135M-Instruct trained under the capped harness (100 steps
 x 32 `builtin:easy` problems, 128-token rollouts, learning rate 1e-4, probe every 10 steps) with the published
@@ -24,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import machine, write
 
-from bench.common import machine, write  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ARM = "CLIP_MODE={},LEARNING_RATE=1e-4,MAX_COMPLETION_LENGTH=128,PROBE_STEPS=10,VLLM_GPU_MEMORY_UTILIZATION=0.12"
 PRESET = [
