@@ -64,9 +64,9 @@ from bench.common import machine, write  # noqa: E402
 from bench.learning_figures import plot  # noqa: E402
 from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS  # noqa: E402
 from opsd.experiment import cells as C  # noqa: E402
-from opsd.experiment import report as R  # noqa: E402
 from opsd.experiment import spec as S  # noqa: E402
 from opsd.experiment import stats  # noqa: E402
+from opsd.experiment import verdict as R  # noqa: E402
 
 MATCHED = TEACHER_REF_PAIRINGS[0]
 # clip_mode:beta:learning_rate[:teacher_ref_pairing]. The four clip modes at the published beta = 0, beta = 0.5
