@@ -1,15 +1,18 @@
-"""Running an experiment's jobs on this machine: slots of GPUs, a live status table, resume and one retry.
+"""Running an experiment's jobs on this machine: slots of GPUs, the status, resume and one retry.
 
-Jobs: per training seed the base model's evaluation with that seed's sampling seeds, and per cell (arm, seed)
-its capped training run, then its evaluation as soon as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
-set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
+Jobs (each named by a `cells.JobKey`): per training seed the base model's evaluation with that seed's sampling
+seeds, and per cell (arm, seed) its capped training run, then its evaluation as soon as the training is complete.
+Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES` set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
 engine then gets a fixed KV cache, `OPSD_KV_CACHE_GIB`, so engines starting side by side skip vLLM's start-up
 memory profile, which fails when another process frees memory meanwhile). Without a GPU: one job at a time.
 While jobs share a GPU, the first training job starts alone until it logs its first step (it fills the
 compile caches the others then read), and starts are staggered.
 
-Status: one row per cell with its state, the disk it holds (run and evaluations) and its progress. Disk: once a
-cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
+The runner's `RunSettings` (from the command line) are fixed; its `Progress` (the queue, the running jobs, the
+failures, the timings) is what changes.
+
+Status (`Runner.status`, drawn by `opsd.experiment.status`): one row per cell with its state, the disk it holds
+(run and evaluations) and its progress. Disk: once a cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
 by hand keeps everything.
 
 Resume: a job whose outputs exist is not started (a complete checkpoint-100; a summary.json for every checkpoint
