@@ -61,9 +61,9 @@ from common import machine, write
 from learning_figures import plot
 from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS
 from opsd.experiment import cells as C
-from opsd.experiment import report as R
 from opsd.experiment import spec as S
 from opsd.experiment import stats
+from opsd.experiment import verdict as R
 
 ROOT = Path(__file__).resolve().parents[1]
 

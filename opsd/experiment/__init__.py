@@ -1,15 +1,20 @@
 """Experiments: recipes x seeds under the capped budget, scored alike, with a paired verdict.
 
-`python -m opsd.experiment` (docs/experiments.md). Modules, each importing only those before it:
+`python -m opsd.experiment [run] ...` and `python -m opsd.experiment report DIR` (docs/experiments.md). Modules,
+each importing only those before it:
 
 * `stats`: the statistics of the verdict (seed-paired t interval, hierarchical bootstrap, variance
   components); pure functions;
 * `power`: planning (the t test's power, the minimum detectable difference, the seeds needed, each with the
   range the sd's chi-square interval gives it); pure functions;
-* `spec`: an experiment's arms, seeds and shared settings (`DIR/experiment.json`), its directory layout and the
-  commands of each cell;
-* `cells`: where each cell stands, read (and checked) from its files; the disk a cell holds and its pruning;
-* `schedule`: the jobs run on this machine's GPU slots (or its CPU), a live status table, resume and one retry;
-* `report`: report.md, summary.json and the figures from whatever has finished;
-* `cli`: the command line.
+* `arms`: an arm, its recipe parsed from `--arm` and written for its cells;
+* `spec`: an experiment's arms, seeds and shared settings (`DIR/experiment.json`, a frozen `Spec`), its directory
+  layout and the commands of each cell;
+* `cells`: where each cell stands, read (and checked) from its files; the disk a cell holds and its pruning; the
+  typed key of a job (`JobKey`: `train-ARM-sSEED`, `eval-ARM-sSEED`, `base-SEED` on disk);
+* `status`: the status of a running experiment as data, and its display (a rich table);
+* `schedule`: the jobs run on this machine's GPU slots (or its CPU): fixed `RunSettings`, changing `Progress`,
+  resume and one retry;
+* `verdict`: report.md, summary.json and the figures from whatever has finished;
+* `commands`: the command line, its `run` and `report` commands.
 """

@@ -1,5 +1,5 @@
 import sys
 
-from opsd.experiment.cli import main
+from opsd.experiment.commands import main
 
 sys.exit(main())

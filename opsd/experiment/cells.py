@@ -16,18 +16,61 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.errors import UserError
+from opsd.evaluation.report import AGGREGATE_METRICS
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
 from opsd.paths import GIB, MIB, FileKind, read_bytes
-from opsd.rundir import METRICS_FILE, checkpoint_step, checkpoints, is_complete
+from opsd.rundir import EMA_TEACHER_FILE, METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
 JOBS_FILE = "jobs.jsonl"  # DIR/jobs.jsonl: one line per finished attempt (job, devices, start, seconds, exit)
+
+
+_KEY = re.compile(r"(?P<kind>train|eval)-(?P<arm>.+)-s(?P<seed>[0-9]+)|(?P<base>base)-(?P<base_seed>[0-9]+)")
+
+
+@dataclass(frozen=True)
+class JobKey:
+    """What one job does to which cell: `train` or `eval` of the cell (arm, seed), or `base`, the base model's
+    evaluation with training seed `seed`'s sampling seeds (arm None).
+
+    Its string form, `str(key)`, names the job on disk: the keys of DIR/failed.json and the logs DIR/logs/KEY.log,
+    e.g. `train-A-s42`, `eval-A-s42`, `base-42`; `JobKey.parse` reads it back.
+    """
+
+    kind: str  # base | train | eval
+    seed: int
+    arm: str | None = None
+
+    KINDS = ("base", "train", "eval")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS or (self.arm is None) != (self.kind == "base"):
+            raise ValueError(f"a job key is base with no arm, or train or eval of an arm; got {self!r}")
+
+    def __str__(self) -> str:
+        return f"base-{self.seed}" if self.arm is None else f"{self.kind}-{self.arm}-s{self.seed}"
+
+    @classmethod
+    def parse(cls, text: str) -> JobKey:
+        """The key `str(key)` wrote; ValueError for any other text."""
+        m = _KEY.fullmatch(text)
+        if m is None:
+            raise ValueError(f"{text[:80]!r} is not a job key (train-ARM-sSEED, eval-ARM-sSEED or base-SEED)")
+        if m["base"]:
+            return cls("base", int(m["base_seed"]))
+        return cls(m["kind"], int(m["seed"]), m["arm"])
+
+    @property
+    def name(self) -> str:
+        """How the job reads in logs and DIR/jobs.jsonl: `train A/42`, `eval A/42`, `base 42`."""
+        return f"base {self.seed}" if self.arm is None else f"{self.kind} {self.arm}/{self.seed}"
 
 
 @dataclass(frozen=True)
@@ -65,7 +108,7 @@ def last_step(run_dir: Path) -> int:
 
 # What a checkpoint holds only so that training can resume from it (HF Trainer, DeepSpeed, the EMA teacher).
 TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "global_step*", "latest", "zero_to_fp32.py",
-                  "ema_teacher.pt")  # fmt: skip
+                  EMA_TEACHER_FILE)  # fmt: skip
 
 
 def disk_bytes(path: Path) -> int:
@@ -158,7 +201,7 @@ def base_scored(directory: Path, seed: int) -> bool:
     return (S.base_eval_dir(directory, seed) / SUMMARY_FILE).is_file()
 
 
-METRICS = ("avg", "pass_at_k", "maj", "format_rate")
+METRICS = AGGREGATE_METRICS  # what eval_aime.py aggregates over runs: avg, pass@k, maj, format rate
 SCORED = ("correct", "has_box")  # the per-sample fields a report compares
 # Bounds on what a report reads: far above what a run writes (a samples file of 30 problems x 64 samples of 32k
 # tokens is ~300 MiB), so only a wrong or damaged file reaches them.
@@ -169,7 +212,6 @@ SAMPLES_KIND = FileKind(
     "samples file", "samples files", 4 * GIB, "rerun the experiment", "it was not written by a run"
 )
 _FAILED_FIELDS = {"job": str, "exit": int, "attempts": int, "log": str}
-_JOB_KINDS = ("base", "train", "eval")
 
 
 def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
@@ -264,7 +306,21 @@ def read_failed(directory: Path) -> dict[str, dict]:
     )  # fmt: skip
     if not good:
         raise UserError(f"{path} does not map jobs to {{job, exit, attempts, log}}; {fix}")
+    for key in data:
+        try:
+            JobKey.parse(key)
+        except ValueError as err:
+            raise UserError(f"{path}: {err}; {fix}") from None
     return data
+
+
+def cell_failure(failed: dict[str, dict], arm: str, seed: int) -> tuple[JobKey, dict] | None:
+    """The cell's job that failed every attempt, from `read_failed`'s map, with its record; None if neither did."""
+    for kind in ("train", "eval"):
+        key = JobKey(kind, seed, arm)
+        if str(key) in failed:
+            return key, failed[str(key)]
+    return None
 
 
 def read_jobs(directory: Path) -> list[dict]:
@@ -278,7 +334,7 @@ def read_jobs(directory: Path) -> list[dict]:
     except UserError as err:
         raise UserError(f"{err}; {fix}") from None
     for lineno, r in lines:
-        if not (isinstance(r, dict) and r.get("kind") in _JOB_KINDS and _finite(r.get("start"))
+        if not (isinstance(r, dict) and r.get("kind") in JobKey.KINDS and _finite(r.get("start"))
                 and _finite(r.get("seconds")) and r["seconds"] >= 0):  # fmt: skip
             raise UserError(f"{path} line {lineno} is not a job record (kind, start, seconds); {fix}")
     return [r for _, r in lines]

@@ -1,15 +1,18 @@
-"""Running an experiment's jobs on this machine: slots of GPUs, a live status table, resume and one retry.
+"""Running an experiment's jobs on this machine: slots of GPUs, the status, resume and one retry.
 
-Jobs: per training seed the base model's evaluation with that seed's sampling seeds, and per cell (arm, seed)
-its capped training run, then its evaluation as soon as the training is complete. Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES`
-set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
+Jobs (each named by a `cells.JobKey`): per training seed the base model's evaluation with that seed's sampling
+seeds, and per cell (arm, seed) its capped training run, then its evaluation as soon as the training is complete.
+Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES` set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
 engine then gets a fixed KV cache, `OPSD_KV_CACHE_GIB`, so engines starting side by side skip vLLM's start-up
 memory profile, which fails when another process frees memory meanwhile). Without a GPU: one job at a time.
 While jobs share a GPU, the first training job starts alone until it logs its first step (it fills the
 compile caches the others then read), and starts are staggered.
 
-Status: one row per cell with its state, the disk it holds (run and evaluations) and its progress. Disk: once a
-cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
+The runner's `RunSettings` (from the command line) are fixed; its `Progress` (the queue, the running jobs, the
+failures, the timings) is what changes.
+
+Status (`Runner.status`, drawn by `opsd.experiment.status`): one row per cell with its state, the disk it holds
+(run and evaluations) and its progress. Disk: once a cell is scored its intermediate training state is removed (`cells.prune_cell`); a `train_capped.sh` run started
 by hand keeps everything.
 
 Resume: a job whose outputs exist is not started (a complete checkpoint-100; a summary.json for every checkpoint
@@ -28,11 +31,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
+from opsd.experiment.status import CellRow, Status
 from opsd.paths import size_text
 
 logger = logging.getLogger(__name__)
@@ -40,19 +45,15 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)  # slots are told apart by identity: each is one slice of this machine
 class Slot:
     devices: str | None  # CUDA_VISIBLE_DEVICES of this slot; None on a machine without GPUs
-    capacity: int
-    running: int = 0
+    capacity: int  # jobs it runs at once
 
 
 @dataclass
 class Job:
-    name: str  # "base SEED", "train ARM/SEED" or "eval ARM/SEED"
-    kind: str  # base | train | eval
-    arm: str | None = None
-    seed: int | None = None
+    key: C.JobKey
     attempts: int = 0
     proc: subprocess.Popen | None = None
     slot: Slot | None = None
@@ -60,10 +61,6 @@ class Job:
     log: Path | None = None
     first_step_at: float | None = None  # when its first logged step was seen
     first_step: int = 0  # that step (a resumed run starts past 0)
-
-    @property
-    def key(self) -> str:
-        return self.name.replace(" ", "-").replace("/", "-s")
 
 
 def free_port() -> int:
@@ -82,48 +79,64 @@ def make_slots(gpus: list[str], gpus_per_run: int, cells_per_gpu: int) -> list[S
     ]
 
 
-@dataclass
-class Runner:
-    directory: Path
-    spec: S.Spec
-    slots: list[Slot]
-    every_checkpoint: bool = False
+@dataclass(frozen=True)
+class RunSettings:
+    """How this machine runs the jobs, from the command line; fixed for the whole run."""
+
+    every_checkpoint: bool = False  # score every saved checkpoint, not only the final one
     kv_cache_gib: float = 0.0  # > 0: each engine's fixed KV cache (jobs sharing a GPU)
-    stagger_s: float = 0.0
-    retries: int = 1
-    status_every_s: float = 30.0
-    poll_s: float = 2.0
-    jobs: list[Job] = field(default_factory=list)
+    stagger_s: float = 0.0  # seconds between job starts
+    retries: int = 1  # retries of a failed job before it is recorded in failed.json
+    status_every_s: float = 30.0  # the status is shown at least this often (and on every change)
+    poll_s: float = 2.0  # seconds between looks at the running jobs
+
+
+@dataclass
+class Progress:
+    """What changes while the jobs run."""
+
+    queued: list[Job] = field(default_factory=list)  # in the order they start
     running: list[Job] = field(default_factory=list)
-    failed: dict[str, dict] = field(default_factory=dict)
+    failed: dict[str, dict] = field(default_factory=dict)  # DIR/failed.json: str(JobKey) -> its record
     done_s: list[float] = field(default_factory=list)  # wall seconds of each finished cell (train + eval)
     cell_started: dict[tuple[str, int], float] = field(default_factory=dict)
     phase_s: dict[str, float] = field(default_factory=dict)  # summed job seconds by kind
     warm: bool = False  # a training job has logged a step: the compile caches are filled
 
+
+class Runner:
+    """Runs an experiment's jobs on `slots`: the experiment (`directory`, `spec`), the slots and the settings are
+    fixed; `progress` is what changes."""
+
+    def __init__(
+        self, directory: Path, spec: S.Spec, slots: list[Slot], settings: RunSettings = RunSettings()
+    ):
+        self.directory, self.spec, self.slots, self.settings = directory, spec, tuple(slots), settings
+        self.progress = Progress()
+
     # -- planning ----------------------------------------------------------------------------------------
     def plan(self) -> None:
         """Every job the directory still needs, seed by seed: the base model, then the cells (so the first seed
         of every arm and of the base finishes early and a partial report already pairs them)."""
-        d, spec = self.directory, self.spec
+        d, spec, queued = self.directory, self.spec, self.progress.queued
         for seed in spec.seeds:
             if not C.base_scored(d, seed):
-                self.jobs.append(Job(f"base {seed}", "base", seed=seed))
+                queued.append(Job(C.JobKey("base", seed)))
             for arm in spec.arm_names:
                 if not self._trained(arm, seed):
-                    self.jobs.append(Job(f"train {arm}/{seed}", "train", arm, seed))
+                    queued.append(Job(C.JobKey("train", seed, arm)))
                 elif not self._scored(arm, seed):
-                    self.jobs.append(Job(f"eval {arm}/{seed}", "eval", arm, seed))
+                    queued.append(Job(C.JobKey("eval", seed, arm)))
                 else:  # scored earlier (by an older run, or by hand): pruned now
                     self.prune(arm, seed)
-        first_train = next((i for i, j in enumerate(self.jobs) if j.kind == "train"), None)
+        first_train = next((i for i, j in enumerate(queued) if j.key.kind == "train"), None)
         if first_train and self.sharing:
             # Sharing a GPU, the first training job warms the compile caches alone: it goes first.
-            self.jobs.insert(0, self.jobs.pop(first_train))
+            queued.insert(0, queued.pop(first_train))
 
     def prune(self, arm: str, seed: int) -> None:
         """A scored cell keeps what the report reads (`cells.prune_cell`)."""
-        freed = C.prune_cell(self.directory, arm, seed, keep_adapters=self.every_checkpoint)
+        freed = C.prune_cell(self.directory, arm, seed, keep_adapters=self.settings.every_checkpoint)
         if freed:
             logger.info(
                 "%s/%s: removed %s of training state (the cell is scored)", arm, seed, size_text(freed)
@@ -133,21 +146,27 @@ class Runner:
         return C.cell_state(self.directory, arm, seed).trained
 
     def _scored(self, arm: str, seed: int) -> bool:
-        if self.every_checkpoint:
+        if self.settings.every_checkpoint:
             return C.all_scored(self.directory, arm, seed)
         return C.cell_state(self.directory, arm, seed).final_scored
 
     def argv(self, job: Job, slot: Slot) -> list[str]:
-        d, spec = self.directory, self.spec
+        d, spec, key = self.directory, self.spec, job.key
         gpus = len(slot.devices.split(",")) if slot.devices else 0
-        if job.kind == "train":
-            return S.train_argv(d, spec, job.arm, job.seed)
+        if key.kind == "train":
+            return S.train_argv(d, spec, key.arm, key.seed)
         extra = ["--num-gpus", str(gpus)] if gpus > 1 else []
-        if job.kind == "base":
-            return S.eval_argv(d, spec, None, job.seed, every_checkpoint=False, extra=extra)
-        return S.eval_argv(d, spec, job.arm, job.seed, every_checkpoint=self.every_checkpoint, extra=extra)
+        if key.kind == "base":
+            return S.eval_argv(d, spec, None, key.seed, every_checkpoint=False, extra=extra)
+        return S.eval_argv(
+            d, spec, key.arm, key.seed, every_checkpoint=self.settings.every_checkpoint, extra=extra
+        )
 
     # -- running -----------------------------------------------------------------------------------------
+    def load(self, slot: Slot) -> int:
+        """Jobs running on `slot` now."""
+        return sum(job.slot is slot for job in self.progress.running)
+
     def env(self, slot: Slot) -> dict[str, str]:
         env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -158,8 +177,8 @@ class Runner:
             env.pop(key, None)
         if slot.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = slot.devices
-        if self.kv_cache_gib > 0:
-            env["OPSD_KV_CACHE_GIB"] = str(self.kv_cache_gib)
+        if self.settings.kv_cache_gib > 0:
+            env["OPSD_KV_CACHE_GIB"] = str(self.settings.kv_cache_gib)
         if slot.capacity > 1:
             env.setdefault(
                 "OMP_NUM_THREADS", "1"
@@ -169,68 +188,63 @@ class Runner:
     def start(self, job: Job, slot: Slot) -> None:
         job.attempts += 1
         job.slot, job.started, job.first_step_at, job.first_step = slot, time.time(), None, 0
-        slot.running += 1
         job.log = self.directory / S.LOGS / f"{job.key}.log"
         job.log.parent.mkdir(parents=True, exist_ok=True)
         argv = self.argv(job, slot)
         with job.log.open("a") as f:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {job.attempts}: {S.shell(argv)}\n")
-        if job.arm is not None:
-            self.cell_started.setdefault((job.arm, job.seed), time.time())
+        if job.key.arm is not None:
+            self.progress.cell_started.setdefault((job.key.arm, job.key.seed), time.time())
         # Its own process group, so that stopping the experiment stops the job's whole tree.
         job.proc = subprocess.Popen(
             argv, stdout=job.log.open("a"), stderr=subprocess.STDOUT, cwd=S.ROOT, env=self.env(slot),
             start_new_session=True,
         )  # fmt: skip
-        self.running.append(job)
-        logger.info("start %s (attempt %d) on %s", job.name, job.attempts, slot.devices or "the CPU")
+        self.progress.running.append(job)
+        logger.info("start %s (attempt %d) on %s", job.key.name, job.attempts, slot.devices or "the CPU")
 
     def finish(self, job: Job, rc: int) -> None:
-        self.running.remove(job)
-        job.slot.running -= 1
+        p, key = self.progress, job.key
+        p.running.remove(job)
         seconds = time.time() - job.started
-        self.phase_s[job.kind] = self.phase_s.get(job.kind, 0.0) + seconds
+        p.phase_s[key.kind] = p.phase_s.get(key.kind, 0.0) + seconds
         ok = rc == 0 and self._outputs_exist(job)
-        record = {"job": job.name, "kind": job.kind, "arm": job.arm, "seed": job.seed, "attempt": job.attempts,
+        record = {"job": key.name, "kind": key.kind, "arm": key.arm, "seed": key.seed, "attempt": job.attempts,
                   "devices": job.slot.devices, "start": job.started, "seconds": seconds, "exit": rc, "ok": ok}  # fmt: skip
         with (self.directory / C.JOBS_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
         if ok:
-            logger.info("done %s in %.0f s", job.name, seconds)
-            self.failed.pop(job.key, None)
-            if job.kind == "train":
-                self.jobs.insert(0, Job(f"eval {job.arm}/{job.seed}", "eval", job.arm, job.seed))
-            elif job.kind == "eval":
-                self.done_s.append(time.time() - self.cell_started.get((job.arm, job.seed), job.started))
-                self.prune(job.arm, job.seed)
-        elif job.attempts <= self.retries:
-            logger.warning("%s failed (exit %s); retrying once: %s", job.name, rc, job.log)
-            self.jobs.append(job)
+            logger.info("done %s in %.0f s", key.name, seconds)
+            p.failed.pop(str(key), None)
+            if key.kind == "train":
+                p.queued.insert(0, Job(C.JobKey("eval", key.seed, key.arm)))
+            elif key.kind == "eval":
+                p.done_s.append(time.time() - p.cell_started.get((key.arm, key.seed), job.started))
+                self.prune(key.arm, key.seed)
+        elif job.attempts <= self.settings.retries:
+            logger.warning("%s failed (exit %s); retrying once: %s", key.name, rc, job.log)
+            p.queued.append(job)
         else:
-            logger.error("%s failed (exit %s) after %d attempts: %s", job.name, rc, job.attempts, job.log)
-            self.failed[job.key] = {
-                "job": job.name,
-                "exit": rc,
-                "attempts": job.attempts,
-                "log": str(job.log),
-            }
-        C.write_failed(self.directory, self.failed)
+            logger.error("%s failed (exit %s) after %d attempts: %s", key.name, rc, job.attempts, job.log)
+            p.failed[str(key)] = {"job": key.name, "exit": rc, "attempts": job.attempts, "log": str(job.log)}
+        C.write_failed(self.directory, p.failed)
 
     def _outputs_exist(self, job: Job) -> bool:
-        if job.kind == "base":
-            return C.base_scored(self.directory, job.seed)
-        if job.kind == "train":
-            return self._trained(job.arm, job.seed)
-        return self._scored(job.arm, job.seed)
+        key = job.key
+        if key.kind == "base":
+            return C.base_scored(self.directory, key.seed)
+        if key.kind == "train":
+            return self._trained(key.arm, key.seed)
+        return self._scored(key.arm, key.seed)
 
     def _watch_steps(self) -> None:
         """Note when each running training job logs its first step (its rate is timed from there)."""
-        for job in self.running:
-            if job.kind == "train" and job.first_step_at is None:
-                step = C.last_step(S.run_dir(self.directory, job.arm, job.seed))
+        for job in self.progress.running:
+            if job.key.kind == "train" and job.first_step_at is None:
+                step = C.last_step(S.run_dir(self.directory, job.key.arm, job.key.seed))
                 if step > 0:
                     job.first_step_at, job.first_step = time.time(), step
-                    self.warm = True
+                    self.progress.warm = True
 
     @property
     def sharing(self) -> bool:
@@ -238,35 +252,37 @@ class Runner:
 
     def _gate_closed(self) -> bool:
         """While jobs share a GPU: the first training job runs alone until its first step is logged."""
-        if self.warm or not self.sharing:
+        if self.progress.warm or not self.sharing:
             return False
-        return any(j.kind == "train" for j in self.running)
+        return any(j.key.kind == "train" for j in self.progress.running)
 
     def step(self, now: float, last_start: float) -> float:
-        for job in list(self.running):
+        p = self.progress
+        for job in list(p.running):
             rc = job.proc.poll()
             if rc is not None:
                 self.finish(job, rc)
         self._watch_steps()
         if self._gate_closed():
             return last_start
-        for job in list(self.jobs):
-            if now - last_start < self.stagger_s:
+        for job in list(p.queued):
+            if now - last_start < self.settings.stagger_s:
                 break
-            slot = next((s for s in self.slots if s.running < s.capacity), None)
+            slot = next((s for s in self.slots if self.load(s) < s.capacity), None)
             if slot is None:
                 break
-            self.jobs.remove(job)
+            p.queued.remove(job)
             self.start(job, slot)
             last_start = now
             if self._gate_closed():
                 break
         return last_start
 
-    def run(self, show) -> None:
-        """Run every planned job; `show(lines)` gets the status table when it changes (and every
+    def run(self, show: Callable[[Status], object]) -> None:
+        """Run every planned job; `show(status)` gets the status when a cell changes state (and every
         status_every_s). Stopping the experiment (Ctrl-C, SIGTERM) stops every job it started."""
-        self.failed = C.read_failed(self.directory)
+        p = self.progress
+        p.failed = C.read_failed(self.directory)
         last_start, last_shown, shown = 0.0, 0.0, None
 
         def stop(signum, frame):
@@ -274,25 +290,24 @@ class Runner:
 
         previous = signal.signal(signal.SIGTERM, stop)
         try:
-            while self.jobs or self.running:
+            while p.queued or p.running:
                 now = time.time()
                 last_start = self.step(now, last_start)
-                table = self.status_lines()
-                states = [line.split()[:2] for line in table[1:]]  # cell and state, not the step it is at
-                if states != shown or now - last_shown >= self.status_every_s:
-                    show(table)
-                    shown, last_shown = states, now
-                if self.jobs or self.running:
-                    time.sleep(self.poll_s)
-            show(self.status_lines())
+                status = self.status()
+                if status.states != shown or now - last_shown >= self.settings.status_every_s:
+                    show(status)
+                    shown, last_shown = status.states, now
+                if p.queued or p.running:
+                    time.sleep(self.settings.poll_s)
+            show(self.status())
         finally:
-            for job in self.running:
+            for job in p.running:
                 if job.proc.poll() is None:
                     try:
                         os.killpg(job.proc.pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
-            for job in self.running:
+            for job in p.running:
                 try:
                     job.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
@@ -300,18 +315,18 @@ class Runner:
             signal.signal(signal.SIGTERM, previous)
 
     # -- status ------------------------------------------------------------------------------------------
-    def status_lines(self) -> list[str]:
-        d = self.directory
-        rows, counts = [], {"queued": 0, "training": 0, "scoring": 0, "done": 0, "failed": 0}
-        running = {(j.arm, j.seed): j for j in self.running if j.arm is not None}
-        queued = {(j.arm, j.seed) for j in self.jobs if j.arm is not None}
-        remaining = []
+    def status(self) -> Status:
+        """Where every cell stands now, from the jobs and the cells' files."""
+        d, p = self.directory, self.progress
+        running = {(j.key.arm, j.key.seed): j for j in p.running if j.key.arm is not None}
+        queued = {(j.key.arm, j.key.seed) for j in p.queued if j.key.arm is not None}
+        rows, remaining = [], []
         for seed in self.spec.seeds:
             for arm in self.spec.arm_names:
                 state = C.cell_state(d, arm, seed)
                 job = running.get((arm, seed))
-                failed = self.failed.get(f"train-{arm}-s{seed}") or self.failed.get(f"eval-{arm}-s{seed}")
-                if job is not None and job.kind == "train":
+                failure = C.cell_failure(p.failed, arm, seed)
+                if job is not None and job.key.kind == "train":
                     what, detail = "training", f"step {state.step}/{S.STEPS}"
                     rate = self._seconds_per_step(job, state.step)
                     if rate:
@@ -321,24 +336,22 @@ class Runner:
                     what, detail = "scoring", f"{state.samples} samples"
                 elif (arm, seed) in queued:
                     what, detail = "queued", f"step {state.step}/{S.STEPS}" if state.step else ""
-                elif failed:
-                    what, detail = "failed", f"{failed['job']}: exit {failed['exit']}, see {failed['log']}"
+                elif failure:
+                    key, f = failure
+                    what, detail = "failed", f"{key.name}: exit {f['exit']}, see {f['log']}"
                 elif self._scored(arm, seed):
                     what, detail = "done", ""
                 else:
                     what, detail = "queued", ""
-                counts[what] += 1
-                disk = size_text(C.cell_bytes(d, arm, seed))
-                rows.append(f"  {arm}/{seed:<6} {what:<9} {disk:>10}  {detail}".rstrip())
-        base = sum(C.base_scored(d, seed) for seed in self.spec.seeds)
-        scoring = " (scoring)" if any(j.kind == "base" for j in self.running) else ""
-        head = (
-            f"[{time.strftime('%H:%M:%S')}] {len(rows)} cells: "
-            + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-            + f" | base model: {base} of {len(self.spec.seeds)} seeds scored{scoring}"
-            + self._eta(remaining, counts["queued"])
-        )
-        return [head, *rows]
+                rows.append(CellRow(arm, seed, what, C.cell_bytes(d, arm, seed), detail))
+        waiting = sum(r.state == "queued" for r in rows)
+        return Status(
+            time=time.time(), rows=tuple(rows),
+            base_scored=sum(C.base_scored(d, seed) for seed in self.spec.seeds), base_planned=len(self.spec.seeds),
+            base_running=any(j.key.kind == "base" for j in p.running),
+            eta_s=self._eta_s(remaining, waiting), eta_after_first=bool(p.queued or p.running) and waiting > 0
+            and not p.done_s,
+        )  # fmt: skip
 
     @staticmethod
     def _seconds_per_step(job: Job, step: int) -> float | None:
@@ -346,13 +359,11 @@ class Runner:
             return None
         return (time.time() - job.first_step_at) / (step - job.first_step)
 
-    def _eta(self, remaining: list[float], queued: int) -> str:
-        if not self.running and not self.jobs:
-            return ""
+    def _eta_s(self, remaining: list[float], queued: int) -> float | None:
+        """The longest running training job's time left, plus the waves of queued cells at the mean cell time."""
+        p = self.progress
+        if not (p.running or p.queued) or not p.done_s:
+            return None
         capacity = sum(s.capacity for s in self.slots)
-        per_cell = sum(self.done_s) / len(self.done_s) if self.done_s else None
-        if per_cell is None:
-            return " | ETA: after the first cell" if queued else ""
         waves = -(-queued // capacity)
-        eta = max(remaining, default=0.0) + waves * per_cell
-        return f" | ETA ~{eta / 60:.0f} min"
+        return max(remaining, default=0.0) + waves * sum(p.done_s) / len(p.done_s)

@@ -1,10 +1,7 @@
 """What an experiment is: its arms (recipes), seeds and the settings every cell shares, saved in its directory.
 
-An arm is a recipe: `NAME=FILE` (a recipe file, e.g. configs/recipes/published.env) or `NAME=KEY=VALUE[,KEY=VALUE]`
-(overrides on top of `--recipe`, recipe.env by default). Either way the arm's whole recipe is written to
-`DIR/recipes/NAME.env` and every cell of the arm trains from that copy, so editing recipe.env later cannot change
-a running experiment. Arms are compared by their parsed settings (`opsd.configuration.recipe.parse_recipe`), not by file text:
-comments and key order do not matter.
+An arm is a recipe (`opsd.experiment.arms`); each arm's whole recipe is copied to `DIR/recipes/NAME.env` and every
+cell of the arm trains from that copy, so editing recipe.env later cannot change a running experiment.
 
 `DIR/experiment.json` holds the shared settings (profile, model, training data, evaluation flags, GPUs per run),
 the arms and the seeds. A rerun must agree with it: a different shared setting or a changed arm is refused with
@@ -26,11 +23,14 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from opsd.errors import UserError
+from opsd.experiment.arms import BASE, Arm, check_name, overrides_to_recipe
+from opsd.launch.capped import STEPS
 from opsd.paths import MIB, FileKind
+from opsd.rundir import checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train_capped.sh and eval_aime.py live here
 EXPERIMENT_FILE = "experiment.json"
@@ -38,11 +38,6 @@ RECIPES = "recipes"
 RUNS = "runs"
 EVALS = "evals"
 LOGS = "logs"
-BASE = "base"
-STEPS = 100  # the capped budget's steps (opsd.launch.capped.STEPS); the final checkpoint is checkpoint-100
-# An arm name becomes a directory and a file name: a plain name, short, starting with a letter or digit.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-MAX_NAME_CHARS = 64
 MAX_SEED = 2**31 - 1  # numpy and torch seed generators take 32-bit seeds
 # The layout of experiment.json and the directory; 1 (no field): every cell scored with eval_aime.py's default
 # sampling seeds and the base model scored once.
@@ -55,28 +50,9 @@ OWNED_EVAL_FLAGS = (
 
 
 @dataclass(frozen=True)
-class Arm:
-    name: str
-    recipe: dict[str, str]  # field -> normalised value: the arm's identity
-    source: str  # what the user gave: a file path or the inline overrides
-
-    def recipe_text(self) -> str:
-        """The recipe file the arm's cells train from; parsing it back gives `recipe` exactly."""
-        lines = [f"# Arm {self.name} of an opsd experiment, from: {self.source}"]
-        return "\n".join(lines + [f"{k.upper()}={_quoted(v)}" for k, v in sorted(self.recipe.items())]) + "\n"
-
-
-def _quoted(value: str) -> str:
-    """A recipe value as a line must hold it: quoted when it has spaces, `#` or quotes (a parsed value never
-    holds both kinds of quote)."""
-    if re.fullmatch(r"[^\s'\"#]*", value):
-        return value
-    return f'"{value}"' if '"' not in value else f"'{value}'"
-
-
-@dataclass
 class Spec:
-    """The settings every cell shares; two runs of `python -m opsd.experiment` on one directory must agree."""
+    """The settings every cell shares, its arms and seeds: `DIR/experiment.json`, fixed while the experiment runs;
+    two runs of `python -m opsd.experiment` on one directory must agree."""
 
     profile: str
     model: str
@@ -112,59 +88,6 @@ def parse_seeds(text: str) -> list[int]:
             f"--seeds {shown!r}: give distinct integers from 0 to {MAX_SEED}, e.g. --seeds 42,43,44"
         )
     return seeds
-
-
-def check_name(name: str, what: str) -> None:
-    """An arm name: it names DIR/recipes/NAME.env, DIR/runs/NAME and DIR/evals/NAME, so it is a plain name."""
-    cut = name if len(name) <= 80 else name[:80] + "..."
-    if len(name) > MAX_NAME_CHARS or not _NAME.fullmatch(name) or name == BASE:
-        raise UserError(
-            f"{what}: the arm name {cut!r} must be at most {MAX_NAME_CHARS} letters, digits, '_', '.', '-' (not "
-            f"starting with '.' or '-') and not {BASE!r}, which names the base model's evaluation"
-        )
-
-
-def _overrides_to_recipe(overrides) -> dict[str, str]:
-    return {o.field: o.value for o in overrides}
-
-
-def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
-    """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`, None: the defaults) into an Arm;
-    UserError if bad, a missing `base_recipe` included."""
-    from opsd.configuration.recipe import RecipeError, parse_recipe
-
-    name, sep, rest = text.partition("=")
-    name = name.strip()
-    if not sep or not rest.strip():
-        raise UserError(
-            f"--arm {text!r}: write NAME=RECIPE_FILE or NAME=KEY=VALUE[,KEY=VALUE], e.g. "
-            "--arm published=configs/recipes/published.env or --arm lr1e5=LEARNING_RATE=1e-5"
-        )
-    check_name(name, f"--arm {text!r}")
-    rest = rest.strip()
-    try:
-        if "=" not in rest:
-            path = (cwd / rest).expanduser()
-            if not path.is_file():
-                raise UserError(
-                    f"--arm {name}={rest}: no recipe file at {path}; give an existing recipe file or "
-                    "KEY=VALUE overrides"
-                )
-            return Arm(name, _overrides_to_recipe(parse_recipe(path)), str(rest))
-        recipe = _overrides_to_recipe(parse_recipe(base_recipe)) if base_recipe is not None else {}
-    except RecipeError as err:
-        raise UserError(f"--arm {name}: {err}".replace("\n", " ")) from None
-
-    # The overrides are parsed as recipe lines, by the parser every recipe goes through.
-    with tempfile.TemporaryDirectory() as tmp:
-        inline = Path(tmp) / "arm.env"
-        inline.write_text("\n".join(item.strip() for item in rest.split(",")) + "\n")
-        try:
-            recipe.update(_overrides_to_recipe(parse_recipe(inline)))
-        except RecipeError as err:
-            shown = str(err).replace(f"{inline}: ", "", 1).replace(f"{inline}:", "item ").replace("\n", " ")
-            raise UserError(f"--arm {name}={rest}: {' '.join(shown.split())}") from None
-    return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe is not None else rest)
 
 
 def check_eval_flags(flags: list[str]) -> None:
@@ -277,7 +200,7 @@ def _check_data(data: dict) -> str | None:
             copy = Path(tmp) / "arm.env"
             copy.write_text(Arm(name, recipe, arm["source"]).recipe_text())
             try:
-                parsed = _overrides_to_recipe(parse_recipe(copy))
+                parsed = overrides_to_recipe(parse_recipe(copy))
             except RecipeError as err:
                 return f"arm {name!r}'s recipe does not parse ({' '.join(str(err).split())[:200]})"
         if parsed != recipe:
@@ -298,17 +221,17 @@ def save(directory: Path, spec: Spec) -> None:
         text = spec.arm(name).recipe_text()
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)
-        if _overrides_to_recipe(parse_recipe(path)) != spec.arms[name]["recipe"]:
+        if overrides_to_recipe(parse_recipe(path)) != spec.arms[name]["recipe"]:
             raise RuntimeError(f"{path} does not read back as arm {name}'s recipe")  # a bug, not a user error
 
 
 def merge(old: Spec | None, new: Spec, directory: Path) -> Spec:
     """`new` checked against the directory's `old`: shared settings equal, arms unchanged; additions recorded."""
     if old is None:
-        new.history = [
-            {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": new.arm_names, "seeds": new.seeds}
-        ]
-        return new
+        return replace(
+            new,
+            history=[{"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "arms": new.arm_names, "seeds": new.seeds}],
+        )
     for key in Spec.SHARED:
         if getattr(old, key) != getattr(new, key):
             raise UserError(
@@ -329,17 +252,15 @@ def merge(old: Spec | None, new: Spec, directory: Path) -> Spec:
             )
     added_arms = [n for n in new.arms if n not in old.arms]
     added_seeds = [s for s in new.seeds if s not in old.seeds]
-    merged = Spec(
+    added = [
+        {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "added_arms": added_arms, "added_seeds": added_seeds}
+    ]
+    return Spec(
         **{k: getattr(old, k) for k in Spec.SHARED},
         arms={**old.arms, **{n: new.arms[n] for n in added_arms}},
         seeds=old.seeds + added_seeds,
-        history=list(old.history),
+        history=old.history + (added if added_arms or added_seeds else []),
     )
-    if added_arms or added_seeds:
-        merged.history.append(
-            {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "added_arms": added_arms, "added_seeds": added_seeds}
-        )
-    return merged
 
 
 # -- the directory's layout and each cell's commands ------------------------------------------------------------
@@ -371,7 +292,7 @@ def sampling_seed(seed: int) -> int:
 
 
 def final_checkpoint(directory: Path, arm: str, seed: int) -> Path:
-    return run_dir(directory, arm, seed) / f"checkpoint-{STEPS}"
+    return checkpoint_dir(run_dir(directory, arm, seed), STEPS)
 
 
 def train_argv(directory: Path, spec: Spec, arm: str, seed: int, extra: list[str] = ()) -> list[str]:

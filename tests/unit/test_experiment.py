@@ -1,4 +1,4 @@
-"""Tests for opsd.experiment (spec, cells, schedule, report, cli) and the fixed KV cache of opsd.configuration.engine_env.
+"""Tests for opsd.experiment (spec, cells, schedule, verdict, commands) and the fixed KV cache of opsd.configuration.engine_env.
 
 No model, engine or training run: arms are parsed from recipe files written here; commands are parsed back
 with shlex and checked against opsd.launch.capped's own plan of where a run writes; reports are built from synthetic
@@ -9,11 +9,13 @@ checks.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,9 @@ from opsd.configuration.recipe import env_overrides, parse_recipe
 from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
-from opsd.experiment import cli, power, report, schedule, spec
+from opsd.experiment import commands, power, schedule, spec, verdict
+from opsd.experiment.arms import parse_arm
+from opsd.experiment.status import CellRow, Display, Status
 from opsd.launch.capped import make_plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -109,7 +113,7 @@ def test_parse_arm_recipe_file_gives_its_normalised_settings(tmp_path: Path) -> 
         "# my recipe\n\nLEARNING_RATE=1e-5   # the learning rate\nCLIP_MODE=element\nOPSD_BETA=0.5\n"
         "FIX_POSITION_IDS=yes\n",
     )
-    arm = spec.parse_arm("mine=recipes/mine.env", None, cwd=tmp_path)
+    arm = parse_arm("mine=recipes/mine.env", None, cwd=tmp_path)
     assert arm.name == "mine"
     # Hand-normalised: lower-case field names, floats as repr(float), booleans as true/false, prefix dropped.
     assert arm.recipe == {
@@ -123,14 +127,14 @@ def test_parse_arm_recipe_file_gives_its_normalised_settings(tmp_path: Path) -> 
 
 def test_parse_arm_inline_overrides_win_over_the_base_recipe(tmp_path: Path) -> None:
     base = write(tmp_path / "base.env", "# base\nLEARNING_RATE=1e-5\nCLIP_MODE=element\n")
-    arm = spec.parse_arm("lr2=LEARNING_RATE=2e-5, TEMPERATURE=0.7", base)
+    arm = parse_arm("lr2=LEARNING_RATE=2e-5, TEMPERATURE=0.7", base)
     assert arm.name == "lr2"
     assert arm.recipe == {"learning_rate": "2e-05", "clip_mode": "element", "temperature": "0.7"}
     assert str(base) in arm.source and "LEARNING_RATE=2e-5" in arm.source
 
 
 def test_parse_arm_inline_without_a_base_recipe_holds_only_its_overrides(tmp_path: Path) -> None:
-    arm = spec.parse_arm("x=CLIP_MODE=none,BETA=1", None)
+    arm = parse_arm("x=CLIP_MODE=none,BETA=1", None)
     assert arm.recipe == {"clip_mode": "none", "beta": "1.0"}
     assert arm.source == "CLIP_MODE=none,BETA=1"
 
@@ -152,7 +156,7 @@ def test_parse_arm_inline_without_a_base_recipe_holds_only_its_overrides(tmp_pat
     ],
 )
 def test_parse_arm_refusals_name_the_problem(tmp_path: Path, text: str, expected: list[str]) -> None:
-    message = refused(spec.parse_arm, text, None, cwd=tmp_path)
+    message = refused(parse_arm, text, None, cwd=tmp_path)
     assert message.startswith("--arm ")
     for part in expected:
         assert part in message, (part, message)
@@ -160,7 +164,7 @@ def test_parse_arm_refusals_name_the_problem(tmp_path: Path, text: str, expected
 
 def test_parse_arm_refuses_a_bad_line_of_a_recipe_file(tmp_path: Path) -> None:
     write(tmp_path / "bad.env", "CLIP_MODE=element\nTOP_P=lots\n")
-    message = refused(spec.parse_arm, "bad=bad.env", None, cwd=tmp_path)
+    message = refused(parse_arm, "bad=bad.env", None, cwd=tmp_path)
     assert "--arm bad" in message and "top_p" in message and "'lots'" in message
     assert "\n" not in message  # one line
 
@@ -276,11 +280,11 @@ def test_merge_refuses_a_changed_arm_recipe_naming_the_change(tmp_path: Path) ->
 def test_save_load_round_trip_and_the_arm_recipe_files(tmp_path: Path) -> None:
     write(tmp_path / "base.env", "LEARNING_RATE=1e-5\nCLIP_MODE=element\nDATA_FILTER=hard_numeric\n")
     arms = [
-        spec.parse_arm("published=CLIP_MODE=element", tmp_path / "base.env"),
-        spec.parse_arm("nolimit=CLIP_MODE=none,TEMPERATURE=0.7,FIX_POSITION_IDS=no", tmp_path / "base.env"),
+        parse_arm("published=CLIP_MODE=element", tmp_path / "base.env"),
+        parse_arm("nolimit=CLIP_MODE=none,TEMPERATURE=0.7,FIX_POSITION_IDS=no", tmp_path / "base.env"),
     ]
-    new = make_spec(seeds=(42, 43), eval_flags=["--n", "2"])
-    new.arms = {a.name: {"recipe": a.recipe, "source": a.source} for a in arms}
+    new = replace(make_spec(seeds=(42, 43), eval_flags=["--n", "2"]),
+                  arms={a.name: {"recipe": a.recipe, "source": a.source} for a in arms})  # fmt: skip
     directory = tmp_path / "exp"
     saved = spec.merge(None, new, directory)
     spec.save(directory, saved)
@@ -302,11 +306,10 @@ def test_arm_recipe_file_keeps_values_with_a_hash_or_spaces(tmp_path: Path) -> N
         tmp_path / "r.env",
         "CLIP_MODE=element\nSTUDENT_PROMPT_FILE=\"prompts/v2 #draft.txt\"\nRUN_NAME='my run'\n",
     )
-    arm = spec.parse_arm("q=r.env", None, cwd=tmp_path)
+    arm = parse_arm("q=r.env", None, cwd=tmp_path)
     assert arm.recipe["student_prompt_file"] == "prompts/v2 #draft.txt"
     directory = tmp_path / "exp"
-    new = make_spec()
-    new.arms = {"q": {"recipe": arm.recipe, "source": arm.source}}
+    new = replace(make_spec(), arms={"q": {"recipe": arm.recipe, "source": arm.source}})
     spec.save(directory, spec.merge(None, new, directory))
     assert {o.field: o.value for o in parse_recipe(directory / "recipes" / "q.env")} == arm.recipe
 
@@ -389,7 +392,7 @@ def test_load_reads_back_what_save_wrote(tmp_path: Path) -> None:
     assert spec.load(tmp_path) == spec.Spec(**data)
 
 
-# === spec / cli: the commands of each cell ======================================================================
+# === spec / commands: the commands of each cell ======================================================================
 
 
 def command_lines(out: str) -> tuple[list[str], list[list[str]]]:
@@ -427,16 +430,16 @@ def test_print_commands_one_line_per_cell(
     flags = ["--dataset", "builtin", "--n", "2"]
     sp = spec.merge(None, make_spec(seeds=(7, 8), eval_flags=flags), directory)
     spec.save(directory, sp)
-    cli.print_commands(directory, sp, every_checkpoint)
-    comments, commands = command_lines(capsys.readouterr().out)
+    commands.print_commands(directory, sp, every_checkpoint)
+    comments, argvs = command_lines(capsys.readouterr().out)
     assert [c for c in comments if c.startswith("# cell")] == [
         "# cell A/7",
         "# cell B/7",
         "# cell A/8",
         "# cell B/8",
     ]
-    *bases, verdict = [c for c in commands if "&&" not in c]
-    cells = [c for c in commands if "&&" in c]
+    *bases, report_line = [c for c in argvs if "&&" not in c]
+    cells = [c for c in argvs if "&&" in c]
     assert len(cells) == 4 and len(bases) == 2
     for base, seed in zip(
         bases, (7, 8), strict=True
@@ -444,7 +447,7 @@ def test_print_commands_one_line_per_cell(
         assert base[0] == sys.executable and Path(base[1]).name == "eval_aime.py" and Path(base[1]).is_file()
         out = str(directory / "evals" / "base" / f"seed{seed}")
         assert base[2:] == ["--model", "tiny/model", *flags, "--seed", str(seed), "--out", out]
-    assert verdict[1:] == ["-m", "opsd.experiment", "report", str(directory)]
+    assert report_line[1:] == ["-m", "opsd.experiment", "report", str(directory)]
     for tokens, (arm, seed) in zip(cells, [("A", 7), ("B", 7), ("A", 8), ("B", 8)], strict=True):
         assert tokens.count("&&") == 1
         cut = tokens.index("&&")
@@ -560,7 +563,7 @@ def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] |
 
 def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     directory = experiment(tmp_path / "exp")
-    result, paths = report.write(directory, target_diff=10.0, reps=2000)
+    result, paths = verdict.write(directory, target_diff=10.0, reps=2000)
 
     # Per arm: each seed's rates, their mean and the between-seed SE.
     for arm in ("A", "B"):
@@ -668,7 +671,7 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
 def test_report_of_a_partial_experiment(tmp_path: Path) -> None:
     # B's seed 3 is still training: metrics.jsonl at step 40, no checkpoint-100.
     directory = experiment(tmp_path / "exp", unscored={("B", 3): 40})
-    result = report.build(directory, reps=500)
+    result = verdict.build(directory, reps=500)
     b = result["arms"]["B"]
     assert sorted(b["per_seed"]) == ["1", "2"]
     assert b["missing"] == {"3": "training at step 40/100"}
@@ -680,7 +683,7 @@ def test_report_of_a_partial_experiment(tmp_path: Path) -> None:
     assert (comp["interval"]["estimate"], comp["interval"]["low"], comp["interval"]["high"]) == pytest.approx(
         t_interval(diffs), abs=1e-4
     )
-    md = report.markdown(result)
+    md = verdict.markdown(result)
     assert "| B | 2 of 3 |" in md and "| A | 3 of 3 |" in md
     assert "over 2 of the 3 planned seeds (1, 2)" in md
     assert "3: training at step 40/100" in md
@@ -695,34 +698,34 @@ def test_report_missing_cells_say_why(tmp_path: Path) -> None:
         "train-B-s2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": log},
         "eval-A-s3": {"job": "eval A/3", "exit": 1, "attempts": 2, "log": "/l/eval-A-s3.log"},
     })  # fmt: skip
-    result = report.build(directory, reps=200)
+    result = verdict.build(directory, reps=200)
     assert result["arms"]["B"]["missing"] == {
         "2": f"train failed (2 attempts, exit 3; {log})",
         "3": "trained, not scored yet",
     }
     assert result["arms"]["A"]["missing"] == {"3": "eval failed (2 attempts, exit 1; /l/eval-A-s3.log)"}
     assert result["comparisons"]["B"]["accuracy"]["seeds"] == [1]
-    md = report.markdown(result)
+    md = verdict.markdown(result)
     assert f"2: train failed (2 attempts, exit 3; {log})" in md
 
 
 def test_report_baseline_choice(tmp_path: Path) -> None:
     directory = experiment(tmp_path / "exp")
-    message = refused(report.build, directory, baseline="C", reps=200)
+    message = refused(verdict.build, directory, baseline="C", reps=200)
     assert "--baseline 'C'" in message and "A, B" in message
-    result = report.build(directory, baseline="B", reps=200)
+    result = verdict.build(directory, baseline="B", reps=200)
     assert list(result["comparisons"]) == ["A"]
     diffs = [points(CORRECT["A", s]) - points(CORRECT["B", s]) for s in SEEDS]
     assert result["comparisons"]["A"]["accuracy"]["per_seed"] == {
         str(s): pytest.approx(d) for s, d in zip(SEEDS, diffs, strict=True)
     }
-    assert "Against the baseline `B`" in report.markdown(result)
-    assert "holds no experiment.json" in refused(report.build, tmp_path / "empty")
+    assert "Against the baseline `B`" in verdict.markdown(result)
+    assert "holds no experiment.json" in refused(verdict.build, tmp_path / "empty")
 
 
 def test_report_with_one_common_seed_is_paired_over_problems(tmp_path: Path) -> None:
     directory = experiment(tmp_path / "exp", unscored={("B", 2): None, ("B", 3): None}, base=False)
-    result = report.build(directory, reps=200)
+    result = verdict.build(directory, reps=200)
     assert result["base"] is None and "vs_base" not in result["arms"]["A"]
     comp = result["comparisons"]["B"]["accuracy"]
     assert comp["seeds"] == [1]
@@ -757,17 +760,18 @@ def job_script(
     """Record the job's start (name, CUDA_VISIBLE_DEVICES, OPSD_KV_CACHE_GIB), then write the outputs the runner
     checks. fail="always": exit 3 without outputs; fail="once": exit 1 the first time (marker file);
     fail="no-output": exit 0 without outputs."""
-    record = f'echo "{job.name}|${{CUDA_VISIBLE_DEVICES-unset}}|${{OPSD_KV_CACHE_GIB-unset}}" >> {q(order)}'
-    if job.kind == "base":
-        out = spec.base_eval_dir(directory, job.seed)
+    key = job.key
+    record = f'echo "{key.name}|${{CUDA_VISIBLE_DEVICES-unset}}|${{OPSD_KV_CACHE_GIB-unset}}" >> {q(order)}'
+    if key.kind == "base":
+        out = spec.base_eval_dir(directory, key.seed)
         work = f"mkdir -p {q(out)} && echo '{{}}' > {q(out / 'summary.json')}"
-    elif job.kind == "train":
-        run = spec.run_dir(directory, job.arm, job.seed)
+    elif key.kind == "train":
+        run = spec.run_dir(directory, key.arm, key.seed)
         ck = run / "checkpoint-100"
         work = (f"mkdir -p {q(ck)} && echo '{{\"step\": 100, \"loss\": 1.0}}' >> {q(run / 'metrics.jsonl')} "
                 f"&& touch {q(ck / '.complete')}")  # fmt: skip
     else:
-        out = spec.eval_dir(directory, job.arm, job.seed) / "checkpoint-100"
+        out = spec.eval_dir(directory, key.arm, key.seed) / "checkpoint-100"
         work = f"mkdir -p {q(out)} && echo '{{}}' > {q(out / 'summary.json')}"
     if fail == "always":
         return f"{record}; exit 3"
@@ -779,21 +783,28 @@ def job_script(
 
 
 def run_fake(directory: Path, sp: spec.Spec, *, failing: dict[str, str] | None = None, slots=None,
-             kv_cache_gib: float = 0.0) -> tuple[ShRunner, list[list[str]], list[str]]:  # fmt: skip
-    """Plan and run the experiment with fake jobs; returns the runner, the status tables shown and the job
+             kv_cache_gib: float = 0.0) -> tuple[ShRunner, list[Status], list[str]]:  # fmt: skip
+    """Plan and run the experiment with fake jobs; returns the runner, the statuses shown and the job
     starts in order (lines NAME|CUDA_VISIBLE_DEVICES|OPSD_KV_CACHE_GIB)."""
     failing = failing or {}
     order = directory / "order.txt"
-    runner = ShRunner(directory, sp, slots or schedule.make_slots([], 0, 1), kv_cache_gib=kv_cache_gib,
-                      poll_s=0.05, status_every_s=1e9)  # fmt: skip
+    settings = schedule.RunSettings(kv_cache_gib=kv_cache_gib, poll_s=0.05, status_every_s=1e9)
+    runner = ShRunner(directory, sp, slots or schedule.make_slots([], 0, 1), settings)
     runner.script = lambda job: job_script(
-        directory, job, order, fail=failing.get(job.name, ""), marker=directory / f"{job.key}.marker"
+        directory, job, order, fail=failing.get(job.key.name, ""), marker=directory / f"{job.key}.marker"
     )
     runner.plan()
-    tables: list[list[str]] = []
+    tables: list[Status] = []
     runner.run(tables.append)
     starts = order.read_text().splitlines() if order.is_file() else []
     return runner, tables, starts
+
+
+def shown(status: Status) -> list[str]:
+    """The status as a log shows it (stdout not a terminal): the headline, then the table's lines."""
+    out = io.StringIO()
+    Display(out).show(status)
+    return out.getvalue().splitlines()
 
 
 def new_experiment(directory: Path, seeds=(1, 2)) -> spec.Spec:
@@ -821,20 +832,24 @@ def test_runner_runs_base_then_each_cell_train_before_eval(tmp_path: Path, monke
             assert state.trained and state.final_scored
     assert C.base_scored(directory, 1) and C.base_scored(directory, 2)
     last = tables[-1]
-    assert "4 cells: 4 done" in last[0] and "base model: 2 of 2 seeds scored" in last[0]
-    # Each row: the cell, its state and the disk it holds (run and evaluations), as du would count it.
-    rows = [row.split() for row in last[1:]]
-    assert [r[:2] for r in rows] == [["A/1", "done"], ["B/1", "done"], ["A/2", "done"], ["B/2", "done"]]
-    for r in rows:
-        arm, seed = r[0].split("/")
-        held = sum(p.stat().st_size for where in (spec.run_dir(directory, arm, int(seed)),
-                                                   spec.eval_dir(directory, arm, int(seed)))
+    assert "4 cells: 4 done" in last.headline() and "base model: 2 of 2 seeds scored" in last.headline()
+    # Each row: the cell, its state and the disk it holds (run and evaluations), as du would count it; the
+    # display shows the three on the cell's line.
+    assert [(r.cell, r.state) for r in last.rows] == [("A/1", "done"), ("B/1", "done"), ("A/2", "done"),
+                                                      ("B/2", "done")]  # fmt: skip
+    lines = shown(last)
+    assert last.headline() == lines[0]
+    for r in last.rows:
+        held = sum(p.stat().st_size for where in (spec.run_dir(directory, r.arm, r.seed),
+                                                   spec.eval_dir(directory, r.arm, r.seed))
                    for p in where.rglob("*") if p.is_file())  # fmt: skip
-        assert held > 0 and r[2:] == [str(held), "bytes"]
+        assert held > 0 and r.disk_bytes == held
+        line = next(x for x in lines if x.split()[:1] == [r.cell])
+        assert line.replace("|", " ").split() == [r.cell, "done", str(held), "bytes"]
     assert C.read_failed(directory) == {}
     records = jobs_log(directory)
     assert [r["job"] for r in records] == names and all(r["ok"] and r["exit"] == 0 for r in records)
-    assert any("training" in " ".join(t) for t in tables)  # the table was shown while jobs ran
+    assert any(r.state == "training" for t in tables for r in t.rows)  # the status was shown while jobs ran
 
 
 def test_runner_retries_a_failing_job_once_then_records_it(tmp_path: Path) -> None:
@@ -864,9 +879,11 @@ def test_runner_retries_a_failing_job_once_then_records_it(tmp_path: Path) -> No
     for arm, seed in (("A", 1), ("A", 2), ("B", 2)):
         assert C.cell_state(directory, arm, seed).final_scored
     last = tables[-1]
-    assert "3 done" in last[0] and "1 failed" in last[0]
-    row = next(r for r in last[1:] if r.split()[0] == "B/1")
-    assert row.split()[1] == "failed" and str(log) in row
+    assert "3 done" in last.headline() and "1 failed" in last.headline()
+    row = next(r for r in last.rows if r.cell == "B/1")
+    assert row.state == "failed" and str(log) in row.detail
+    line = next(x for x in shown(last) if x.split()[:1] == ["B/1"])
+    assert line.replace("|", " ").split()[1] == "failed" and str(log) in line
     tries = [r for r in jobs_log(directory) if r["job"] == "train B/1"]
     assert [(r["attempt"], r["exit"], r["ok"]) for r in tries] == [(1, 3, False), (2, 3, False)]
 
@@ -881,7 +898,7 @@ def test_runner_job_that_succeeds_on_its_retry_is_done(tmp_path: Path) -> None:
     assert C.read_failed(directory) == {}
     tries = [r for r in jobs_log(directory) if r["job"] == "eval A/1"]
     assert [(r["attempt"], r["exit"], r["ok"]) for r in tries] == [(1, 1, False), (2, 0, True)]
-    assert "2 cells: 2 done" in tables[-1][0]
+    assert "2 cells: 2 done" in tables[-1].headline()
 
 
 def test_runner_job_exiting_zero_without_its_outputs_has_failed(tmp_path: Path) -> None:
@@ -900,7 +917,7 @@ def test_runner_resumes_from_the_directory(tmp_path: Path) -> None:
     # Before anything ran: seed by seed, the base model, then every training run.
     fresh = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
     fresh.plan()
-    assert [j.name for j in fresh.jobs] == [
+    assert [j.key.name for j in fresh.progress.queued] == [
         "base 1",
         "train A/1",
         "train B/1",
@@ -918,7 +935,7 @@ def test_runner_resumes_from_the_directory(tmp_path: Path) -> None:
     C.write_failed(directory, {"train-B-s2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": "x"}})
     partial = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
     partial.plan()
-    assert [j.name for j in partial.jobs] == ["eval B/1", "train A/2", "train B/2"]
+    assert [j.key.name for j in partial.progress.queued] == ["eval B/1", "train A/2", "train B/2"]
     # The rerun tries the failed cell again; its success clears failed.json.
     runner, tables, starts = run_fake(directory, sp)
     assert [s.split("|")[0] for s in starts] == ["eval B/1", "train A/2", "eval A/2", "train B/2", "eval B/2"]
@@ -926,7 +943,7 @@ def test_runner_resumes_from_the_directory(tmp_path: Path) -> None:
     # A finished directory plans nothing.
     done = schedule.Runner(directory, sp, schedule.make_slots([], 0, 1))
     done.plan()
-    assert done.jobs == []
+    assert done.progress.queued == []
 
 
 def test_runner_plan_sharing_a_gpu_starts_the_first_training_run_first(tmp_path: Path) -> None:
@@ -935,7 +952,7 @@ def test_runner_plan_sharing_a_gpu_starts_the_first_training_run_first(tmp_path:
     sp = new_experiment(directory)
     runner = schedule.Runner(directory, sp, schedule.make_slots(["0"], 1, 3))
     runner.plan()
-    assert [j.name for j in runner.jobs] == [
+    assert [j.key.name for j in runner.progress.queued] == [
         "train A/1",
         "base 1",
         "train B/1",
@@ -945,9 +962,58 @@ def test_runner_plan_sharing_a_gpu_starts_the_first_training_run_first(tmp_path:
     ]
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "name"),
+    [
+        (C.JobKey("train", 42, "A"), "train-A-s42", "train A/42"),
+        (C.JobKey("eval", 7, "lr-s1"), "eval-lr-s1-s7", "eval lr-s1/7"),  # an arm name holding "-s"
+        (C.JobKey("eval", 0, "x.y_z"), "eval-x.y_z-s0", "eval x.y_z/0"),
+        (C.JobKey("base", 3), "base-3", "base 3"),
+    ],
+)
+def test_job_key_reads_back_its_string_form(key: C.JobKey, text: str, name: str) -> None:
+    # The string form is what failed.json's keys and the logs' names have always been.
+    assert str(key) == text and C.JobKey.parse(text) == key and key.name == name
+
+
+@pytest.mark.parametrize(
+    "text", ["", "train-A", "base-", "base-A", "train-A-sx", "fit-A-s1", "train--s1", "base-1-s2"]
+)
+def test_job_key_refuses_other_text(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a job key"):
+        C.JobKey.parse(text)
+
+
+def test_job_key_is_base_without_an_arm_or_a_cell_job_with_one() -> None:
+    for kind, arm in (("base", "A"), ("train", None), ("score", "A")):
+        with pytest.raises(ValueError, match="a job key is base with no arm"):
+            C.JobKey(kind, 1, arm)
+
+
+def test_the_plain_status_display_has_no_terminal_codes(tmp_path: Path) -> None:
+    rows = (
+        CellRow("A", 1, "training", 3 << 30, "step 40/100 (2.5 s/step)"),
+        CellRow("B", 1, "failed", 0, f"train B/1: exit 3, see {tmp_path / 'logs' / ('x' * 150 + '.log')}"),
+    )
+    status = Status(
+        0.0, rows, base_scored=1, base_planned=2, base_running=False, eta_s=None, eta_after_first=True
+    )
+    lines = shown(status)
+    assert not any("\x1b" in line for line in lines)
+    assert lines[0].endswith(
+        "2 cells: 1 training, 1 failed | base model: 1 of 2 seeds scored | ETA: after the first cell"
+    )
+    a = next(x for x in lines if x.startswith("A/1"))
+    assert a.replace("|", " ").split() == ["A/1", "training", "3", "GiB", "step", "40/100", "(2.5", "s/step)"]
+    b = next(x for x in lines if x.startswith("B/1"))  # a long log path stays on its cell's line
+    assert rows[1].detail in b
+    assert status.counts == {"training": 1, "failed": 1}
+    assert status.states == (("A", 1, "training"), ("B", 1, "failed"))
+
+
 def test_make_slots() -> None:
     slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
-    assert [(s.devices, s.capacity, s.running) for s in slots] == [("0,1", 3, 0), ("2,3", 3, 0)]
+    assert [(s.devices, s.capacity) for s in slots] == [("0,1", 3), ("2,3", 3)]
     assert [(s.devices, s.capacity) for s in schedule.make_slots(["5", "7"], 1, 1)] == [("5", 1), ("7", 1)]
     assert [(s.devices, s.capacity) for s in schedule.make_slots([], 0, 1)] == [(None, 1)]
     with pytest.raises(ValueError, match="cannot be split"):
@@ -962,7 +1028,7 @@ def test_runner_env_gives_each_slot_its_devices(tmp_path: Path, monkeypatch) -> 
         monkeypatch.setenv(key, value)  # left by a launcher around the experiment
     sp = make_spec()
     slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
-    shared = schedule.Runner(tmp_path, sp, slots, kv_cache_gib=1.5)
+    shared = schedule.Runner(tmp_path, sp, slots, schedule.RunSettings(kv_cache_gib=1.5))
     envs = [shared.env(s) for s in slots]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
     assert all(e["OPSD_KV_CACHE_GIB"] == "1.5" for e in envs)
@@ -990,28 +1056,28 @@ def test_runner_started_jobs_get_their_slots_devices(tmp_path: Path, monkeypatch
         name, devices, kv = line.split("|")
         assert devices in ("0,1", "2,3") and devices == devices_of[name], line
         assert kv == "1.5", line
-    assert all(s.running == 0 for s in slots)
+    assert all(runner.load(s) == 0 for s in slots) and runner.progress.running == []
 
 
 def test_runner_argv_is_the_cells_commands(tmp_path: Path) -> None:
     sp = make_spec(gpus_per_run=2)
     runner = schedule.Runner(tmp_path, sp, schedule.make_slots(["0", "1"], 2, 1))
     slot = runner.slots[0]
-    train = runner.argv(schedule.Job("train A/1", "train", "A", 1), slot)
+    train = runner.argv(schedule.Job(C.JobKey("train", 1, "A")), slot)
     assert options(train[2:])["--num-gpus"] == "2" and options(train[2:])["--name"] == "A"
-    ev = runner.argv(schedule.Job("eval A/1", "eval", "A", 1), slot)
+    ev = runner.argv(schedule.Job(C.JobKey("eval", 1, "A")), slot)
     assert ev[ev.index("--num-gpus") + 1] == "2"
     assert ev[ev.index("--checkpoints") + 1] == str(
         tmp_path / "runs" / "A" / "capped_seed1" / "checkpoint-100"
     )
     assert ev[ev.index("--seed") + 1] == "1"
-    base = runner.argv(schedule.Job("base 1", "base", seed=1), slot)
+    base = runner.argv(schedule.Job(C.JobKey("base", 1)), slot)
     assert (
         base[-4:] == ["--seed", "1", "--out", str(tmp_path / "evals" / "base" / "seed1")]
         and "--num-gpus" in base
     )
     cpu = schedule.Runner(tmp_path, sp, schedule.make_slots([], 0, 1))
-    assert "--num-gpus" not in cpu.argv(schedule.Job("eval A/1", "eval", "A", 1), cpu.slots[0])
+    assert "--num-gpus" not in cpu.argv(schedule.Job(C.JobKey("eval", 1, "A")), cpu.slots[0])
 
 
 # === engine_env: the fixed KV cache ============================================================================
@@ -1071,8 +1137,8 @@ def test_kv_cache_variable_is_tooling_not_a_config_field(monkeypatch) -> None:
     assert env_overrides({"OPSD_KV_CACHE_GIB": "1"}) == []
     assert [o.field for o in env_overrides({"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})] == ["beta"]
     # The experiment refuses method switches in its environment, not the KV cache variable.
-    cli.refuse_method_env({"OPSD_KV_CACHE_GIB": "1", "PATH": "/bin"})
-    message = refused(cli.refuse_method_env, {"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})
+    commands.refuse_method_env({"OPSD_KV_CACHE_GIB": "1", "PATH": "/bin"})
+    message = refused(commands.refuse_method_env, {"OPSD_KV_CACHE_GIB": "1", "OPSD_BETA": "0.5"})
     assert "OPSD_BETA" in message and "OPSD_KV_CACHE_GIB" not in message
 
 
@@ -1086,7 +1152,7 @@ def test_report_with_one_sample_per_problem_gives_the_t_interval(tmp_path: Path,
         monkeypatch.setitem(CORRECT, key, [row[:1] for row in CORRECT[key]])
         monkeypatch.setitem(BOXED, key, [row[:1] for row in BOXED[key]])
     directory = experiment(tmp_path / "exp")
-    result, _ = report.write(directory, reps=200)
+    result, _ = verdict.write(directory, reps=200)
     comp = result["comparisons"]["B"]["accuracy"]
     diffs = [points(CORRECT["B", s]) - points(CORRECT["A", s]) for s in SEEDS]
     assert diffs == pytest.approx(
@@ -1104,13 +1170,13 @@ def test_report_with_one_sample_per_problem_gives_the_t_interval(tmp_path: Path,
 def test_report_says_when_the_between_part_cannot_be_told_from_zero(tmp_path: Path) -> None:
     # Seeds 1 and 2 only: B - A = 25 and 33.33 (sd 5.89), below the within-seed sd of the paired difference.
     directory = experiment(tmp_path / "exp", seeds=(1, 2))
-    result = report.build(directory, reps=200)
+    result = verdict.build(directory, reps=200)
     v = result["comparisons"]["B"]["accuracy"]["variance"]
     within = mean(within_var(CORRECT["A", s], CORRECT["B", s]) for s in (1, 2))
     assert v["total_var"] == pytest.approx(var1([25, 100 / 3]))
     assert var1([25, 100 / 3]) < within
     assert v["between_floored"] and v["between_var"] == 0.0
-    md = report.markdown(result)
+    md = verdict.markdown(result)
     assert f"below the within-seed (evaluation sampling) sd {math.sqrt(within):.2f} alone" in md
     assert "cannot be told from 0 with 2 seeds" in md and "between seeds 0.00" not in md
     assert "2 seeds cannot pin this down" in md
@@ -1184,12 +1250,12 @@ def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
     one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
-    report.figures(report.build(one, reps=200), one)
+    verdict.figures(verdict.build(one, reps=200), one)
     assert labels == [
         "B: accuracy (paired t over problems, 1 seed)",
         "B: format rate (paired t over problems, 1 seed)",
     ]
     labels.clear()
     three = experiment(tmp_path / "three")
-    report.figures(report.build(three, reps=200), three)
+    verdict.figures(verdict.build(three, reps=200), three)
     assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq
 
-from opsd.experiment import report, spec
+from opsd.experiment import spec, verdict
 from opsd.experiment.stats import paired_seed_diffs, t_critical
 
 P, N_SAMPLES, SIGMA_B = 30, 8, 0.1
@@ -95,7 +95,7 @@ def coverage(x_a: np.ndarray, x_b: np.ndarray, truth: float) -> float:
         a = {s: {f"p{p}": x_a[e, s, p].tolist() for p in range(P)} for s in range(n)}
         b = {s: {f"p{p}": x_b[e, s, p].tolist() for p in range(P)} for s in range(n)}
         assert list(paired_seed_diffs(a, b).values()) == pytest.approx(d[e].tolist())
-        iv = report.compare(a, b, 1.0, 200, "accuracy")["interval"]
+        iv = verdict.compare(a, b, 1.0, 200, "accuracy")["interval"]
         assert (iv["low"], iv["high"]) == pytest.approx((d[e].mean() - half[e], d[e].mean() + half[e]))
         assert (iv["low"] <= truth <= iv["high"]) == covered[e]
     return float(covered.mean())

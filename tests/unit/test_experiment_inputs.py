@@ -1,6 +1,6 @@
 """Bad input to `python -m opsd.experiment` and its `report`: every malformed path, arm name, number, seed list and
 damaged file in an experiment directory is refused with one line on stderr and exit status 2, and nothing is
-written. In process (`cli.main`, whose return value `python -m opsd.experiment` exits with; tests/e2e checks that
+written. In process (`commands.main`, whose return value `python -m opsd.experiment` exits with; tests/e2e checks that
 exit status through a subprocess), one class of input per test."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd.experiment import cli
+from opsd.experiment import commands
 from tests.unit.test_experiment import experiment
 
 
@@ -32,9 +32,9 @@ def tree(directory: Path) -> dict[str, bytes]:
 
 
 def refused(argv: list[str], capsys, *, watch: Path) -> str:
-    """Run cli.main(argv); assert exit 2, one line on stderr, no stdout, no file under `watch` changed."""
+    """Run commands.main(argv); assert exit 2, one line on stderr, no stdout, no file under `watch` changed."""
     before = tree(watch)
-    rc = cli.main([str(a) for a in argv])
+    rc = commands.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     assert rc == 2, (argv, out, err)
     lines = err.strip().splitlines()
@@ -136,6 +136,10 @@ def damage(directory: Path, what: str) -> None:
             directory / "failed.json",
             json.dumps({"train-B-s2": {"job": "train B/2"}}),
         ),
+        "failed: not a job key": (
+            directory / "failed.json",
+            json.dumps({"train-B-2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": "x"}}),
+        ),
         "jobs: not JSON": (directory / "jobs.jsonl", '{"kind": "base", "start": 1, "seconds": 2}\n{cut'),
         "jobs: no kind": (directory / "jobs.jsonl", '{"start": 1, "seconds": 2}\n'),
         "jobs: negative seconds": (directory / "jobs.jsonl", '{"kind": "eval", "start": 1, "seconds": -2}\n'),
@@ -164,6 +168,7 @@ DAMAGES = [
     ("failed: not JSON", "failed.json is not valid JSON"),
     ("failed: a list", "failed.json does not map jobs"),
     ("failed: a field missing", "failed.json does not map jobs"),
+    ("failed: not a job key", "'train-B-2' is not a job key"),
     ("jobs: not JSON", "jobs.jsonl line 2 is not JSON"),
     ("jobs: no kind", "jobs.jsonl line 1 is not a job record"),
     ("jobs: negative seconds", "jobs.jsonl line 1 is not a job record"),
@@ -201,8 +206,29 @@ def test_damaged_files_in_an_experiment_directory(tmp_path: Path, capsys, what: 
         (["report", "{tmp}/exp", "--target-diff", "-1"], "--target-diff -1.0"),
         (["report", "{tmp}/exp", "--bootstrap-reps", "0"], "--bootstrap-reps 0"),
         (["report", "{tmp}/exp", "--bogus"], "unrecognized arguments: --bogus"),
+        (["report"], "the following arguments are required: directory"),
+        (["reprot", "{tmp}/exp"], "unknown command 'reprot': use run or report"),
+        (["run", "--out", "{tmp}/exp", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run"], "the following arguments are required: --out"),
+        ([], "the following arguments are required: --out"),
     ],
 )
 def test_bad_report_arguments(tmp_path: Path, capsys, argv: list[str], named: str) -> None:
     experiment(tmp_path / "exp")
     assert named in refused([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys, watch=tmp_path)
+
+
+def test_run_is_the_command_a_command_line_without_one_runs(tmp_path: Path, capsys) -> None:
+    directory = experiment(tmp_path / "exp")
+    assert (
+        commands.parse(["--out", "d"]).command == "run"
+        and commands.parse(["report", "d"]).command == "report"
+    )
+    assert commands.main(["--out", str(directory), "--print-commands"]) == 0
+    implicit = capsys.readouterr().out
+    assert commands.main(["run", "--out", str(directory), "--print-commands"]) == 0
+    assert capsys.readouterr().out == implicit and "# cell B/2" in implicit
+    (directory / "summary.json").unlink(missing_ok=True)
+    assert commands.main(["report", str(directory), "--bootstrap-reps", "200", "--baseline", "B"]) == 0
+    assert json.loads((directory / "summary.json").read_text())["baseline"] == "B"
+    assert "written: " in capsys.readouterr().out

@@ -64,6 +64,33 @@ def test_the_sys_path_check_finds_an_edit(snippet):
     assert not path_edits("print(sys.path)\nfrom common import write")
 
 
+def shared_module_names(paths: list[str]) -> dict[str, list[str]]:
+    """File names that more than one module under opsd/ and bench/ carries (package markers aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(set(paths)):
+        name = Path(path).name
+        if (
+            path.startswith(("opsd/", "bench/"))
+            and name.endswith(".py")
+            and name not in ("__init__.py", "__main__.py")
+        ):
+            seen.setdefault(name, []).append(path)
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_name():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert "opsd/experiment/commands.py" in tracked
+    assert not shared_module_names(tracked)
+    # The check finds a clash, between the package and bench as within the package.
+    assert shared_module_names(
+        ["opsd/run/report.py", "bench/report.py", "opsd/a/__init__.py", "bench/__init__.py"]
+    )
+    assert not shared_module_names(["opsd/run/report.py", "tests/report.py"])
+
+
 def test_method_doc_has_every_section_the_code_cites():
     method = (ROOT / "docs" / "method.md").read_text()
     headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)[ .]", method, flags=re.M))

@@ -1,9 +1,9 @@
 """`python -m opsd.experiment`: recipes x seeds under the capped budget, every checkpoint scored alike, a paired
-verdict with its noise.
+verdict with its noise. Two commands: `run` (the default, so `run` may be left out) and `report`.
 
-    python -m opsd.experiment --out runs/exp/clip \\
+    python -m opsd.experiment run --out runs/exp/clip \\
         --arm published=configs/recipes/published.env --arm improved=recipe.env --seeds 42,43,44
-    python -m opsd.experiment --out runs/exp/lr --arm base=recipe.env --arm lr2e5=LEARNING_RATE=2e-5 \\
+    python -m opsd.experiment --out runs/exp/lr --arm default=recipe.env --arm lr2e5=LEARNING_RATE=2e-5 \\
         --profile demo --eval-flags "--dataset builtin:easy --n 4 --max-tokens 128 --max-model-len 1024 --no-thinking"
     python -m opsd.experiment --out runs/exp/clip --print-commands    # one line per cell, for a cluster scheduler
     python -m opsd.experiment report runs/exp/clip [--baseline published] [--target-diff 1]
@@ -30,8 +30,12 @@ from pathlib import Path
 
 from opsd.errors import UserError, report, split_debug
 from opsd.experiment import spec as S
+from opsd.experiment.arms import parse_arm
 
 logger = logging.getLogger("opsd.experiment")
+PROG = "python -m opsd.experiment"
+COMMANDS = ("run", "report")
+DEFAULT_COMMAND = "run"
 DEFAULT_SEEDS = "42,43,44"
 GPUS_PER_RUN = (1, 2, 4, 8)
 MAX_REPS = (
@@ -47,11 +51,24 @@ class Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m opsd.experiment",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """`run` (the default: a command line without a command runs the experiment) and `report`."""
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", metavar="{run,report}", required=True)
+    run_p = commands.add_parser("run", help="Run (or resume) the experiment, then write its verdict (the default).",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_run_flags(run_p)
+    add_report_flags(run_p)
+    run_p.set_defaults(func=run)
+    report_p = commands.add_parser(
+        "report", help="The verdict so far, from whatever has finished.", description="The verdict so far."
     )
+    report_p.add_argument("directory")
+    add_report_flags(report_p)
+    report_p.set_defaults(func=report_command)
+    return p
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="The experiment directory (one configuration per directory).")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=RECIPE|NAME=KEY=VALUE[,KEY=VALUE]",
                    help="An arm: a recipe file, or overrides on top of --recipe. Repeat for each arm.")  # fmt: skip
@@ -106,8 +123,6 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds between status tables (also on every change).",
     )
-    add_report_flags(p)
-    return p
 
 
 def add_report_flags(p: argparse.ArgumentParser) -> None:
@@ -180,7 +195,7 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         base_recipe = check_file(a.recipe, RECIPE_FILE)
     arms = {}
     for text in a.arm:
-        arm = S.parse_arm(text, base_recipe)
+        arm = parse_arm(text, base_recipe)
         if arm.name.lower() in {n.lower() for n in arms}:
             raise UserError(
                 f"--arm {arm.name} is given twice (names differ in case at most); every arm needs its own name"
@@ -251,7 +266,8 @@ def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> Non
 
 def run(a: argparse.Namespace) -> int:
     from opsd.experiment import cells as C
-    from opsd.experiment.schedule import Runner, make_slots
+    from opsd.experiment.schedule import Runner, RunSettings, make_slots
+    from opsd.experiment.status import Display
     from opsd.paths import check_output_dir
 
     check_numbers(a)
@@ -273,17 +289,17 @@ def run(a: argparse.Namespace) -> int:
         print_commands(directory, spec, a.every_checkpoint)
         return 0
     sharing = a.cells_per_gpu > 1
-    runner = Runner(
-        directory, spec, make_slots(gpus, spec.gpus_per_run or 1, a.cells_per_gpu),
+    settings = RunSettings(
         every_checkpoint=a.every_checkpoint,
         kv_cache_gib=a.kv_cache_gib if a.kv_cache_gib is not None else (1.5 if sharing else 0.0),
         stagger_s=a.stagger if a.stagger is not None else (10.0 if sharing else 0.0),
         retries=a.retries, status_every_s=a.status_every,
     )  # fmt: skip
+    runner = Runner(directory, spec, make_slots(gpus, spec.gpus_per_run or 1, a.cells_per_gpu), settings)
     runner.plan()
     logger.info("%s: %d arm(s) x %d seed(s), %d job(s) to run on %s", directory, len(spec.arm_names),
-                len(spec.seeds), len(runner.jobs), ",".join(gpus) or "the CPU")  # fmt: skip
-    runner.run(lambda lines: print("\n".join(lines), flush=True))
+                len(spec.seeds), len(runner.progress.queued), ",".join(gpus) or "the CPU")  # fmt: skip
+    runner.run(Display().show)
     write_report(directory, a)
     failed = C.read_failed(directory)
     return 1 if failed else 0
@@ -323,7 +339,7 @@ def check_baseline(baseline: str | None, spec: S.Spec, directory: Path) -> None:
 
 
 def write_report(directory: Path, a: argparse.Namespace) -> None:
-    from opsd.experiment.report import write
+    from opsd.experiment.verdict import write
 
     result, paths = write(directory, baseline=a.baseline, target_diff=a.target_diff, reps=a.bootstrap_reps)
     for arm, comp in result["comparisons"].items():
@@ -333,25 +349,37 @@ def write_report(directory: Path, a: argparse.Namespace) -> None:
         print(f"written: {path}")
 
 
+def report_command(a: argparse.Namespace) -> int:
+    """`report DIR`: the verdict from whatever has finished."""
+    from opsd.paths import check_input_dir
+
+    check_report_flags(a)
+    directory = check_input_dir(a.directory, "report", "pass an experiment directory").resolve()
+    if not (directory / S.EXPERIMENT_FILE).is_file():
+        raise UserError(f"{a.directory} is not an experiment directory (no {S.EXPERIMENT_FILE})")
+    write_report(directory, a)
+    return 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; one without a command (`--out DIR --arm ...`, as the docs and scripts write it) is `run`."""
+    if argv[:1] and not argv[0].startswith("-") and argv[0] not in COMMANDS:  # `run` takes no positional
+        raise UserError(
+            f"unknown command {argv[0][:80]!r}: use {' or '.join(COMMANDS)}, e.g. {PROG} report DIR (a command line "
+            f"that starts with a flag runs the experiment)"
+        )
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = [DEFAULT_COMMAND, *argv]
+    return parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug, argv = split_debug(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if argv[:1] == ["report"]:
-            p = Parser(prog="python -m opsd.experiment report", description="The verdict so far.")
-            p.add_argument("directory")
-            add_report_flags(p)
-            a = p.parse_args(argv[1:])
-            check_report_flags(a)
-            from opsd.paths import check_input_dir
-
-            directory = check_input_dir(a.directory, "report", "pass an experiment directory").resolve()
-            if not (directory / S.EXPERIMENT_FILE).is_file():
-                raise UserError(f"{a.directory} is not an experiment directory (no {S.EXPERIMENT_FILE})")
-            write_report(directory, a)
-            return 0
-        return run(parser().parse_args(argv))
+        a = parse(argv)
+        return a.func(a)
     except (UserError, ValueError) as err:
         return report(err, "opsd.experiment", debug=debug)
     except KeyboardInterrupt:

@@ -157,10 +157,10 @@ def timing(directory: Path) -> dict[str, dict[str, float]]:
 
 
 def _why_missing(failed: dict, arm: str, seed: int, state: C.CellState) -> str:
-    for kind in ("train", "eval"):
-        f = failed.get(f"{kind}-{arm}-s{seed}")
-        if f:
-            return f"{kind} failed ({f['attempts']} attempts, exit {f['exit']}; {f['log']})"
+    failure = C.cell_failure(failed, arm, seed)
+    if failure:
+        key, f = failure
+        return f"{key.kind} failed ({f['attempts']} attempts, exit {f['exit']}; {f['log']})"
     if state.trained:
         return "trained, not scored yet"
     return f"training at step {state.step}/{S.STEPS}" if state.step else "not started"
