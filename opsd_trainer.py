@@ -131,15 +131,7 @@ class OPSDTrainer(SDFTTrainer):
         a: OPSDConfig = self.args
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
-        self.prompt_builder = PromptBuilder(
-            self.processing_class,
-            student_template_file=a.student_prompt_file,
-            teacher_template_file=a.teacher_prompt_file,
-            student_thinking=a.student_thinking,
-            teacher_thinking=a.teacher_thinking,
-            thinking_switch=a.thinking_switch,
-            max_teacher_prompt_tokens=a.max_teacher_prompt_length,
-        )
+        self.prompt_builder = PromptBuilder.from_config(self.processing_class, a)
         self.teacher_context_builder = TeacherRows(self.prompt_builder, self.processing_class.pad_token_id)
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()

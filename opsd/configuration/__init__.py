@@ -4,6 +4,8 @@
   (training's `RANGES`, eval_aime.py's `EVAL_RANGES`);
 * `config`: `OPSDConfig`, the published recipe as defaults (which value source wins: docs/configuration.md),
   and the loss's settings (`loss_settings`, a `LossSettings` of `loss_settings.py`);
+* `trl_options`: TRL's SDFT fields OPSD ignores or derives (refused when set otherwise), and its generation
+  window, set from `steps_per_rollout`;
 * `aliases`: older names of fields, still accepted (`jsd_token_clip` is `divergence_clip`);
 * `keys`: which fields `recipe.env`, `OPSD_*` and the harness's flags may set (method, operational, budget);
 * `values`: one value from those sources checked against its field's type and choices;

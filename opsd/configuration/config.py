@@ -16,55 +16,15 @@ from trl.experimental.sdft import SDFTConfig
 from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
 from opsd.configuration.loss_settings import LossSettings
 from opsd.configuration.ranges import check_ranges
+from opsd.configuration.trl_options import (
+    IGNORED_SDFT_OPTIONS,
+    TEACHER_KIND,
+    check_generation_window,
+    check_steps_per_rollout,
+    check_trl_teacher_options,
+)
 
 logger = logging.getLogger(__name__)
-
-# OPSD's names for TRL's teacher kinds.
-TEACHER_KIND = {"fixed": "base", "ema": "ema", "dynamic": "live"}
-# SDFTConfig fields that OPSDTrainer never reads, with what to use instead. A value other than SDFTConfig's
-# default is refused: silently training with another objective or prompt than the one asked for is worse.
-IGNORED_SDFT_OPTIONS = {
-    "generate_from_teacher": "OPSD always samples from the student prompt; leave it unset",
-    "distillation_alpha": "set the OPSD divergence with beta instead",
-    "distillation_mode": "set the OPSD objective with loss_type (jsd | sampled_token) instead",
-    "distillation_topk": "restrict the OPSD loss with top_k_loss instead",
-    "distillation_is_clip": "clip the OPSD loss with divergence_clip and clip_mode instead",
-    "distillation_add_tail": "the OPSD loss has no tail bucket; leave it unset",
-    "teacher_prompt_template": "give a teacher template file with teacher_prompt_file ({problem}, {reference})",
-    "use_teacher_server": "OPSD scores the teacher locally on the full vocabulary; leave it unset",
-    "chat_template_kwargs": "use student_thinking / teacher_thinking, or the prompt template files",
-}
-
-
-# SDFTConfig fields that OPSD sets itself from its own switches, with the switch to use instead. A value other
-# than SDFTConfig's default and other than the one OPSD derives is refused: it would be rewritten silently.
-DERIVED_SDFT_OPTIONS = {
-    "teacher_model_kind": "set the teacher with teacher_mode (fixed | ema | dynamic) instead",
-    "teacher_update_rate": "set the EMA teacher's speed with ema_decay (update rate = 1 - ema_decay) instead",
-}
-
-
-def _shown(value) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else repr(value)
-
-
-def check_trl_teacher_options(config, sdft_defaults: dict) -> None:
-    """Refuse `teacher_model_kind` / `teacher_update_rate` set to anything but what OPSD derives from
-    `teacher_mode` / `ema_decay` (SDFTConfig's default cannot be told from unset and passes)."""
-    derived = {
-        "teacher_model_kind": TEACHER_KIND.get(config.teacher_mode),
-        "teacher_update_rate": 1.0 - config.ema_decay,
-    }
-    for name, instead in DERIVED_SDFT_OPTIONS.items():
-        value, ours = getattr(config, name), derived[name]
-        same = value == ours or (
-            isinstance(value, float) and isinstance(ours, float) and abs(value - ours) <= 1e-12
-        )
-        if value != sdft_defaults[name] and not same:
-            raise ValueError(
-                f"{name}={value!r} is a TRL option that OPSD sets itself (here to {_shown(ours)}, from "
-                f"teacher_mode={config.teacher_mode!r}, ema_decay={config.ema_decay!r}); {instead}"
-            )
 
 
 def _help(text: str) -> dict:
@@ -390,30 +350,12 @@ class OPSDConfig(SDFTConfig):
         if self.bf16 and not torch.cuda.is_available():
             logger.info("bf16 mixed precision needs a GPU; training in float32 on this machine")
             self.bf16 = False
-        # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps.
-        k = self.steps_per_rollout
-        if k > 1 and self.num_iterations > 1:
-            raise ValueError(
-                f"steps_per_rollout={k} with num_iterations={self.num_iterations}: both train several steps "
-                "on one generation; set one of them"
-            )
-        if self.max_steps > 0 and self.max_steps % k:
-            raise ValueError(
-                f"steps_per_rollout={k} does not divide max_steps={self.max_steps}: the last generation would "
-                "roll out problems no step trains on; choose a divisor of max_steps"
-            )
+        check_steps_per_rollout(self)
         if self.steps_per_generation is None and self.generation_batch_size is None:
-            self.steps_per_generation = k * self.gradient_accumulation_steps
+            # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps.
+            self.steps_per_generation = self.steps_per_rollout * self.gradient_accumulation_steps
         super().__post_init__()
-        # Each optimizer step is normalised by its own valid tokens (opsd_trainer `_prepare_training_batch`
-        # counts them per step of the window), so a window must be whole optimizer steps (docs/method.md §1.5).
-        if self.steps_per_generation != k * self.gradient_accumulation_steps:
-            raise ValueError(
-                f"steps_per_generation={self.steps_per_generation} (generation_batch_size="
-                f"{self.generation_batch_size}) is not steps_per_rollout x gradient_accumulation_steps = "
-                f"{k} x {self.gradient_accumulation_steps}: TRL's window counts micro-batches; leave both TRL "
-                "generation settings unset and set steps_per_rollout (optimizer steps per generation)"
-            )
+        check_generation_window(self)
 
     def loss_settings(self) -> LossSettings:
         """The loss's arguments, for every caller of the loss (trainer, probe, completions log, benchmarks)."""

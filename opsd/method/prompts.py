@@ -135,6 +135,19 @@ class PromptBuilder:
         self.max_teacher_prompt_tokens = max_teacher_prompt_tokens
         self.switch = None if tokenizer is None else resolve_thinking_switch(tokenizer, thinking_switch)
 
+    @classmethod
+    def from_config(cls, tokenizer, config) -> PromptBuilder:
+        """The prompts an `OPSDConfig` asks for (its template files, thinking switches and teacher cap)."""
+        return cls(
+            tokenizer,
+            student_template_file=config.student_prompt_file,
+            teacher_template_file=config.teacher_prompt_file,
+            student_thinking=config.student_thinking,
+            teacher_thinking=config.teacher_thinking,
+            thinking_switch=config.thinking_switch,
+            max_teacher_prompt_tokens=config.max_teacher_prompt_length,
+        )
+
     def student_text(self, problem: str) -> str:
         return self.student_template.replace("{problem}", problem)
 

@@ -276,15 +276,8 @@ def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int
     cap = config.max_teacher_prompt_length or 4096
     student_p, teacher_p = cap, cap
     if rows is not None and len(rows):
-        builder = PromptBuilder(
-            load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision),
-            student_template_file=config.student_prompt_file,
-            teacher_template_file=config.teacher_prompt_file,
-            student_thinking=config.student_thinking,
-            teacher_thinking=config.teacher_thinking,
-            thinking_switch=config.thinking_switch,
-            max_teacher_prompt_tokens=config.max_teacher_prompt_length,
-        )
+        tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
+        builder = PromptBuilder.from_config(tokenizer, config)
         student_p, teacher_p = prompt_token_lengths(rows, builder)
     return plan_for(
         config,
