@@ -8,9 +8,11 @@ Tests live in three folders, and each test gets its folder's marker:
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Set before vLLM or the hub client is imported anywhere in the session.
@@ -84,6 +86,24 @@ def eval_argv(*args) -> list[str]:
 def run_eval(*args, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(eval_argv(*args), cwd=EVAL_SCRIPT.parent, env=env or EVAL_ENV,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def kill_eval_at(
+    args, log_path: Path, watched: Path, lines: int, *, seconds: float, poll: float = 0.02
+) -> None:
+    """Start `python eval_aime.py ARGS` (output to `log_path`) and SIGKILL it once `watched` holds `lines` lines;
+    fails if it exits first or `seconds` pass."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            eval_argv(*args), cwd=EVAL_SCRIPT.parent, env=EVAL_ENV, stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + seconds
+        while not (watched.is_file() and watched.read_bytes().count(b"\n") >= lines):
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{watched} got fewer than {lines} lines in time"
+            time.sleep(poll)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,14 +183,9 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
         for f in files:
             _check_local_file(f)
         source = f"directory {str(path)!r} (split {split!r})"
-        try:
+        hint = "Name a split that exists (--dataset_split), or name files after splits"
+        with _no_such_split(lambda err: f"{source}: {err} {hint}"):
             return _read_local(source, formats[0], str(path), split=split), source
-        except ValueError as err:
-            if "split" not in str(err).lower():
-                raise
-            raise DataError(
-                f"{source}: {err} Name a split that exists (--dataset_split), or name files after splits"
-            ) from err
     check_file(path, DATA_FILE)  # what the path is comes first: /dev/zero is a device, not a misnamed file
     if path.suffix.lower() not in _LOCAL_SUFFIXES:
         raise DataError(f"dataset file {str(path)!r} must end in {_FORMATS}")
@@ -198,6 +195,18 @@ def _load_local(path: Path, split: str) -> tuple[Dataset, str]:
     return _read_local(source, fmt, fmt, data_files=str(path), split="train"), f"file {str(path)!r}"
 
 
+@contextmanager
+def _no_such_split(message: Callable[[ValueError], str]) -> Iterator[None]:
+    """datasets' ValueError about a split that does not exist, as a DataError saying `message(err)`; other
+    ValueErrors pass."""
+    try:
+        yield
+    except ValueError as err:
+        if "split" not in str(err).lower():
+            raise
+        raise DataError(message(err)) from err
+
+
 def _load_hub(name: str, split: str) -> Dataset:
     """A hub dataset's split; one that cannot be reached offline, does not exist, or lacks the split is a
     DataError naming HF_HUB_OFFLINE, the cache and the local alternatives."""
@@ -205,8 +214,10 @@ def _load_hub(name: str, split: str) -> Dataset:
     from datasets.exceptions import DatasetNotFoundError
 
     offline = datasets.config.HF_HUB_OFFLINE
+    hint = "name one it has with --dataset_split"
     try:
-        return datasets.load_dataset(name, split=split)
+        with _no_such_split(lambda err: f"dataset {name!r} has no split {split!r} ({_cause(err)}); {hint}"):
+            return datasets.load_dataset(name, split=split)
     except (ConnectionError, DatasetNotFoundError, FileNotFoundError) as err:
         reach = (
             "HF_HUB_OFFLINE=1 forbids downloading it"
@@ -217,12 +228,6 @@ def _load_hub(name: str, split: str) -> Dataset:
             f"dataset {name!r} is not a local file or directory and is not in the datasets cache "
             f"({datasets.config.HF_DATASETS_CACHE}), and {reach} ({_cause(err)}); load it once where the Hub "
             "is reachable (unset HF_HUB_OFFLINE), or pass a local .json/.jsonl/.csv/.parquet file or directory"
-        ) from err
-    except ValueError as err:
-        if "split" not in str(err).lower():
-            raise
-        raise DataError(
-            f"dataset {name!r} has no split {split!r} ({_cause(err)}); name one it has with --dataset_split"
         ) from err
 
 

@@ -1,11 +1,12 @@
 """Tiny random float32 models of the architecture families the method is meant to train, for exactness tests.
 
-Every model is hidden 64 with 2 attention heads of head_dim 32 (vLLM's CPU attention rejects 16), sits next to
-the `opsd.testing.tiny.build_tokenizer` tokenizer, and reloads with `AutoModelForCausalLM` / `AutoTokenizer`.
+Every model has the size `opsd.testing.tiny.TINY_SIZE` (hidden 64, 2 attention heads of head_dim 32: vLLM's CPU
+attention rejects 16), sits next to the `opsd.testing.tiny.build_tokenizer` tokenizer, and reloads with
+`AutoModelForCausalLM` / `AutoTokenizer`.
 The layouts put every layer kind of a family into a few layers, with windows and kernels short enough to matter
 on test sequences of a few dozen tokens:
 
-- qwen3: 2 full-attention layers (`opsd.testing.tiny.build_qwen3`).
+- qwen3: 2 full-attention layers (`opsd.testing.tiny.tiny_qwen3_shape`, as `build_qwen3` builds it).
 - qwen3_5 (text-only `Qwen3_5ForCausalLM`): Gated DeltaNet, full attention, Gated DeltaNet, full attention;
   DeltaNet heads 1 key / 2 value of dim 128, conv kernel 4; partial RoPE (a quarter of head_dim) with the
   interleaved M-RoPE sections of the real configs. vLLM's CPU engine runs it in bfloat16 only (its Gated
@@ -28,211 +29,140 @@ what the GPU benchmark `bench/families_gpu.py` trains.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from opsd.testing.tiny import build_qwen3, build_tokenizer, qwen3_1p7b_shape
+from opsd.testing.tiny import (
+    TINY_HEAD_DIM,
+    TINY_SIZE,
+    build_tokenizer,
+    qwen3_1p7b_shape,
+    save_random,
+    tiny_qwen3_shape,
+    with_token_ids,
+)
 
-HIDDEN = 64
-HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
-HEAD_DIM = 32
-
-
-def _token_ids(tok) -> dict:
-    return dict(
-        vocab_size=len(tok),
-        bos_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-
-
-def _save(model_cls, config, out_dir: str | Path, tok, seed: int) -> Path:
-    import torch
-
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.save_pretrained(str(out_dir))
-    tok.save_pretrained(str(out_dir))
-    return Path(out_dir)
-
-
-def qwen3(out_dir: str | Path, tok, seed: int) -> Path:
-    return build_qwen3(out_dir, tokenizer=tok, seed=seed)
-
-
-def qwen3_5(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention"] * 2,
-        **HEADS,
-        head_dim=HEAD_DIM,
-        linear_conv_kernel_dim=4,
-        # The released head dims: vLLM's CPU Gated DeltaNet kernel rejects 32 ("Unexpected head dim size").
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        # 8 rotary dims = 4 frequencies, split over the (text, height, width) sections as the real configs do.
-        rope_parameters=dict(
-            rope_type="default",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.25,
-            mrope_section=[2, 1, 1],
-            mrope_interleaved=True,
+# Each family's tiny layout: (config class, model class, what it sets beside `TINY_SIZE`).
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", tiny_qwen3_shape()),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            head_dim=TINY_HEAD_DIM,
+            linear_conv_kernel_dim=4,
+            # The released head dims: vLLM's CPU Gated DeltaNet kernel rejects 32 ("Unexpected head dim size").
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            # 8 rotary dims = 4 frequencies, split over the (text, height, width) sections as the real configs do.
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[2, 1, 1],
+                mrope_interleaved=True,
+            ),
+            tie_word_embeddings=True,
         ),
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(Qwen3_5ForCausalLM, config, out_dir, tok, seed)
-
-
-def olmo3(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import Olmo3Config, Olmo3ForCausalLM
-
-    config = Olmo3Config(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        **HEADS,
-        sliding_window=4,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        max_position_embeddings=2048,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(Olmo3ForCausalLM, config, out_dir, tok, seed)
-
-
-def smollm3(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-    config = SmolLM3Config(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        **HEADS,
-        no_rope_layers=[1, 0],  # 1 = this layer uses RoPE
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(SmolLM3ForCausalLM, config, out_dir, tok, seed)
-
-
-def gemma3(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        **HEADS,
-        head_dim=HEAD_DIM,
-        query_pre_attn_scalar=HEAD_DIM,  # the released checkpoints scale queries by their head_dim
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        final_logit_softcapping=5.0,
-        max_position_embeddings=2048,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(Gemma3ForCausalLM, config, out_dir, tok, seed)
-
-
-def lfm2(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import Lfm2Config, Lfm2ForCausalLM
-
-    config = Lfm2Config(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        block_auto_adjust_ff_dim=False,  # else the MLP width is rounded up to a multiple of 256
-        num_hidden_layers=4,
-        **HEADS,
-        layer_types=["conv", "full_attention"] * 2,
-        conv_L_cache=3,
-        # Widths the released config.json files carry and vLLM's Lfm2 reads; transformers ignores them.
-        block_dim=HIDDEN,
-        conv_dim=HIDDEN,
-        conv_dim_out=HIDDEN,
-        max_position_embeddings=2048,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(Lfm2ForCausalLM, config, out_dir, tok, seed)
-
-
-def granitemoehybrid(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    config = GraniteMoeHybridConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=64,  # per expert
-        shared_intermediate_size=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention"] * 2,
-        **HEADS,
-        position_embedding_type=None,
-        mamba_n_heads=4,
-        mamba_d_head=32,
-        mamba_n_groups=1,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=16,
-        logits_scaling=8.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(GraniteMoeHybridForCausalLM, config, out_dir, tok, seed)
-
-
-def nemotron_h(out_dir: str | Path, tok, seed: int) -> Path:
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    config = NemotronHConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
-        **HEADS,
-        head_dim=HEAD_DIM,
-        mamba_num_heads=4,
-        mamba_head_dim=32,
-        n_groups=1,
-        ssm_state_size=16,
-        conv_kernel=4,
-        expand=2,
-        chunk_size=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **_token_ids(tok),
-    )
-    return _save(NemotronHForCausalLM, config, out_dir, tok, seed)
-
-
-FAMILIES: dict[str, Callable[..., Path]] = {
-    "qwen3": qwen3,
-    "qwen3_5": qwen3_5,
-    "olmo3": olmo3,
-    "smollm3": smollm3,
-    "gemma3": gemma3,
-    "lfm2": lfm2,
-    "granitemoehybrid": granitemoehybrid,
-    "nemotron_h": nemotron_h,
+    ),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=4,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        ),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            no_rope_layers=[1, 0],  # 1 = this layer uses RoPE
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=TINY_HEAD_DIM,
+            query_pre_attn_scalar=TINY_HEAD_DIM,  # the released checkpoints scale queries by their head_dim
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            block_auto_adjust_ff_dim=False,  # else the MLP width is rounded up to a multiple of 256
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention"] * 2,
+            conv_L_cache=3,
+            # Widths the released config.json files carry and vLLM's Lfm2 reads; transformers ignores them.
+            block_dim=TINY_SIZE["hidden_size"],
+            conv_dim=TINY_SIZE["hidden_size"],
+            conv_dim_out=TINY_SIZE["hidden_size"],
+        ),
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            intermediate_size=64,  # per expert
+            shared_intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            position_embedding_type=None,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            head_dim=TINY_HEAD_DIM,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=1,
+            ssm_state_size=16,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=16,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+
+
+def build_tiny(name: str, out_dir: str | Path, tok, seed: int = 0) -> Path:
+    """Write the float32 tiny model of family `name` (`TINY_SIZE` and its layout in FAMILIES) and `tok` to
+    `out_dir`."""
+    import transformers
+
+    config_cls, model_cls, layout = FAMILIES[name]
+    config = getattr(transformers, config_cls)(
+        **with_token_ids({**TINY_SIZE, **layout}, tok), dtype="float32"
+    )
+    return save_random(getattr(transformers, model_cls), config, out_dir, tokenizer=tok, seed=seed)
 
 
 def _pattern(unit: list[str], n: int) -> list[str]:
@@ -308,8 +238,7 @@ def build_real(
     config_cls, model_cls, _, shape = REAL_SHAPES[name]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out_dir, pad_vocab_to=shape["vocab_size"])
-    ids = {k: v for k, v in _token_ids(tok).items() if k != "vocab_size"}
-    config = getattr(transformers, config_cls)(**shape, **ids, dtype=dtype)
+    config = getattr(transformers, config_cls)(**with_token_ids(shape, tok), dtype=dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -340,4 +269,4 @@ def build_family(
         raise ValueError(f"family={name!r} is unknown; choose one of {sorted(FAMILIES)}")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tokenizer(out_dir)
-    return FAMILIES[name](out_dir, tok, seed)
+    return build_tiny(name, out_dir, tok, seed)

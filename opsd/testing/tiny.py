@@ -91,41 +91,59 @@ def qwen3_1p7b_shape() -> dict:
     )
 
 
+# The size every tiny model shares: hidden 64, MLP 128, 2 query heads over 1 key/value head, 2048 positions; the
+# attention heads are of dim 32 (vLLM's CPU attention rejects 16).
+TINY_SIZE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=2048,
+)
+TINY_HEAD_DIM = 32
+
+
 def tiny_qwen3_shape() -> dict:
-    # head_dim 32: vLLM's CPU attention rejects 16.
-    return dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
+    return dict(TINY_SIZE, num_hidden_layers=2, head_dim=TINY_HEAD_DIM, tie_word_embeddings=True)
 
 
-def build_qwen3(out_dir: str | Path, *, tokenizer=None, seed: int = 0, dtype: str = "float32", **shape):
-    """Save a randomly initialised Qwen3 (and `tokenizer`, if given) to `out_dir`; returns the path."""
+def with_token_ids(shape: dict, tokenizer) -> dict:
+    """`shape` with `tokenizer`'s special-token ids (bos is the pad token), and its vocabulary size unless `shape`
+    sets one."""
+    return {
+        "vocab_size": len(tokenizer),
+        **shape,
+        "bos_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def save_random(
+    model_cls, config, out_dir: str | Path, *, tokenizer=None, seed: int = 0, dtype: str = "float32"
+):
+    """Save a `model_cls(config)` initialised under `seed` and cast to `dtype` (and `tokenizer`, if given) to
+    `out_dir`; returns the path."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    shape = shape or tiny_qwen3_shape()
-    if tokenizer is not None:
-        shape.setdefault("vocab_size", len(tokenizer))
-        shape.update(
-            bos_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    config = Qwen3Config(**shape, dtype=dtype)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model = model_cls(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def build_qwen3(out_dir: str | Path, *, tokenizer=None, seed: int = 0, dtype: str = "float32", **shape):
+    """Save a randomly initialised Qwen3 (and `tokenizer`, if given) to `out_dir`; returns the path."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = shape or tiny_qwen3_shape()
+    if tokenizer is not None:
+        shape = with_token_ids(shape, tokenizer)
+    config = Qwen3Config(**shape, dtype=dtype)
+    return save_random(Qwen3ForCausalLM, config, out_dir, tokenizer=tokenizer, seed=seed, dtype=dtype)
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:

@@ -15,12 +15,8 @@ import csv
 import importlib.util
 import json
 import math
-import os
 import re
-import signal
 import statistics
-import subprocess
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,10 +26,9 @@ import pytest
 from opsd.evaluation.samples import sample_seed
 from tests.conftest import (
     BOXER_PROBLEMS,
-    EVAL_ENV,
     EVAL_SCRIPT,
     PNG_SIGNATURE,
-    eval_argv,
+    kill_eval_at,
     ok,
     run_eval,
     train_boxer,
@@ -349,21 +344,7 @@ def test_kill_mid_stream_and_resume(tiny_model_dir, tmp_path):
     # The default max_model_len (40960) is also cut to the tiny model's 2048 on the way.
     args = ["--model", tiny_model_dir, "--dataset", "builtin", "--n", 4, "--max-tokens", 96]
     args = [*args, "--max-in-flight", 8, "--out", out]
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen(
-            eval_argv(*args),
-            cwd=EVAL_SCRIPT.parent,
-            env=EVAL_ENV,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 240
-        while not (samples_path.is_file() and samples_path.read_bytes().count(b"\n") >= 4):
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no sample was written in time"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_eval_at(args, tmp_path / "killed.log", samples_path, 4, seconds=240)
     before = samples_path.read_bytes()
     lines = before[: before.rfind(b"\n") + 1].splitlines(keepends=True)
     assert 4 <= len(lines) < 120, "the run must be killed part way"

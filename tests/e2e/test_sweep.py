@@ -13,19 +13,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import shutil
-import signal
 import statistics
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests import conftest
-from tests.conftest import BOXER_PROBLEMS, EVAL_ENV, EVAL_SCRIPT, PNG_SIGNATURE, eval_argv, ok, train_boxer
+from tests.conftest import BOXER_PROBLEMS, EVAL_ENV, PNG_SIGNATURE, kill_eval_at, ok, train_boxer
 
 PROBLEMS = BOXER_PROBLEMS
 STEPS = (10, 200)
@@ -187,16 +184,7 @@ def test_killed_sweep_resumes_per_checkpoint_and_per_sample(run_dir, separate, t
     out = tmp_path / "sweep"
     args = [*common(run_dir), "--checkpoints", run_dir[2], "--out", out]
     partial = out / "checkpoint-200" / "samples.jsonl"
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen(eval_argv(*args), cwd=EVAL_SCRIPT.parent, env=EVAL_ENV,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 400
-        while not (partial.is_file() and partial.read_bytes().count(b"\n") >= 2):
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "checkpoint-200 got no samples in time"
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_eval_at(args, tmp_path / "killed.log", partial, 2, seconds=400, poll=0.005)
     kept = partial.read_bytes()
     done = kept.count(b"\n")
     assert 2 <= done < 3 * N, "the kill must land inside the last checkpoint"

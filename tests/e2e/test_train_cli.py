@@ -30,32 +30,32 @@ def run_train(args, tmp_path, extra_env=None, timeout=900):
     )
 
 
+def short_run_args(out, *extra, **flags) -> list[str]:
+    """The flags of a short run writing to `out` (2 steps of 2 problems, no gradient checkpointing, 1,024
+    positions for the engine) and `flags`, as `--name value` pairs, then `extra` (later flags win)."""
+    flags = dict(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_checkpointing="false",
+        vllm_max_model_length=1024,
+        **flags,
+    )
+    return [*(arg for name, value in flags.items() for arg in (f"--{name}", str(value))), *extra]
+
+
 def tiny_args(model_dir, out, *extra):
-    return [
+    return short_run_args(
+        out,
         "--model_name_or_path",
         str(model_dir),
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "2",
-        "--per_device_train_batch_size",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--max_completion_length",
-        "12",
-        "--lora_r",
-        "8",
-        "--lora_alpha",
-        "16",
-        "--save_steps",
-        "1",
-        "--vllm_max_model_length",
-        "1024",
-        "--gradient_checkpointing",
-        "false",
         *extra,
-    ]
+        gradient_accumulation_steps=2,
+        max_completion_length=12,
+        lora_r=8,
+        lora_alpha=16,
+        save_steps=1,
+    )
 
 
 def check_run(out, steps):
@@ -113,24 +113,7 @@ def test_cli_transformers_fallback(tiny_model_dir, tmp_path):
 def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     out = tmp_path / "run"
     res = run_train(
-        [
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            "--gradient_accumulation_steps",
-            "1",
-            "--max_completion_length",
-            "16",
-            "--save_steps",
-            "2",
-            "--gradient_checkpointing",
-            "false",
-            "--vllm_max_model_length",
-            "1024",
-        ],
+        short_run_args(out, gradient_accumulation_steps=1, max_completion_length=16, save_steps=2),
         tmp_path,
         {"OPSD_CACHE_DIR": str(embedded_cache_dir)},
     )

@@ -127,6 +127,15 @@ def _unpadded_logprobs(model, prompts, completions) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _gap_to_unpadded(families, family, forward=_batched_logprobs, **layout) -> float:
+    """max |log p diff| between `forward` on the padded student rows of `family` (with `layout`) and the same
+    rows run alone."""
+    models, tok = families
+    prompts, completions = _rows(tok, "student")
+    got_NV = forward(models[family], prompts, completions, tok.pad_token_id, **layout)
+    return (got_NV - _unpadded_logprobs(models[family], prompts, completions)).abs().max().item()
+
+
 @pytest.mark.parametrize("role", ["student", "teacher"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_padded_completion_logprobs_equal_unpadded_rows(families, family, role):
@@ -147,22 +156,14 @@ def test_padded_completion_logprobs_equal_unpadded_rows(families, family, role):
 @pytest.mark.parametrize("family", ["gemma3", "granitemoehybrid"])
 def test_the_logit_transform_is_part_of_the_comparison(families, family):
     """Without Gemma's soft cap or Granite's scaling, the head's raw logits miss the model's own."""
-    models, tok = families
-    model = models[family]
-    prompts, completions = _rows(tok, "student")
-    raw_NV = _batched_logprobs(model, prompts, completions, tok.pad_token_id, transform=False)
-    assert (raw_NV - _unpadded_logprobs(model, prompts, completions)).abs().max().item() > 1e-3
+    assert _gap_to_unpadded(families, family, transform=False) > 1e-3
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_reference_rows_differ_from_unpadded_rows(families, family):
     """The reference layout (prompt padded on the right, so pads sit between prompt and completion) is not
     the unpadded sequence: the comparison above fails on it, for every family."""
-    models, tok = families
-    model = models[family]
-    prompts, completions = _rows(tok, "student")
-    ref_NV = _batched_logprobs(model, prompts, completions, tok.pad_token_id, fix_positions=False)
-    assert (ref_NV - _unpadded_logprobs(model, prompts, completions)).abs().max().item() > 1e-3
+    assert _gap_to_unpadded(families, family, fix_positions=False) > 1e-3
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -170,13 +171,7 @@ def test_completion_positions_counted_from_the_padded_width_shift_the_rope_famil
     """Numbering completions from the padded prompt width instead of each row's own prompt length moves them
     away from their prompt: every RoPE family notices. Families without RoPE (Mamba2 + NoPE attention) read
     no positions, so for them it stays exact."""
-    models, tok = families
-    prompts, completions = _rows(tok, "student")
-    want_NV = _unpadded_logprobs(models[family], prompts, completions)
-    shifted_NV = _padded_forward_logprobs(
-        models[family], prompts, completions, tok.pad_token_id, layout="completion_from_width"
-    )
-    diff = (shifted_NV - want_NV).abs().max().item()
+    diff = _gap_to_unpadded(families, family, _padded_forward_logprobs, layout="completion_from_width")
     if family in ROPE_FAMILIES:
         assert diff > 1e-4, f"{family}: shifted positions changed the log-probs by only {diff:.2e}"
     else:
@@ -188,21 +183,9 @@ def test_naive_positions_on_left_padded_rows_are_a_shift_rope_cancels(families, 
     """Positions 0..T-1 on left-padded rows add the row's pad count to every one of its tokens. RoPE only sees
     differences of positions, so this is exact up to rounding (here in float32): left padding alone is not
     what `fix_positions` repairs; the reference layout's pads between prompt and completion are."""
-    models, tok = families
-    prompts, completions = _rows(tok, "student")
-    want_NV = _unpadded_logprobs(models[family], prompts, completions)
-    naive_NV = _padded_forward_logprobs(
-        models[family], prompts, completions, tok.pad_token_id, layout="naive"
-    )
-    assert (naive_NV - want_NV).abs().max().item() <= 1e-5
+    assert _gap_to_unpadded(families, family, _padded_forward_logprobs, layout="naive") <= 1e-5
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_unmasked_padding_leaks_into_every_family(families, family):
-    models, tok = families
-    prompts, completions = _rows(tok, "student")
-    want_NV = _unpadded_logprobs(models[family], prompts, completions)
-    leaked_NV = _padded_forward_logprobs(
-        models[family], prompts, completions, tok.pad_token_id, layout="unmasked"
-    )
-    assert (leaked_NV - want_NV).abs().max().item() > 1e-3
+    assert _gap_to_unpadded(families, family, _padded_forward_logprobs, layout="unmasked") > 1e-3

@@ -9,17 +9,9 @@ from opsd.configuration.choices import AUTO, parse_micro_batch_size
 from opsd.errors import InvalidValue
 from opsd.speed import microbatch
 from opsd.speed.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for
+from opsd.testing.tiny import qwen3_1p7b_shape
 
-QWEN3_1P7B = SimpleNamespace(
-    hidden_size=2048,
-    intermediate_size=6144,
-    vocab_size=151936,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-)
+QWEN3_1P7B = SimpleNamespace(**qwen3_1p7b_shape())
 
 
 def cfg(**kw):

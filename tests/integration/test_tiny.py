@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opsd.testing.tiny import build_qwen3, build_tiny_model, build_tokenizer
+from opsd.testing.tiny import build_qwen3, build_tiny_model, build_tokenizer, tiny_qwen3_shape
 
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -148,12 +148,13 @@ def test_build_qwen3_custom_shape(tok, tmp_path):
         tmp_path,
         tokenizer=tok,
         seed=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=32,
+        **dict(
+            tiny_qwen3_shape(),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+        ),
     )
     model = AutoModelForCausalLM.from_pretrained(str(path))
     assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 1

@@ -321,31 +321,11 @@ def test_opsd_loss_from_logits_masked(beta, clip_mode, loss_type):
     valid = MASK_3x6.bool()
     clip = pick_clip(s[valid], t[valid], beta=beta, tau=0.7, clip_mode=clip_mode, top_k=5)
     s64 = s.detach().double().requires_grad_()
-    ref = oracle(
-        s64[valid],
-        t[valid],
-        beta=beta,
-        tau=0.7,
-        clip=clip,
-        clip_mode=clip_mode,
-        top_k=5,
-        loss_type=loss_type,
-        target_ids=ids[valid],
-    )
+    kw = dict(beta=beta, clip=clip, clip_mode=clip_mode, top_k=5, loss_type=loss_type)
+    ref = oracle(s64[valid], t[valid], tau=0.7, target_ids=ids[valid], **kw)
     if loss_type == "jsd":
         assert_some_clipped(ref, clip_mode)
-    loss, sums = opsd_loss_from_logits(
-        s,
-        t,
-        MASK_3x6,
-        beta=beta,
-        temperature=0.7,
-        clip=clip,
-        clip_mode=clip_mode,
-        top_k=5,
-        loss_type=loss_type,
-        target_ids_BT=ids,
-    )
+    loss, sums = opsd_loss_from_logits(s, t, MASK_3x6, temperature=0.7, target_ids_BT=ids, **kw)
     close(loss, ref["loss"].sum())
     close(sums["divergence"], ref["divergence"].sum())
     assert sums["num_tokens"].item() == 10
@@ -398,22 +378,12 @@ def test_chunked_matches_oracle(beta, clip_mode, top_k, tau):
     t_logits = h_t.detach().double() @ w_t.detach().double().T
     h64, w64 = h_s.detach().double().requires_grad_(), w_s.detach().double().requires_grad_()
     clip = pick_clip(h64 @ w64.T, t_logits, beta=beta, tau=tau, clip_mode=clip_mode, top_k=top_k)
-    ref = oracle(h64 @ w64.T, t_logits, beta=beta, tau=tau, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    kw = dict(beta=beta, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    ref = oracle(h64 @ w64.T, t_logits, tau=tau, **kw)
     assert_some_clipped(ref, clip_mode)
     ref["loss"].sum().backward()
 
-    loss, sums = chunked_opsd_loss(
-        h_s,
-        h_t,
-        w_s,
-        w_t,
-        chunk_size=8,
-        beta=beta,
-        temperature=tau,
-        clip=clip,
-        clip_mode=clip_mode,
-        top_k=top_k,
-    )
+    loss, sums = chunked_opsd_loss(h_s, h_t, w_s, w_t, chunk_size=8, temperature=tau, **kw)
     (2.5 * loss).backward()  # a non-unit upstream gradient must scale the stored grads
     close(loss, ref["loss"].sum())
     close(h_s.grad, 2.5 * h64.grad)
@@ -421,14 +391,7 @@ def test_chunked_matches_oracle(beta, clip_mode, top_k, tau):
     assert h_t.grad is None and w_t.grad is None
 
     logits_loss, logits_sums = opsd_loss_from_logits(
-        (h_s @ w_s.T)[None],
-        (h_t @ w_t.T)[None],
-        torch.ones(1, 37),
-        beta=beta,
-        temperature=tau,
-        clip=clip,
-        clip_mode=clip_mode,
-        top_k=top_k,
+        (h_s @ w_s.T)[None], (h_t @ w_t.T)[None], torch.ones(1, 37), temperature=tau, **kw
     )
     for k in logits_sums:
         close(sums[k], logits_sums[k])
@@ -452,28 +415,10 @@ def test_chunked_under_no_grad_gives_same_loss():
 def test_chunked_sampled_token(top_k):
     h_s, h_t, w_s, w_t, ids = make_hidden(37, 6, 19, seed=9)
     h64, w64 = h_s.detach().double().requires_grad_(), w_s.detach().double().requires_grad_()
-    ref = oracle(
-        h64 @ w64.T,
-        h_t.detach().double() @ w_t.detach().double().T,
-        beta=0.5,
-        tau=0.7,
-        top_k=top_k,
-        loss_type="sampled_token",
-        target_ids=ids,
-    )
+    kw = dict(beta=0.5, top_k=top_k, loss_type="sampled_token")
+    ref = oracle(h64 @ w64.T, h_t.detach().double() @ w_t.detach().double().T, tau=0.7, target_ids=ids, **kw)
     ref["loss"].sum().backward()
-    loss, _ = chunked_opsd_loss(
-        h_s,
-        h_t,
-        w_s,
-        w_t,
-        target_ids_N=ids,
-        chunk_size=8,
-        beta=0.5,
-        temperature=0.7,
-        top_k=top_k,
-        loss_type="sampled_token",
-    )
+    loss, _ = chunked_opsd_loss(h_s, h_t, w_s, w_t, target_ids_N=ids, chunk_size=8, temperature=0.7, **kw)
     loss.backward()
     close(loss, ref["loss"].sum())
     close(h_s.grad, h64.grad)

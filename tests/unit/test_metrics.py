@@ -149,26 +149,26 @@ def test_summarize_hand_computed() -> None:
     assert (s["n_problems"], s["n"], s["k"]) == (3, 4, 4)
     assert s["labels"] == {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"}
 
-    # avg@4: per-problem 75, 0, 50 (%) -> mean 41.667. Deviations 33.333, -41.667, 8.333;
-    # squares 1111.111 + 1736.111 + 69.444 = 2916.667; /2 = 1458.333 (variance); SE = sqrt(1458.333/3) = 22.048.
-    assert s["avg"] == pytest.approx(41.6667, abs=1e-3)
-    assert s["avg_se"] == pytest.approx(22.0479, abs=1e-3)
-    # pass@4: 100, 0, 100 -> 66.667; deviations 33.3, -66.7, 33.3 -> variance 3333.33; SE = sqrt(1111.11) = 33.333.
-    assert s["pass_at_k"] == pytest.approx(66.6667, abs=1e-3)
-    assert s["pass_at_k_se"] == pytest.approx(33.3333, abs=1e-3)
-    # maj@4: 100, 0, 0 -> 33.333; same spread as pass@4 -> SE 33.333.
-    assert s["maj"] == pytest.approx(33.3333, abs=1e-3)
-    assert s["maj_se"] == pytest.approx(33.3333, abs=1e-3)
-    # format: 100, 50, 100 -> 83.333; deviations 16.7, -33.3, 16.7 -> variance 833.33; SE = sqrt(277.78) = 16.667.
-    assert s["format_rate"] == pytest.approx(83.3333, abs=1e-3)
-    assert s["format_rate_se"] == pytest.approx(16.6667, abs=1e-3)
-    # truncation: 0, 50, 0 -> 16.667; same spread -> SE 16.667.
-    assert s["truncation_rate"] == pytest.approx(16.6667, abs=1e-3)
-    assert s["truncation_rate_se"] == pytest.approx(16.6667, abs=1e-3)
-    # tokens: 250, 1000, 50 -> 433.333; deviations -183.3, 566.7, -383.3; squares sum 501666.7;
-    # variance 250833.3; SE = sqrt(83611.1) = 289.156.
-    assert s["mean_tokens"] == pytest.approx(433.3333, abs=1e-3)
-    assert s["mean_tokens_se"] == pytest.approx(289.156, abs=1e-3)
+    # Each metric's mean over the problems and its standard error, by hand.
+    expected = {
+        # avg@4: per-problem 75, 0, 50 (%) -> mean 41.667. Deviations 33.333, -41.667, 8.333;
+        # squares 1111.111 + 1736.111 + 69.444 = 2916.667; /2 = 1458.333 (variance); SE = sqrt(1458.333/3) = 22.048.
+        "avg": (41.6667, 22.0479),
+        # pass@4: 100, 0, 100 -> 66.667; deviations 33.3, -66.7, 33.3 -> variance 3333.33; SE = sqrt(1111.11) = 33.333.
+        "pass_at_k": (66.6667, 33.3333),
+        # maj@4: 100, 0, 0 -> 33.333; same spread as pass@4 -> SE 33.333.
+        "maj": (33.3333, 33.3333),
+        # format: 100, 50, 100 -> 83.333; deviations 16.7, -33.3, 16.7 -> variance 833.33; SE = sqrt(277.78) = 16.667.
+        "format_rate": (83.3333, 16.6667),
+        # truncation: 0, 50, 0 -> 16.667; same spread -> SE 16.667.
+        "truncation_rate": (16.6667, 16.6667),
+        # tokens: 250, 1000, 50 -> 433.333; deviations -183.3, 566.7, -383.3; squares sum 501666.7;
+        # variance 250833.3; SE = sqrt(83611.1) = 289.156.
+        "mean_tokens": (433.3333, 289.156),
+    }
+    for key, (mean, se) in expected.items():
+        assert s[key] == pytest.approx(mean, abs=1e-3), key
+        assert s[f"{key}_se"] == pytest.approx(se, abs=1e-3), key
 
     rows = {r["id"]: r for r in s["problems"]}
     assert [rows[p]["n_correct"] for p in ("p1", "p2", "p3")] == [3, 0, 2]
