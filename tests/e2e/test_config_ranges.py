@@ -46,6 +46,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "vllm_server_port": (8000, 65535, 65536),
     "vllm_server_timeout": (240.0, 0.5, 0.0),
     "num_iterations": (1, 1, 0),
+    "steps_per_rollout": (2, 1, 0),
     "dataloader_num_workers": (2, 0, -1),
     "beta": (0.5, 1.0, 1.5),
     "loss_temperature": (1.0, 0.0, -1.0),
