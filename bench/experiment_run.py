@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ARM = "CLIP_MODE={},LEARNING_RATE=1e-4,MAX_COMPLETION_LENGTH=128,PROBE_STEPS=10,VLLM_GPU_MEMORY_UTILIZATION=0.12"
 PRESET = [
-    "--out", "runs/experiment_h200", "--profile", "full", "--model", "", "--dataset", "builtin:easy",
+    "--out", "runs/experiment_h200", "--profile", "full", "--model", "embedded", "--dataset", "builtin:easy",
     "--recipe", "", "--arm", "element=" + ARM.format("element"), "--arm", "rescale=" + ARM.format("rescale"),
     "--seeds", "42,43,44",
     "--eval-flags", "--dataset builtin:easy-disjoint --n 8 --max-tokens 128 --max-model-len 1024 --no-thinking "

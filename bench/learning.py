@@ -245,7 +245,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default="", help="Only redraw the figures from this JSON.")
     p.add_argument("--plot-dir", default=str(ROOT / "docs"))
     p.add_argument("--workdir", default="runs/bench", help="The experiment goes to WORKDIR/PRESET.")
-    p.add_argument("--model", default="", help="Empty = the embedded SmolLM2-135M-Instruct.")
+    p.add_argument(
+        "--model", default="embedded", help="embedded (default) = the embedded SmolLM2-135M-Instruct."
+    )
     p.add_argument("--dataset", default="builtin:easy", help="Training problems.")
     p.add_argument("--profile", default="full", help="train_capped.sh --profile (smoke: CI on a tiny model).")
     p.add_argument("--eval-dataset", default=None, help="Held-out problems (preset's).")

@@ -207,7 +207,10 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
             "--arm NAME=KEY=VALUE, once per arm"
         )
     if a.model == "":
-        raise UserError("--model '': name a model (a hub id or a local directory), or leave --model out")
+        raise UserError(
+            "--model '': name a model (a hub id, a local directory, or `embedded` for the embedded "
+            "SmolLM2-135M-Instruct), or leave --model out for the profile's"
+        )
     seeds = (
         S.parse_seeds(a.seeds)
         if a.seeds is not None

@@ -39,7 +39,7 @@ def test_the_learning_preset_is_one_experiment_of_seven_arms():
              "none-b0.5-lr0.0001", "rescale-b0.5-lr0.0001", "element-b0-lr1e-05"]  # fmt: skip
     argv = experiment_argv(a, arms, Path("/w/learning"))
     assert argv == [
-        sys.executable, "-m", "opsd.experiment", "--out", "/w/learning", "--profile", "full", "--model", "",
+        sys.executable, "-m", "opsd.experiment", "--out", "/w/learning", "--profile", "full", "--model", "embedded",
         "--dataset", "builtin:easy", "--recipe", "",
         *[x for name, (m, b, lr) in zip(names, settings, strict=True)
           for x in ("--arm", f"{name}={RECIPE.format(m, b, lr, 'matched', 256)}")],
