@@ -50,12 +50,14 @@ def warmup_s(step_s: list[float]) -> float | None:
     return round(sum(max(0.0, s - steady) for s in step_s[:WARMUP_STEPS]), 2)
 
 
-def run_arm(arm: str, model: str, work: Path, gpu: str | None) -> dict:
+def run_arm(arm: str, model: str, work: Path, gpu: str | None, profile: str = "full") -> dict:
     runs = work / "runs"
     cmd = [
-        "bash", str(ROOT / "train_capped.sh"), "--num-gpus", "1", "--model", model, "--dataset", "builtin",
-        "--runs-dir", str(runs), "--name", arm,
+        "bash", str(ROOT / "train_capped.sh"), "--model", model, "--dataset", "builtin",
+        "--runs-dir", str(runs), "--name", arm, "--profile", profile,
     ]  # fmt: skip
+    if profile == "full":
+        cmd += ["--num-gpus", "1"]
     env = {**os.environ, "OPSD_COMPILE_LAYERS": ARMS[arm], "PYTHONUNBUFFERED": "1"}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -90,6 +92,9 @@ def main() -> None:
         "--model", default="", help="model directory (default: random Qwen3-1.7B built in --work)"
     )
     ap.add_argument("--parallel", action="store_true", help="both arms at once, on GPUs 0 and 1")
+    ap.add_argument(
+        "--profile", default="full", help="train_capped.sh profile (smoke: a CPU check of the script)"
+    )
     ap.add_argument("--out", default="bench/results/compile_run.json")
     a = ap.parse_args()
     work = Path(a.work)
@@ -108,11 +113,13 @@ def main() -> None:
     }
     if a.parallel:
         with ThreadPoolExecutor(2) as pool:
-            futures = {arm: pool.submit(run_arm, arm, model, work, str(i)) for i, arm in enumerate(ARMS)}
+            futures = {
+                arm: pool.submit(run_arm, arm, model, work, str(i), a.profile) for i, arm in enumerate(ARMS)
+            }
             result["arms"] = {arm: f.result() for arm, f in futures.items()}
     else:
         for arm in ARMS:
-            result["arms"][arm] = run_arm(arm, model, work, None)
+            result["arms"][arm] = run_arm(arm, model, work, None, a.profile)
             write(result, a.out)
     result["decision"] = decide(result["arms"])
     write(result, a.out)
