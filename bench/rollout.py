@@ -55,6 +55,23 @@ def record(rows: list[dict], a, start_s: float | None) -> dict:
     }
 
 
+def measure_transformers(model_dir, a, rows: list[dict]) -> None:
+    """transformers `generate` at batch 32, dynamic then static cache; appends a row each and writes --out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for cache in (None, "static"):
+        engine = HFEngine(model, tok, batch_size=32, cache_implementation=cache)
+        # Warm up at the timed shape: a static cache of another length would recompile inside the timing.
+        timed(engine, 32, a.prompt, a.hf_new_tokens)
+        row = timed(engine, 32, a.prompt, a.hf_new_tokens)
+        row["engine"] = f"transformers generate ({cache or 'dynamic'} cache)"
+        rows.append(row)
+        print(row, flush=True)
+        write(record(rows, a, None), a.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default="/tmp/qwen3-1.7b-random")
@@ -73,24 +90,12 @@ def main() -> None:
     model_dir = qwen3_1p7b_dir(a.model_dir)
     rows = []
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    for cache in () if a.only_vllm else (None, "static"):
-        engine = HFEngine(model, tok, batch_size=32, cache_implementation=cache)
-        # Warm up at the timed shape: a static cache of another length would recompile inside the timing.
-        timed(engine, 32, a.prompt, a.hf_new_tokens)
-        row = timed(engine, 32, a.prompt, a.hf_new_tokens)
-        row["engine"] = f"transformers generate ({cache or 'dynamic'} cache)"
-        rows.append(row)
-        print(row, flush=True)
-        write(record(rows, a, None), a.out)
-    if a.only_hf:
-        return
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    if not a.only_vllm:
+        measure_transformers(model_dir, a, rows)  # its model and engines are freed when it returns
+        if a.only_hf:
+            return
+        gc.collect()
+        torch.cuda.empty_cache()
 
     t0 = time.perf_counter()
     vllm = VLLMEngine(str(model_dir), gpu_memory_utilization=0.6, max_model_len=a.prompt + a.new_tokens + 16)
