@@ -145,7 +145,7 @@ def completion_hidden(
     model object it is given (so DDP/DeepSpeed wrappers see it) and asks for logits at the last position
     only; the completion's logits are computed later, in chunks, by the loss. `on_last_logits(hidden_BH,
     logits_BV)`, if given, receives the last column's final hidden states and the model's own logits there:
-    what the trainer checks its logit transform against (`opsd.method.hidden`).
+    what the trainer checks its logit transform against (`resolve_logit_transform`, below).
     """
     if fix_positions:
         input_ids = torch.cat([prompt_ids_BP, completion_ids_BC], dim=1)
