@@ -20,6 +20,7 @@ out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import textwrap
@@ -52,9 +53,11 @@ from opsd.method.hidden import (
     resolve_logit_transform,
 )
 from opsd.method.loss import chunked_opsd_loss, loss_metrics
+from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
+from opsd.run.rollout_grades import RolloutGrader
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
@@ -132,7 +135,17 @@ class OPSDTrainer(SDFTTrainer):
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
         self.prompt_builder = PromptBuilder.from_config(self.processing_class, a)
-        self.teacher_context_builder = TeacherRows(self.prompt_builder, self.processing_class.pad_token_id)
+        self.loss_settings = a.loss_settings()
+        # A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
+        self.teacher_context_builder = TeacherRows(
+            self.prompt_builder if self.loss_settings.needs_teacher else None,
+            self.processing_class.pad_token_id,
+        )
+        tok = self.processing_class
+        self.rollout_grader = RolloutGrader(
+            decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
+            reduce=functools.partial(self.accelerator.reduce, reduction="sum"),
+        )
         self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
@@ -178,6 +191,13 @@ class OPSDTrainer(SDFTTrainer):
             self._step = self.state.global_step * self.args.gradient_accumulation_steps
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.args.gradient_accumulation_steps == 0:  # the optimizer step's last micro-batch
+            # The rollouts of this step's generation were graded meanwhile (opsd.run.rollout_grades); what the
+            # step still waits for them is time/grade_wait_s.
+            with self.clock.phase("grade_wait"):
+                grades = self.rollout_grader.collect(self.accelerator.device)
+            if grades:
+                self.record_metrics(grades)
         self.nonfinite.note_loss(out)
         if self.args.compile_layers:
             self.record_metrics({"compile/graphs": compiled_graphs()})
@@ -195,6 +215,22 @@ class OPSDTrainer(SDFTTrainer):
         total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
         batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
         self.rollout_step = self.state.global_step
+        if self.model.training:
+            self.rollout_grader.submit(
+                self._get_completion_ids_list(batch), [r.get("answer", "") for r in inputs]
+            )
+        if self.loss_settings.contrast_weight is not None:
+            # The contrastive teacher's rows: the same completions after the wrong hint (opsd.method.contrast).
+            contrast, _ = teacher_rows(
+                self.prompt_builder,
+                [row["prompt"] for row in inputs],
+                [row[CONTRAST_COLUMN] for row in inputs],
+                batch["completion_ids"],
+                batch["completion_mask"],
+                self.processing_class.pad_token_id,
+            )
+            batch["contrast_input_ids"] = contrast["teacher_input_ids"]
+            batch["contrast_attention_mask"] = contrast["teacher_attention_mask"]
         # Lists are sliced into micro-batches with the tensors (TRL's split_tensor_dict).
         batch["problems"] = [row["prompt"] for row in inputs]
         batch["references"] = [row.get("privileged_context") for row in inputs]
@@ -259,34 +295,35 @@ class OPSDTrainer(SDFTTrainer):
         optimizer step's valid tokens over all processes (`num_loss_tokens`, carried by every row)."""
         if return_outputs:
             raise ValueError("OPSDTrainer does not return outputs")
-        a: OPSDConfig = self.args
+        settings = self.loss_settings
         with self.clock.part("score_loss"):
             completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
+            teacher = self._prompt_part(inputs, "teacher") if settings.needs_teacher else (None, None)
+            contrast = self._prompt_part(inputs, "contrast") if settings.contrast_weight is not None else None
             hidden = self.completion_hidden_states(
-                model,
-                inputs["prompt_ids"],
-                inputs["prompt_mask"],
-                inputs["teacher_input_ids"][:, :width],
-                inputs["teacher_attention_mask"][:, :width],
-                completion_ids,
-                completion_mask,
-            )
+                model, inputs["prompt_ids"], inputs["prompt_mask"], *teacher, completion_ids, completion_mask,
+                contrast=contrast,
+            )  # fmt: skip
             # Hidden states come flattened over completion_mask; the loss counts the subset keep_N.
             keep_N = self._loss_mask(completion_ids, completion_mask)[completion_mask.bool()].bool()
+
+            def kept(hidden_NH):
+                return None if hidden_NH is None else hidden_NH[keep_N]
+
             loss_sum, stats = chunked_opsd_loss(
-                hidden.student_hidden_NH[keep_N],
-                hidden.teacher_hidden_NH[keep_N],
+                kept(hidden.student_hidden_NH),
+                kept(hidden.teacher_hidden_NH),
                 hidden.student_weight_VH,
                 hidden.teacher_weight_VH,
-                settings=a.loss_settings(),
+                settings=settings,
                 target_ids_N=completion_ids[completion_mask.bool()][keep_N],
                 transform=hidden.logit_transform,
+                contrast_hidden_NH=kept(hidden.contrast_hidden_NH),
             )
             # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
             denom = inputs["num_loss_tokens"][0].clamp(min=1).to(loss_sum.dtype)
             loss = loss_sum / denom * self.accelerator.num_processes
-            self.record_metrics(loss_metrics(loss_sum.detach(), stats))
+            self.record_metrics(loss_metrics(loss_sum.detach(), stats, teacher=settings.needs_teacher))
             if self.model.training:
                 self.record_metrics(
                     {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
@@ -295,29 +332,48 @@ class OPSDTrainer(SDFTTrainer):
                 self._log_completions(inputs, hidden)
         return loss
 
+    @staticmethod
+    def _prompt_part(inputs, role: str):
+        """(ids, mask) of the prompt part of a role's `[prompt ; completion]` rows (role: teacher or contrast)."""
+        ids, mask = inputs[f"{role}_input_ids"], inputs[f"{role}_attention_mask"]
+        width = ids.size(1) - inputs["completion_ids"].size(1)
+        return ids[:, :width], mask[:, :width]
+
     def completion_hidden_states(
-        self, model, student_ids, student_mask, teacher_ids, teacher_mask, completion_ids, completion_mask
-    ) -> CompletionHiddenStates:
+        self, model, student_ids, student_mask, teacher_ids, teacher_mask, completion_ids, completion_mask, *,
+        contrast=None,
+    ) -> CompletionHiddenStates:  # fmt: skip
         """Both roles' final hidden states of the valid completion tokens of a batch, and their lm_heads.
 
         The student goes through `model` (the wrapped model in training, so DDP/DeepSpeed see the forward),
         with gradients if they are enabled; the teacher through TRL's teacher context in eval mode, without
-        gradients. Prompts are left-padded, completions right-padded (`opsd.method.hidden`).
+        gradients, once after its prompt (`teacher_ids`; None: no teacher forward) and, given `contrast`
+        (ids, mask of the wrong hint's prompt), once more after that. Prompts are left-padded, completions
+        right-padded (`opsd.method.hidden`).
         """
         student_NH = self._completion_hidden(
             model, student_ids, student_mask, completion_ids, completion_mask
         )
+        unwrap = self.accelerator.unwrap_model
+        student_weight_VH = lm_head_weight(unwrap(model))
+        if teacher_ids is None:
+            return CompletionHiddenStates(student_NH, None, student_weight_VH, None, self.logit_transform)
         with torch.no_grad(), self._get_teacher_context_for_self_distillation():
             teacher_NH = self._completion_hidden(
                 self.teacher_model, teacher_ids, teacher_mask, completion_ids, completion_mask
             )
-        unwrap = self.accelerator.unwrap_model
+            contrast_NH = None
+            if contrast is not None:
+                contrast_NH = self._completion_hidden(
+                    self.teacher_model, *contrast, completion_ids, completion_mask
+                )
         return CompletionHiddenStates(
             student_hidden_NH=student_NH,
             teacher_hidden_NH=teacher_NH.detach(),
-            student_weight_VH=lm_head_weight(unwrap(model)),
+            student_weight_VH=student_weight_VH,
             teacher_weight_VH=lm_head_weight(unwrap(self.teacher_model)).detach(),
             logit_transform=self.logit_transform,
+            contrast_hidden_NH=None if contrast_NH is None else contrast_NH.detach(),
         )
 
     def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -391,7 +447,8 @@ class OPSDTrainer(SDFTTrainer):
             transform=hidden.logit_transform,
             tokenizer=self.processing_class,
             rows=a.completions_rows,
-            settings=a.loss_settings(),
+            # The divergence shown is the one from the teacher under its reference, also with a contrast.
+            settings=dataclasses.replace(self.loss_settings, contrast_weight=None),
         )
         completions.append(Path(a.output_dir) / COMPLETIONS_FILE, rows)
         completions.to_trackers(a.report_to, rows)
@@ -442,9 +499,10 @@ class OPSDTrainer(SDFTTrainer):
 
 class TeacherRows:
     """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
-    (`opsd.method.prompts.teacher_rows`); `num_truncated` counts the teacher prompts cut to their cap."""
+    (`opsd.method.prompts.teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
+    completions alone); `num_truncated` counts the teacher prompts cut to their cap."""
 
-    def __init__(self, prompt_builder: PromptBuilder, pad_token_id: int):
+    def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
         self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
         self.num_truncated = 0
 

@@ -10,7 +10,9 @@
 * `experiment/`: recipes compared over seeds (`python -m opsd.experiment`);
 * `testing/`: what tests and benchmarks share: small models built locally, the loss from full logits;
 * `errors`, `paths`, `rundir`, `models`: user errors, the paths a user names, a run directory's layout
-  (file names, checkpoints, step logs), model and tokenizer loading.
+  (file names, checkpoints, step logs), model and tokenizer loading;
+* `grading`: a completion's answer (the last complete box) and whether it is correct: what evaluation
+  scores and what training logs of its rollouts (`rollout/correct`).
 
 The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
 `train_capped.sh`); the package never imports them, and only tests and `bench/` import `testing/`.

@@ -12,9 +12,12 @@ from __future__ import annotations
 from typing import Literal
 
 CLIP_MODES = ("element", "token", "rescale", "none")
-LOSS_TYPES = ("jsd", "sampled_token")
+LOSS_TYPES = ("jsd", "sampled_token", "fixed_advantage")
 TEACHER_MODES = ("fixed", "ema", "dynamic")
-TEACHER_REFS = ("solution", "cot")
+TEACHER_REFS = ("solution", "cot", "answer")
+TEACHER_CONTRASTS = ("none", "shuffled", "wrong_answer")
+# The training table's column each `teacher_ref` reads (the data checks it, the prompts read it).
+REFERENCE_COLUMNS = {"solution": "solution", "cot": "COT_Reason", "answer": "Answer"}
 TEACHER_REF_PAIRINGS = ("matched", "shuffled", "empty")
 DATA_FILTERS = ("none", "numeric", "hard_numeric")
 ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
@@ -27,6 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "teacher_mode": TEACHER_MODES,
     "teacher_ref": TEACHER_REFS,
     "teacher_ref_pairing": TEACHER_REF_PAIRINGS,
+    "teacher_contrast": TEACHER_CONTRASTS,
     "data_filter": DATA_FILTERS,
     "rollout_engine": ROLLOUT_ENGINES,
     "dtype": DTYPES,

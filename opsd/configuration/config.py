@@ -177,7 +177,35 @@ class OPSDConfig(SDFTConfig):
     )
     teacher_ref: str = field(
         default="solution",
-        metadata=_choice("teacher_ref", "Privileged context: solution | cot (COT_Reason)."),
+        metadata=_choice(
+            "teacher_ref",
+            "Privileged context: solution | cot (COT_Reason) | answer (the Answer column alone, in the same "
+            "template; docs/method.md §1.10).",
+        ),
+    )
+    teacher_ref_fraction: float = field(
+        default=1.0,
+        metadata=_help(
+            "The teacher sees the first ceil(f x n) of the reference's n tokens (the model's tokenizer), after "
+            "teacher_ref_max_chars; 1 = all of it. The cut is logged once with an example."
+        ),
+    )
+    teacher_contrast: str = field(
+        default="none",
+        metadata=_choice(
+            "teacher_contrast",
+            "Contrastive teacher (docs/method.md §1.10): none (published) | shuffled (the wrong hint is another "
+            "problem's reference, a fixed derangement drawn from seed) | wrong_answer (the problem's own "
+            "reference with its final answer replaced by another value of the same kind). One more teacher "
+            "forward per micro-batch.",
+        ),
+    )
+    contrast_weight: float = field(
+        default=1.0,
+        metadata=_help(
+            "lambda of the contrastive target q ~ p_S (p_T(.|c) / p_T(.|c~))^lambda (teacher_contrast); "
+            "0 = no signal."
+        ),
     )
     teacher_ref_pairing: str = field(
         default="matched",
@@ -236,7 +264,17 @@ class OPSDConfig(SDFTConfig):
     loss_type: str = field(
         default="jsd",
         metadata=_choice(
-            "loss_type", "jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S)."
+            "loss_type",
+            "jsd (full-distribution) | sampled_token (policy gradient on log p_T - log p_S) | fixed_advantage "
+            "(the teacher-free control: policy gradient with the constant fixed_advantage; no teacher prompt "
+            "or forward).",
+        ),
+    )
+    fixed_advantage: float = field(
+        default=-0.5,
+        metadata=_help(
+            "The constant advantage a < 0 of loss_type=fixed_advantage: loss = -a log p_S(y) per sampled token "
+            "(docs/method.md §1.11 says how the default was chosen)."
         ),
     )
     loss_chunk_size: int = field(default=1024, metadata=_help("Tokens per chunk of the memory-flat loss."))
@@ -367,4 +405,6 @@ class OPSDConfig(SDFTConfig):
             teacher_support_k=self.top_k_loss,
             loss_type=self.loss_type,
             chunk_size=self.loss_chunk_size,
+            contrast_weight=None if self.teacher_contrast == "none" else self.contrast_weight,
+            fixed_advantage=self.fixed_advantage,
         )

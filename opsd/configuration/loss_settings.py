@@ -14,8 +14,11 @@ class LossSettings:
     beta: the divergence's interpolation in [0, 1]; temperature > 0 of both distributions; clip > 0 and
     clip_mode (opsd.configuration.choices.CLIP_MODES) the clip of the divergence; teacher_support_k: both
     distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
-    loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time. The config
-    checks every value where it enters (opsd/configuration/ranges.py, choices.py); nothing here does again.
+    loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time;
+    contrast_weight: None for OPSD's teacher, else lambda >= 0 of the contrastive target (a second teacher
+    forward under a wrong hint, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of
+    loss_type="fixed_advantage" (no teacher). The config checks every value where it enters
+    (opsd/configuration/ranges.py, choices.py); nothing here does again.
     """
 
     beta: float
@@ -25,3 +28,10 @@ class LossSettings:
     teacher_support_k: int
     loss_type: str
     chunk_size: int
+    contrast_weight: float | None = None
+    fixed_advantage: float = -1.0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss reads a teacher at all (fixed_advantage reads none)."""
+        return self.loss_type != "fixed_advantage"

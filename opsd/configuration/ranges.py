@@ -113,6 +113,9 @@ RANGES: dict[str, Range] = {
     "top_k_loss": OFF_AT_ZERO,
     "loss_chunk_size": POSITIVE,
     "num_loss_tokens_to_skip": Range(0, note="0 = none"),
+    "contrast_weight": Range(0, note="0 = no signal; 1 = the contrastive log-ratio itself"),
+    # A positive constant would raise the probability of every sampled token: the opposite of the control.
+    "fixed_advantage": Range(hi=0, hi_open=True, note="a negative constant: sampled tokens are pushed down"),
     # LoRA
     "lora_r": POSITIVE,
     "lora_alpha": POSITIVE,
@@ -121,6 +124,7 @@ RANGES: dict[str, Range] = {
     "ema_decay": Range(0, 1, lo_open=True, hi_open=True),
     "teacher_sync_steps": Range(1),
     "teacher_ref_max_chars": Range(0, note="0 = no cut"),
+    "teacher_ref_fraction": Range(0, 1, lo_open=True, note="1 = the whole reference"),
     "max_teacher_prompt_length": Range(0, note="0 = no cap"),
     # budget helpers, probe, safety, logging
     "wavg_last": OFF_AT_ZERO,
@@ -186,8 +190,42 @@ def warmup_fraction(warmup_steps: float, max_steps: int) -> float:
     return warmup_steps if warmup_steps < 1 else warmup_steps / max_steps
 
 
+def check_teacher_variants(config: object) -> None:
+    """Rules between the teacher's switches: a contrast needs a reference and a teacher, and the teacher's
+    top-k support has no meaning without one teacher distribution (docs/method.md §1.10-1.11)."""
+    contrast = getattr(config, "teacher_contrast", "none")
+    loss_type = getattr(config, "loss_type", "jsd")
+    top_k = getattr(config, "top_k_loss", 0)
+    problem = None
+    if contrast != "none" and loss_type == "fixed_advantage":
+        problem = (
+            f"teacher_contrast={contrast} contrasts two teachers, and loss_type=fixed_advantage reads none; "
+            "set teacher_contrast=none, or another loss_type"
+        )
+    elif contrast != "none" and getattr(config, "teacher_ref_pairing", "matched") == "empty":
+        problem = (
+            f"teacher_contrast={contrast} needs a reference to contrast with a wrong one, and "
+            "teacher_ref_pairing=empty gives the teacher none; use teacher_ref_pairing=matched or shuffled, or "
+            "teacher_contrast=none"
+        )
+    elif top_k and contrast != "none":
+        problem = (
+            f"top_k_loss={top_k} restricts the loss to the teacher's top-k, and teacher_contrast={contrast} "
+            "replaces the teacher by a target over the whole vocabulary; set top_k_loss=0"
+        )
+    elif top_k and loss_type == "fixed_advantage":
+        problem = (
+            f"top_k_loss={top_k} restricts the loss to the teacher's top-k, and loss_type=fixed_advantage reads "
+            "no teacher; set top_k_loss=0"
+        )
+    if problem:
+        raise ValueError(problem)
+
+
 def check_cross_fields(config: object) -> None:
-    """Rules between fields: the warm-up must end before the last step (a note when it is over half)."""
+    """Rules between fields: the warm-up must end before the last step (a note when it is over half); the
+    teacher's switches agree (`check_teacher_variants`)."""
+    check_teacher_variants(config)
     warmup, steps = getattr(config, "warmup_steps", 0) or 0, getattr(config, "max_steps", 0)
     if warmup >= 1 and warmup >= steps:
         raise ValueError(

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opsd.configuration.choices import DATA_FILTERS, check_choice
+from opsd.configuration.choices import DATA_FILTERS, REFERENCE_COLUMNS, check_choice
 from opsd.data.builtin import BUILTIN, BUILTIN_SETS
 from opsd.errors import InvalidValue, MissingPath
 from opsd.paths import DATA_FILE, MIB, check_file, read_bytes, size_text
@@ -41,8 +41,6 @@ HARD_MIN_TOKENS = 2000
 _NUMERIC_ANSWER = re.compile(r"-?\d{1,6}")
 _LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _FORMATS = ".json, .jsonl, .csv or .parquet"
-# The privileged reference column of each `teacher_ref` (opsd.method.prompts.reference_text reads the same).
-REFERENCE_COLUMNS = {"solution": "solution", "cot": "COT_Reason"}
 MAX_ROWS_NAMED = 5
 # One row (a JSON line, a CSV line): a problem with a long reasoning trace is ~100 KiB; a line 100 times longer
 # is a file that is not one row per line, refused while streaming rather than after datasets has parsed it.
@@ -329,7 +327,8 @@ def load_train_dataset(
         ds = load_table(name_or_path, split=split, required=TRAIN_COLUMNS)
         check_choice("teacher_ref", teacher_ref)
         for column in ("problem", REFERENCE_COLUMNS[teacher_ref]):
-            check_text_column(ds, column, f"dataset {name_or_path!r}")
+            # An answer-only reference may be a number (a JSON or CSV column of integers).
+            check_text_column(ds, column, f"dataset {name_or_path!r}", numbers=column == "Answer")
     return filter_rows(ds, data_filter)
 
 

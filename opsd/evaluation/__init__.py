@@ -1,8 +1,8 @@
 r"""AIME-style evaluation (docs/method.md §4): sample n completions per problem, grade the last \boxed{}, summarize.
 
-Modules, in the order a run uses them (each imports only those before it):
+Modules, in the order a run uses them (each imports only those before it; the grader is `opsd.grading`, which
+training uses too):
 
-* `grading`: a completion's answer (the last complete \boxed{}) and whether it is correct;
 * `metrics`: avg@n, pass@k, maj@n with standard errors, paired comparisons and aggregates across runs;
 * `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the

@@ -137,7 +137,7 @@ def stream_chunked(
 
 def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence[int], truncated: bool):
     """One line of samples.jsonl, graded."""
-    from opsd.evaluation.grading import grade
+    from opsd.grading import grade
 
     graded = grade(text, r.problem["answer"])
     prompt = {"prompt": job.tokenizer.decode(r.prompt_ids)} if idx == 0 else {}

@@ -12,7 +12,7 @@ undefined and reported as None.
 
 Sample records are mappings with the keys of `SAMPLE_KEYS`: ``correct`` (bool), ``extracted``
 (str | None), ``has_box`` (bool), ``n_tokens`` (int), ``truncated`` (bool), as produced by
-`opsd.evaluation.grading.grade` plus the generation's length and finish reason.
+`opsd.grading.grade` plus the generation's length and finish reason.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opsd.evaluation.grading import normalize_answer
+from opsd.grading import normalize_answer
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ def binomial_se(p: float, n: int) -> float:
 
 def grading_counts(per_problem: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """How the samples were graded: answers over MAX_VERIFY_CHARS go to the string fallback only."""
-    from opsd.evaluation.grading import GRADER_LONG, MAX_VERIFY_CHARS
+    from opsd.grading import GRADER_LONG, MAX_VERIFY_CHARS
 
     samples = [s for rows in per_problem.values() for s in rows]
     long = sum(s.get("grader") == GRADER_LONG for s in samples)

@@ -29,6 +29,7 @@ METRICS = C.METRICS
 # (per-sample field, name in the report)
 COMPARED = (("correct", "accuracy"), ("has_box", "format rate"))
 CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out)"),
+              ("rollout/correct", "training rollouts correct"),
               ("completions/mean_length", "completion length (tokens)"))  # fmt: skip
 
 

@@ -46,13 +46,16 @@ def start(argv: list[str]):
 
 
 def build_paired_dataset(config: OPSDConfig):
-    """The trainer's table, `prompt` (the problem) and `privileged_context` (the reference its teacher reads), and
-    the record of its teacher pairing (`opsd.method.pairing`; None unless shuffled).
+    """The trainer's table and the record of its teacher pairing (`opsd.method.pairing`; None unless shuffled).
 
-    The pairing is drawn here, over the whole filtered table, before the probe hold-out and before the
-    trainer splits rows over processes."""
+    Columns: `prompt` (the problem), `privileged_context` (the reference its teacher reads), `answer` (the
+    problem's own `Answer`, which grades its rollouts: `rollout/correct`) and, with `teacher_contrast`,
+    `contrast_context` (the wrong hint of the contrastive teacher, `opsd.method.contrast`). The pairing and the
+    wrong hints are drawn here, over the whole filtered table, before the probe hold-out and before the trainer
+    splits rows over processes."""
     from opsd.data.loading import load_train_dataset
-    from opsd.method.pairing import apply_pairing
+    from opsd.method.contrast import contrast_references
+    from opsd.method.pairing import CONTRAST_COLUMN, apply_pairing
     from opsd.method.prompts import reference_text
 
     ds = load_train_dataset(
@@ -61,13 +64,22 @@ def build_paired_dataset(config: OPSDConfig):
     )  # fmt: skip
 
     def to_trainer_row(row):
+        answer = row["Answer"]
         return {
             "prompt": row["problem"],
             "privileged_context": reference_text(row, config.teacher_ref, config.teacher_ref_max_chars),
+            "answer": "" if answer is None else str(answer).strip(),
         }
 
     table = ds.map(to_trainer_row, remove_columns=ds.column_names)
-    return apply_pairing(table, config.teacher_ref_pairing, seed=config.seed, answers=list(ds["Answer"]))
+    answers = list(ds["Answer"])
+    if config.teacher_contrast != "none":
+        wrong, record = contrast_references(
+            list(table["privileged_context"]), answers, config.teacher_contrast, seed=config.seed
+        )
+        logger.info("contrastive teacher: %s", record)
+        table = table.add_column(CONTRAST_COLUMN, wrong)
+    return apply_pairing(table, config.teacher_ref_pairing, seed=config.seed, answers=answers)
 
 
 def check_inputs(config: OPSDConfig, *, dry_run: bool = False):

@@ -52,9 +52,9 @@ def completion_rows(
     completion_ids_BC: torch.Tensor,
     completion_mask_BC: torch.Tensor,
     student_hidden_NH: torch.Tensor,
-    teacher_hidden_NH: torch.Tensor,
+    teacher_hidden_NH: torch.Tensor | None,
     student_weight_VH: torch.Tensor,
-    teacher_weight_VH: torch.Tensor,
+    teacher_weight_VH: torch.Tensor | None,
     transform: LogitTransform,
     tokenizer,
     rows: int,
@@ -63,7 +63,8 @@ def completion_rows(
     """Rows for the first `rows` completions of a micro-batch; hidden states are (N, H) over its valid tokens.
 
     The divergence is the loss's own per-token statistic (`token_divergence_with_grad`, no gradient): D_β at
-    the loss's β, temperature and teacher support, unclipped."""
+    the loss's β, temperature and teacher support, unclipped. Without a teacher (a loss that reads none) the
+    divergence fields are None and `top_tokens` is empty."""
     lengths = completion_mask_BC.sum(dim=1).tolist()
     out = []
     start = 0
@@ -73,29 +74,35 @@ def completion_rows(
         if n == 0:
             start += n
             continue
-        h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
-        _, stats, _ = token_divergence_with_grad(
-            head_logits(h_s, student_weight_VH, transform),
-            head_logits(h_t, teacher_weight_VH, transform),
-            settings=settings,
-            target_ids_N=ids,
-            need_grad=False,
-        )
-        d = stats["divergence"]
-        worst = d.topk(min(TOP_TOKENS, n)).indices.tolist()
-        out.append(
-            {
-                "step": step,
-                "problem": problems[b],
-                "reference": references[b],
-                "completion": tokenizer.decode(ids.tolist()),
-                "num_tokens": n,
-                "divergence_mean": float(d.mean()),
-                "divergence_max": float(d.max()),
-                "divergence_first": float(d[0]),
-                "top_tokens": [[i, tokenizer.decode([int(ids[i])]), float(d[i])] for i in worst],
-            }
-        )
+        row = {
+            "step": step,
+            "problem": problems[b],
+            "reference": references[b],
+            "completion": tokenizer.decode(ids.tolist()),
+            "num_tokens": n,
+            "divergence_mean": None,
+            "divergence_max": None,
+            "divergence_first": None,
+            "top_tokens": [],
+        }
+        if teacher_hidden_NH is not None:
+            h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
+            _, stats, _ = token_divergence_with_grad(
+                head_logits(h_s, student_weight_VH, transform),
+                head_logits(h_t, teacher_weight_VH, transform),
+                settings=settings,
+                target_ids_N=ids,
+                need_grad=False,
+            )
+            d = stats["divergence"]
+            worst = d.topk(min(TOP_TOKENS, n)).indices.tolist()
+            row.update(
+                divergence_mean=float(d.mean()),
+                divergence_max=float(d.max()),
+                divergence_first=float(d[0]),
+                top_tokens=[[i, tokenizer.decode([int(ids[i])]), float(d[i])] for i in worst],
+            )
+        out.append(row)
         start += n
     return out
 

@@ -16,6 +16,14 @@ Reduction convention: the batch-level functions return the SUM of per-token loss
 caller divides by the global number of valid tokens, which keeps gradient accumulation and data parallelism
 exact. Teacher inputs are always detached. The same loss computed the reference code's way, from full
 (B, T, V) logits through autograd, is opsd/testing/reference_loss.py: the benchmarks' baseline and the tests' check.
+
+Two variants replace the teacher (docs/method.md §1.10-1.11):
+
+- Contrastive target (`settings.contrast_weight` = lambda, a second teacher forward under a wrong hint c~):
+  the teacher's distribution is replaced by q = softmax(sg(log p_S) + lambda (log p_T(.|c) - log p_T(.|c~))),
+  and the divergence and its clip are computed against q exactly as against p_T. With sampled_token the
+  advantage is A = lambda (log p_T(y|c) - log p_T(y|c~)).
+- `loss_type="fixed_advantage"`: no teacher; loss_N = -a log p_S(y) with the constant a < 0.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch.nn.functional as F
 from opsd.configuration.loss_settings import LossSettings
 from opsd.method.hidden import IDENTITY, LogitTransform
 
-STAT_KEYS = ("divergence", "clipped_frac", "top1_agree")
+STAT_KEYS = ("divergence", "clipped_frac", "top1_agree", "abs_advantage")
 
 
 def pointwise_jsd_terms(logp_s_NV: torch.Tensor, logp_t_NV: torch.Tensor, beta: float) -> torch.Tensor:
@@ -93,13 +101,23 @@ def log_prob_at(
     return scaled_logits_NV.gather(-1, ids_N[:, None]).squeeze(-1) - support_NK.logsumexp(-1)
 
 
+def contrastive_target(
+    x_NV: torch.Tensor, xt_NV: torch.Tensor, xw_NV: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """log q up to a constant per row, q = softmax(log p_S + lambda (log p_T(.|c) - log p_T(.|c~))), from
+    temperature-scaled logits (N, V): student x, teacher under the reference xt, teacher under the wrong hint xw.
+    The student's part is treated as a constant (q is a target; no gradient flows through it)."""
+    return F.log_softmax(x_NV, -1).add_(F.log_softmax(xt_NV, -1).sub_(F.log_softmax(xw_NV, -1)).mul_(weight))
+
+
 def token_divergence_with_grad(
     student_logits_NV: torch.Tensor,
-    teacher_logits_NV: torch.Tensor,
+    teacher_logits_NV: torch.Tensor | None,
     *,
     settings: LossSettings,
     target_ids_N: torch.Tensor | None,
     need_grad: bool,
+    contrast_logits_NV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """Per-token OPSD loss on flat tokens, and d(loss_N.sum())/d(student logits) (N, V) in float32 written out
     in closed form instead of recorded by autograd (the chunked loss's inner step); math in float32.
@@ -110,6 +128,11 @@ def token_divergence_with_grad(
     loss_type="sampled_token": loss_N = -sg(A) * log p_S(y), A = log p_T(y) - log p_S(y), y = target_ids_N,
       log-probs normalised over the same support as the JSD path (a y outside the top-k gets
       logit_y / tau - logsumexp(top-k)); the clip is not applied.
+    loss_type="fixed_advantage": loss_N = -a * log p_S(y) with a = settings.fixed_advantage (full vocabulary);
+      no teacher is read (teacher_logits_NV may be None).
+    With ``settings.contrast_weight`` = lambda (contrast_logits_NV: the teacher's logits under the wrong hint)
+    the teacher is replaced by the target q (`contrastive_target`, over the full vocabulary) for jsd, and
+    A = lambda (log p_T(y) - log p_T~(y)) for sampled_token.
 
     Gradient: with x = student logits / tau over the support and logp = log_softmax(x), every mode's loss is a
     function of logp; a_v = dL/dlogp_v is
@@ -117,29 +140,46 @@ def token_divergence_with_grad(
       jsd, beta = 1:       p_S(v) (log p_S(v) - log p_T(v) + 1)   (reverse KL)
       jsd, 0 < beta < 1:  (1 - beta) p_S(v) (log p_S(v) - log M(v))
     times the clip's weight (`clip_divergence`). Through log_softmax, dL/dx = a - softmax(x) sum(a);
-    sampled_token: dL/dx = -A (onehot(y) - softmax(x) over the support). Then dL/dlogits = dL/dx / tau, scattered
-    back to the vocabulary for top-k. No autograd graph is kept, so a chunk costs a few (N, V) float32 buffers.
+    sampled_token and fixed_advantage: dL/dx = -A (onehot(y) - softmax(x) over the support). Then
+    dL/dlogits = dL/dx / tau, scattered back to the vocabulary for top-k. No autograd graph is kept, so a chunk
+    costs a few (N, V) float32 buffers.
 
-    Args: student_logits_NV (N, V); teacher_logits_NV (N, V); target_ids_N (N,) long, read by sampled_token.
+    Args: student_logits_NV (N, V); teacher_logits_NV (N, V); target_ids_N (N,) long, read by sampled_token and
+    fixed_advantage (and by the abs_advantage statistic when given).
     Returns: loss_N (N,) float32, no reduction; stats, float32 (N,) tensors without a graph:
-      "divergence": unclipped D_beta (over the top-k support when teacher_support_k > 0),
-      "clipped_frac": as `clip_divergence` says; 0.0 for sampled_token,
-      "top1_agree": 1.0 where full-vocab argmax of student == teacher;
+      "divergence": unclipped D_beta against the target (p_T, or q with a contrast; over the top-k support when
+        teacher_support_k > 0); 0.0 for fixed_advantage,
+      "clipped_frac": as `clip_divergence` says; 0.0 for sampled_token and fixed_advantage,
+      "top1_agree": 1.0 where full-vocab argmax of student == teacher (under the reference); 0.0 without one,
+      "abs_advantage": |A| of the sampled token (A as sampled_token would use it; |a| for fixed_advantage;
+        0.0 without target ids);
     and the gradient (None unless need_grad).
     """
     beta, temperature = settings.beta, settings.temperature
+    if settings.loss_type == "fixed_advantage":
+        return _fixed_advantage(student_logits_NV, settings, target_ids_N, need_grad)
     with torch.no_grad():
         x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
         xt_NV = teacher_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
         top1_agree_N = (x_NV.argmax(-1) == xt_NV.argmax(-1)).float()
+        advantage_N = None
+        if settings.contrast_weight is not None:
+            xw_NV = contrast_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
+            if target_ids_N is not None:
+                advantage_N = (
+                    log_prob_at(xt_NV, xt_NV, target_ids_N) - log_prob_at(xw_NV, xw_NV, target_ids_N)
+                ) * settings.contrast_weight
+            xt_NV = contrastive_target(x_NV, xt_NV, xw_NV, settings.contrast_weight)
+            del xw_NV
         x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
         logp_s_NK = F.log_softmax(x_NK, -1)
         logp_t_NK = F.log_softmax(xt_NK, -1)
-        if settings.loss_type == "sampled_token":
+        if advantage_N is None and target_ids_N is not None:
             advantage_N = log_prob_at(xt_NV, xt_NK, target_ids_N) - log_prob_at(x_NV, x_NK, target_ids_N)
         del xt_NV, xt_NK
         terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, beta)
         divergence_N = terms_NK.sum(-1)
+        abs_advantage_N = torch.zeros_like(divergence_N) if advantage_N is None else advantage_N.abs()
 
         grad_NV = None
         if settings.loss_type == "jsd":
@@ -161,12 +201,47 @@ def token_divergence_with_grad(
             loss_N = -advantage_N * log_prob_at(x_NV, x_NK, target_ids_N)
             clipped_frac_N = torch.zeros_like(divergence_N)
             if need_grad:
-                # d(-A log p(y))/dx = -A onehot(y) + A softmax(x) over the support
-                grad_NV = _scatter_support(logp_s_NK.exp_().mul_(advantage_N[:, None]), idx_NK, x_NV.shape)
-                grad_NV.scatter_add_(-1, target_ids_N[:, None], -advantage_N[:, None])
-                grad_NV.div_(temperature)
-    stats = {"divergence": divergence_N, "clipped_frac": clipped_frac_N, "top1_agree": top1_agree_N}
+                grad_NV = _policy_gradient(
+                    logp_s_NK, advantage_N, idx_NK, x_NV.shape, target_ids_N, temperature
+                )
+    stats = {
+        "divergence": divergence_N,
+        "clipped_frac": clipped_frac_N,
+        "top1_agree": top1_agree_N,
+        "abs_advantage": abs_advantage_N,
+    }
     return loss_N, stats, grad_NV
+
+
+def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, need_grad: bool):
+    """loss_type="fixed_advantage": loss_N = -a log p_S(y) over the full vocabulary, no teacher."""
+    if target_ids_N is None:
+        raise ValueError("loss_type='fixed_advantage' needs the sampled token ids")
+    with torch.no_grad():
+        x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(settings.temperature)
+        advantage_N = torch.full_like(x_NV[:, 0], settings.fixed_advantage)
+        loss_N = -advantage_N * log_prob_at(x_NV, x_NV, target_ids_N)
+        zeros_N = torch.zeros_like(loss_N)
+        grad_NV = None
+        if need_grad:
+            logp_NV = F.log_softmax(x_NV, -1)
+            del x_NV
+            grad_NV = _policy_gradient(logp_NV, advantage_N, None, None, target_ids_N, settings.temperature)
+    stats = {
+        "divergence": zeros_N,
+        "clipped_frac": zeros_N,
+        "top1_agree": zeros_N,
+        "abs_advantage": advantage_N.abs(),
+    }
+    return loss_N, stats, grad_NV
+
+
+def _policy_gradient(logp_NK, advantage_N, idx_NK, shape, target_ids_N, temperature: float) -> torch.Tensor:
+    """d(-A log p(y))/dlogits = (A softmax(x) - A onehot(y)) / tau over the support, scattered to the vocabulary;
+    consumes logp_NK."""
+    grad_NV = _scatter_support(logp_NK.exp_().mul_(advantage_N[:, None]), idx_NK, shape)
+    grad_NV.scatter_add_(-1, target_ids_N[:, None], -advantage_N[:, None])
+    return grad_NV.div_(temperature)
 
 
 def _scatter_support(values_NK: torch.Tensor, idx_NK: torch.Tensor | None, shape) -> torch.Tensor:
@@ -180,6 +255,14 @@ def _through_log_softmax(a_NK, logp_NK, idx_NK, shape, temperature: float) -> to
     total_N1 = a_NK.sum(-1, keepdim=True)
     grad_NK = logp_NK.exp_().mul_(total_N1).neg_().add_(a_NK).div_(temperature)
     return _scatter_support(grad_NK, idx_NK, shape)
+
+
+def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
+    """A chunk's logits in the weight's dtype, as the model's own lm_head computes them (hidden states may come
+    out of a mixed-precision model in float32 while lm_head is bf16); the model's transform after it (a scale,
+    a soft-cap) in float32."""
+    logits_CV = h_CH.to(w_VH.dtype) @ w_VH.T
+    return logits_CV if transform.identity else transform(logits_CV.float())
 
 
 class _ChunkedOPSDLoss(torch.autograd.Function):
@@ -196,35 +279,38 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
         settings,
         transform,
         grad_enabled,
+        contrast_hidden_NH,
     ):
         # needs_input_grad ignores the caller's no_grad, so eval passes grad_enabled=False to skip grad work.
         need_h = grad_enabled and ctx.needs_input_grad[0]
         need_w = grad_enabled and ctx.needs_input_grad[2]
-        w_s_VH, w_t_VH = student_weight_VH.detach(), teacher_weight_VH.detach()
-        h_t_NH = teacher_hidden_NH.detach()
+        w_s_VH = student_weight_VH.detach()
+        teacher = settings.needs_teacher
+        w_t_VH = teacher_weight_VH.detach() if teacher else None
+        h_t_NH = teacher_hidden_NH.detach() if teacher else None
+        h_w_NH = None if contrast_hidden_NH is None else contrast_hidden_NH.detach()
         loss_sum = student_hidden_NH.new_zeros((), dtype=torch.float32)
-        stat_sums_3 = student_hidden_NH.new_zeros(len(STAT_KEYS), dtype=torch.float32)
+        stat_sums_K = student_hidden_NH.new_zeros(len(STAT_KEYS), dtype=torch.float32)
         grad_h_NH = torch.zeros_like(student_hidden_NH) if need_h else None
         # float32 accumulator: summing many bf16 chunk products in bf16 would lose precision.
         grad_w_VH = torch.zeros_like(w_s_VH, dtype=torch.float32) if need_w else None
 
         for start in range(0, student_hidden_NH.shape[0], settings.chunk_size):
             end = start + settings.chunk_size
-            # Hidden states may come out of a mixed-precision model in float32 while lm_head is bf16: the
-            # logits are computed in the weight's dtype, as the model's own lm_head would; the model's own
-            # transform after it (a scale, a soft-cap) in float32.
             h_s_CH = student_hidden_NH[start:end].detach()
-            s_logits_CV = h_s_CH.to(w_s_VH.dtype) @ w_s_VH.T
-            t_logits_CV = h_t_NH[start:end].to(w_t_VH.dtype) @ w_t_VH.T
-            if not transform.identity:
-                s_logits_CV, t_logits_CV = transform(s_logits_CV.float()), transform(t_logits_CV.float())
+            s_logits_CV = _chunk_logits(h_s_CH, w_s_VH, transform)
+            # The teacher's logits (under the reference, and under the wrong hint for a contrast) exist for
+            # this chunk only, like the student's: never a (N, V) tensor of any of the three distributions.
+            t_logits_CV = None if h_t_NH is None else _chunk_logits(h_t_NH[start:end], w_t_VH, transform)
+            w_logits_CV = None if h_w_NH is None else _chunk_logits(h_w_NH[start:end], w_t_VH, transform)
             ids_C = None if target_ids_N is None else target_ids_N[start:end]
             loss_C, stats, g_CV = token_divergence_with_grad(
-                s_logits_CV, t_logits_CV, settings=settings, target_ids_N=ids_C, need_grad=need_h or need_w
-            )
+                s_logits_CV, t_logits_CV, settings=settings, target_ids_N=ids_C, need_grad=need_h or need_w,
+                contrast_logits_NV=w_logits_CV,
+            )  # fmt: skip
             if g_CV is not None and not transform.identity:
                 g_CV = transform.backward_(g_CV, s_logits_CV)  # through the transform, to h @ W.T
-            del s_logits_CV, t_logits_CV
+            del s_logits_CV, t_logits_CV, w_logits_CV
             chunk_loss = loss_C.sum()
             if g_CV is not None:
                 # d(chunk loss)/d(logits) in closed form; the lm_head matmul is then differentiated by hand.
@@ -234,12 +320,12 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
                     grad_w_VH.addmm_(g_CV.T, h_s_CH.float())
                 del g_CV
             loss_sum += chunk_loss.detach()
-            stat_sums_3 += torch.stack([stats[k].sum() for k in STAT_KEYS])
+            stat_sums_K += torch.stack([stats[k].sum() for k in STAT_KEYS])
 
         ctx.save_for_backward(grad_h_NH, grad_w_VH)
         ctx.weight_dtype = student_weight_VH.dtype
-        ctx.mark_non_differentiable(stat_sums_3)
-        return loss_sum, stat_sums_3
+        ctx.mark_non_differentiable(stat_sums_K)
+        return loss_sum, stat_sums_K
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
@@ -248,18 +334,19 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
             grad_h_NH = grad_h_NH * grad_loss.to(grad_h_NH.dtype)
         if grad_w_VH is not None:
             grad_w_VH = (grad_w_VH * grad_loss).to(ctx.weight_dtype)
-        return grad_h_NH, None, grad_w_VH, None, None, None, None, None
+        return grad_h_NH, None, grad_w_VH, None, None, None, None, None, None
 
 
 def chunked_opsd_loss(
     student_hidden_NH: torch.Tensor,
-    teacher_hidden_NH: torch.Tensor,
+    teacher_hidden_NH: torch.Tensor | None,
     student_weight_VH: torch.Tensor,
-    teacher_weight_VH: torch.Tensor,
+    teacher_weight_VH: torch.Tensor | None,
     *,
     settings: LossSettings,
     target_ids_N: torch.Tensor | None,
     transform: LogitTransform = IDENTITY,
+    contrast_hidden_NH: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed OPSD loss from final hidden states without materialising all (N, V) logits (the training path).
 
@@ -275,14 +362,18 @@ def chunked_opsd_loss(
     Args: hidden states (N, H) of valid tokens only (after the final norm), lm_head weights (V, H); the
     teacher weight may be the student's own tensor (fixed teacher) or another one (EMA teacher); teacher
     hidden and weight never get gradients. target_ids_N (N,): the sampled tokens, which loss_type
-    "sampled_token" needs.
+    "sampled_token" and "fixed_advantage" need. contrast_hidden_NH (N, H): the teacher's hidden states under the
+    wrong hint, required when settings.contrast_weight is set (scored with the teacher's weight); the teacher's
+    hidden states and weight may be None for "fixed_advantage", which reads no teacher.
     Returns (loss_sum, stats_sums): a float32 scalar; detached 0-dim float32 tensors "divergence",
-    "clipped_frac", "top1_agree" (sums over tokens of the per-token stats) and "num_tokens". N = 0 gives a
-    zero loss attached to the graph.
+    "clipped_frac", "top1_agree", "abs_advantage" (sums over tokens of the per-token stats) and "num_tokens".
+    N = 0 gives a zero loss attached to the graph.
     """
-    if settings.loss_type == "sampled_token" and target_ids_N is None:
-        raise ValueError("loss_type='sampled_token' needs the sampled token ids")
-    loss_sum, stat_sums_3 = _ChunkedOPSDLoss.apply(
+    if settings.loss_type != "jsd" and target_ids_N is None:
+        raise ValueError(f"loss_type={settings.loss_type!r} needs the sampled token ids")
+    if (settings.contrast_weight is None) != (contrast_hidden_NH is None):
+        raise ValueError("a contrastive target needs the wrong-hint teacher's hidden states, and only it")
+    loss_sum, stat_sums_K = _ChunkedOPSDLoss.apply(
         student_hidden_NH,
         teacher_hidden_NH,
         student_weight_VH,
@@ -291,18 +382,16 @@ def chunked_opsd_loss(
         settings,
         transform,
         torch.is_grad_enabled(),
+        contrast_hidden_NH,
     )
-    stats_sums = dict(zip(STAT_KEYS, stat_sums_3.unbind(), strict=True))
+    stats_sums = dict(zip(STAT_KEYS, stat_sums_K.unbind(), strict=True))
     stats_sums["num_tokens"] = torch.tensor(float(student_hidden_NH.shape[0]), device=loss_sum.device)
     return loss_sum, stats_sums
 
 
-def loss_metrics(loss_sum: torch.Tensor, stats: dict) -> dict[str, float]:
-    """The `opsd/*` metrics of one micro-batch: `chunked_opsd_loss`'s sums per valid token."""
+def loss_metrics(loss_sum: torch.Tensor, stats: dict, *, teacher: bool = True) -> dict[str, float]:
+    """The `opsd/*` metrics of one micro-batch: `chunked_opsd_loss`'s sums per valid token (without the
+    teacher's statistics when the loss read no teacher)."""
     n = max(float(stats["num_tokens"]), 1.0)
-    return {
-        "opsd/divergence": float(stats["divergence"]) / n,
-        "opsd/clipped_frac": float(stats["clipped_frac"]) / n,
-        "opsd/top1_agree": float(stats["top1_agree"]) / n,
-        "opsd/loss_per_token": float(loss_sum) / n,
-    }
+    keys = STAT_KEYS if teacher else ("abs_advantage",)
+    return {**{f"opsd/{k}": float(stats[k]) / n for k in keys}, "opsd/loss_per_token": float(loss_sum) / n}

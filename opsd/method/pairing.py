@@ -33,6 +33,8 @@ from opsd.errors import InvalidValue
 if TYPE_CHECKING:
     from datasets import Dataset
 
+# The column of a contrastive teacher's wrong hints (opsd.method.contrast, which imports this module).
+CONTRAST_COLUMN = "contrast_context"
 # Random draws tried for a repair swap before scanning every position (one always exists).
 _RANDOM_TRIES = 64
 RULE = (
@@ -42,17 +44,27 @@ RULE = (
 )
 
 
-def derangement(n: int, seed: int, groups: Sequence[Any] | None = None) -> list[int]:
+# The other way out of a refused derangement, by the switch that asked for it.
+_INSTEAD = {
+    "teacher_ref_pairing": "teacher_ref_pairing=empty",
+    "teacher_contrast": "teacher_contrast=wrong_answer",
+}
+
+
+def derangement(
+    n: int, seed: int, groups: Sequence[Any] | None = None, *, switch: str = "teacher_ref_pairing"
+) -> list[int]:
     """A permutation `p` of range(n) with p[i] != i, and groups[p[i]] != groups[i] when `groups` is given.
 
     Deterministic in (n, seed, groups). A shuffle drawn from `seed`, then each row in order that breaks the
     rule swaps its entry with another row's such that both keep to it. Such a row exists whenever no group
-    holds more than half the rows (with n - 2|G| + 1 >= 1 choices), so this never fails then.
+    holds more than half the rows (with n - 2|G| + 1 >= 1 choices), so this never fails then. `switch` names
+    the setting that asked (its own random stream, and the one its refusals name).
     """
     if n < 2:
         raise InvalidValue(
-            f"teacher_ref_pairing=shuffled needs at least 2 training rows to pair each with another (got {n}); "
-            "add rows or use teacher_ref_pairing=empty"
+            f"{switch}=shuffled needs at least 2 training rows to pair each with another (got {n}); "
+            f"add rows or use {_INSTEAD[switch]}"
         )
     key = list(range(n)) if groups is None else list(groups)
     if len(key) != n:
@@ -60,11 +72,12 @@ def derangement(n: int, seed: int, groups: Sequence[Any] | None = None) -> list[
     group, size = Counter(key).most_common(1)[0]
     if 2 * size > n:
         raise InvalidValue(
-            f"teacher_ref_pairing=shuffled cannot give every problem the reference of a problem with another "
+            f"{switch}=shuffled cannot give every problem the reference of a problem with another "
             f"answer: answer {str(group)[:40]!r} is shared by {size} of {n} training rows, more than half; "
-            "use other data, a data_filter, or teacher_ref_pairing=empty"
+            f"use other data, a data_filter, or {_INSTEAD[switch]}"
         )
-    rng = random.Random(f"teacher_ref_pairing:{seed}")
+    # The pairing's stream keeps its historical name, so existing runs resume with the same permutation.
+    rng = random.Random(f"{switch}:{seed}")
     perm = list(range(n))
     rng.shuffle(perm)
     for i in range(n):
@@ -98,8 +111,9 @@ def _digest(value: Any) -> str:
 def apply_pairing(
     ds: Dataset, pairing: str, *, seed: int, answers: Sequence[Any]
 ) -> tuple[Dataset, dict[str, Any] | None]:
-    """The trainer's table (`prompt`, `privileged_context`) with the references `pairing` gives, and the
-    record to save for a shuffled run (None otherwise). `answers` are the rows' `Answer` values, in order."""
+    """The trainer's table (`prompt`, `privileged_context`, and any other column) with the references `pairing`
+    gives (a contrastive teacher's wrong hints, `contrast_context`, move with their references), and the record to
+    save for a shuffled run (None otherwise). `answers` are the rows' `Answer` values, in order."""
     check_choice("teacher_ref_pairing", pairing)
     if pairing == "matched":
         return ds, None
@@ -120,6 +134,12 @@ def apply_pairing(
             "reference_of": perm,
         }
     paired = ds.remove_columns("privileged_context").add_column("privileged_context", references)
+    if pairing == "shuffled" and CONTRAST_COLUMN in ds.column_names:
+        # A contrastive teacher's wrong hint belongs to the reference: it moves with it.
+        own_wrong = list(ds[CONTRAST_COLUMN])
+        paired = paired.remove_columns(CONTRAST_COLUMN).add_column(
+            CONTRAST_COLUMN, [own_wrong[j] for j in perm]
+        )
     return paired, record
 
 

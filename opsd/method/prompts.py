@@ -16,9 +16,11 @@ the teacher template `{problem}` and `{reference}`. Placeholders are substituted
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from opsd.configuration.choices import REFERENCE_COLUMNS
 from opsd.errors import InvalidValue, UnsupportedModel
 from opsd.paths import PROMPT_FILE, read_text
 
@@ -124,8 +126,11 @@ class PromptBuilder:
         teacher_thinking: bool = True,
         thinking_switch: str = AUTO_SWITCH,
         max_teacher_prompt_tokens: int = 0,
+        reference_fraction: float = 1.0,
     ):
         self.tokenizer = tokenizer
+        self.reference_fraction = reference_fraction
+        self._cut_logged = False
         self.student_template = _read_template(student_template_file, ("{problem}",), STUDENT_TEMPLATE)
         self.teacher_template = _read_template(
             teacher_template_file, ("{problem}", "{reference}"), TEACHER_TEMPLATE
@@ -146,6 +151,7 @@ class PromptBuilder:
             teacher_thinking=config.teacher_thinking,
             thinking_switch=config.thinking_switch,
             max_teacher_prompt_tokens=config.max_teacher_prompt_length,
+            reference_fraction=config.teacher_ref_fraction,
         )
 
     def student_text(self, problem: str) -> str:
@@ -168,9 +174,31 @@ class PromptBuilder:
     def student_ids(self, problem: str) -> list[int]:
         return self._render(self.student_text(problem), self.student_thinking)
 
+    def reference_prefix(self, reference: str) -> str:
+        """The first ceil(f x n) of the reference's n tokens (f = `reference_fraction`), cut on a token boundary of
+        the model's tokenizer and decoded; the whole reference when f = 1. The first cut is logged with its
+        example."""
+        f = self.reference_fraction
+        if f >= 1 or not reference:
+            return reference
+        ids = self.tokenizer(reference, add_special_tokens=False)["input_ids"]
+        keep = math.ceil(round(f * len(ids), 9))  # round: 0.3 x 10 is 3.0000000000000004 in floating point
+        # A cut inside a multi-byte character decodes to U+FFFD; drop it so the text stays a prefix.
+        cut = self.tokenizer.decode(ids[:keep]).rstrip("\ufffd")
+        if not self._cut_logged:
+            self._cut_logged = True
+            logger.info(
+                "teacher_ref_fraction=%g: the teacher sees the first %d of the reference's %d tokens, e.g. ...%r "
+                "(cut) of ...%r",
+                f, keep, len(ids), cut[-80:], reference[-80:],
+            )  # fmt: skip
+        return cut
+
     def teacher_ids(self, problem: str, reference: str) -> TeacherPrompt:
-        """Teacher prompt ids; an over-long prompt is cut inside the reference, never in the problem (an empty
-        reference leaves nothing to cut: the prompt is kept whole)."""
+        """Teacher prompt ids: the reference cut to `reference_fraction` of its tokens (`reference_prefix`); an
+        over-long prompt is then cut inside the reference, never in the problem (an empty reference leaves
+        nothing to cut: the prompt is kept whole)."""
+        reference = self.reference_prefix(reference)
         ids = self._render(self.teacher_text(problem, reference), self.teacher_thinking)
         limit = self.max_teacher_prompt_tokens
         if not limit or len(ids) <= limit:
@@ -198,25 +226,32 @@ class PromptBuilder:
 
 
 def reference_text(row: dict, teacher_ref: str, max_chars: int) -> str:
-    """The privileged context of a training row: its `solution` or `COT_Reason`, cut to `max_chars` characters."""
-    column = {"solution": "solution", "cot": "COT_Reason"}.get(teacher_ref)
+    """The privileged context of a training row: its `solution`, `COT_Reason` or `Answer` (the final answer alone,
+    in the same template: docs/method.md §1.10), cut to `max_chars` characters."""
+    column = REFERENCE_COLUMNS.get(teacher_ref)
     if column is None:
-        raise ValueError(f"teacher_ref={teacher_ref!r}; choose 'solution' or 'cot'")
-    text = str(row[column] or "")
+        raise ValueError(f"teacher_ref={teacher_ref!r}; choose one of {list(REFERENCE_COLUMNS)}")
+    value = row[column]
+    text = "" if value is None else str(value).strip() if column == "Answer" else str(value)
     if max_chars and len(text) > max_chars:
         text = text[:max_chars] + TRUNCATION_MARK
     return text
 
 
 def teacher_rows(
-    builder: PromptBuilder, problems, references, completion_ids_BC, completion_mask_BC, pad_id: int
+    builder: PromptBuilder | None, problems, references, completion_ids_BC, completion_mask_BC, pad_id: int
 ):
     """The `[teacher prompt ; completion]` rows of a batch (left-padded teacher prompts, then the completions as
-    they are) and how many teacher prompts were cut to their cap: (rows dict in TRL's teacher keys, cut)."""
+    they are) and how many teacher prompts were cut to their cap: (rows dict in TRL's teacher keys, cut).
+
+    Without a builder (a loss that reads no teacher: `loss_type=fixed_advantage`) no teacher prompt is rendered:
+    the rows are the completions alone, which nothing scores."""
     import torch
 
     from opsd.method.hidden import left_pad
 
+    if builder is None:
+        return {"teacher_input_ids": completion_ids_BC, "teacher_attention_mask": completion_mask_BC}, 0
     built = [builder.teacher_ids(p, r) for p, r in zip(problems, references, strict=True)]
     ids, mask = left_pad([t.ids for t in built], pad_id, completion_ids_BC.device)
     rows = {

@@ -9,7 +9,9 @@ scores a training batch (same prompts, positions and teacher weights), and three
 - `probe/divergence`: mean unclipped per-token D_beta at the loss's beta and temperature, full vocabulary;
 - `probe/top1_agree`: share of tokens where the student's argmax is the teacher's;
 - `probe/teacher_token_logp`: the student's mean log-probability (at the loss temperature) of the teacher's
-  argmax token.
+  argmax token;
+- `probe/abs_advantage`: the mean |e(t)| = |log p_T(y_t) - log p_S(y_t)| of the frozen rollout's own tokens, the
+  size of the sampled-token signal (what `fixed_advantage` is compared with, docs/method.md §1.11).
 
 The completions never change, so the curves move only with the weights: a rising divergence means the
 student is moving away from its teacher. The set is saved as `<output_dir>/probe_set.json` and reloaded on
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROBE_KEYS = ("probe/divergence", "probe/top1_agree", "probe/teacher_token_logp")
+PROBE_KEYS = ("probe/divergence", "probe/top1_agree", "probe/teacher_token_logp", "probe/abs_advantage")
 # Warn when the probe divergence is this much above its step-0 value.
 RISE_WARN_RATIO = 1.1
 NEGATIVE_LOSS_WARN_STEPS = 10
@@ -66,16 +68,18 @@ def probe_token_sums(
     teacher_weight_VH: torch.Tensor,
     *,
     settings: LossSettings,
+    target_ids_N: torch.Tensor,
     transform: LogitTransform = IDENTITY,
 ) -> torch.Tensor:
-    """Sums over N tokens of (D_beta, top-1 agreement, student log-prob of the teacher's argmax), float32 (3,).
+    """Sums over N tokens of (D_beta, top-1 agreement, student log-prob of the teacher's argmax, |log p_T(y) -
+    log p_S(y)| of the tokens y = target_ids_N), float32 (4,).
 
     Logits are transform(h @ W.T) (lm_head without bias, then the model's own transform) computed `settings.chunk_size` tokens at a time in the weight's
     dtype; both distributions are log_softmax(logits / settings.temperature) over the full vocabulary (the
     loss's teacher support and clip do not apply); D_beta, at settings.beta, is unclipped.
     """
     beta, temperature, chunk_size = settings.beta, settings.temperature, settings.chunk_size
-    sums_3 = torch.zeros(3, dtype=torch.float32, device=student_hidden_NH.device)
+    sums_4 = torch.zeros(4, dtype=torch.float32, device=student_hidden_NH.device)
     with torch.no_grad():
         for start in range(0, student_hidden_NH.shape[0], chunk_size):
             h_s = student_hidden_NH[start : start + chunk_size]
@@ -84,14 +88,16 @@ def probe_token_sums(
             t_CV = head_logits(h_t, teacher_weight_VH, transform) / temperature
             logp_s_CV, logp_t_CV = F.log_softmax(s_CV, -1), F.log_softmax(t_CV, -1)
             teacher_top_C = t_CV.argmax(-1)
-            sums_3 += torch.stack(
+            y_C1 = target_ids_N[start : start + chunk_size, None]
+            sums_4 += torch.stack(
                 [
                     pointwise_jsd_terms(logp_s_CV, logp_t_CV, beta).sum(),
                     (s_CV.argmax(-1) == teacher_top_C).float().sum(),
                     logp_s_CV.gather(-1, teacher_top_C[:, None]).sum(),
+                    (logp_t_CV.gather(-1, y_C1) - logp_s_CV.gather(-1, y_C1)).abs().sum(),
                 ]
             )
-    return sums_3
+    return sums_4
 
 
 class Probe(TrainerCallback):
@@ -178,7 +184,7 @@ class Probe(TrainerCallback):
         device = acc.device
         pad = t.processing_class.pad_token_id
         unwrapped = acc.unwrap_model(t.model)
-        sums_4 = torch.zeros(4, dtype=torch.float32, device=device)
+        sums_5 = torch.zeros(5, dtype=torch.float32, device=device)
         settings = a.loss_settings()
         batch = a.per_device_train_batch_size
         with torch.no_grad(), eval_mode(unwrapped):
@@ -192,14 +198,15 @@ class Probe(TrainerCallback):
                 hidden = t.completion_hidden_states(
                     t.model_wrapped, s_ids, s_mask, t_ids, t_mask, c_ids, c_mask
                 )
-                sums_4[:3] += probe_token_sums(
+                sums_5[:4] += probe_token_sums(
                     hidden.student_hidden_NH, hidden.teacher_hidden_NH, hidden.student_weight_VH,
-                    hidden.teacher_weight_VH, settings=settings, transform=hidden.logit_transform,
+                    hidden.teacher_weight_VH, settings=settings, target_ids_N=c_ids[c_mask.bool()],
+                    transform=hidden.logit_transform,
                 )  # fmt: skip
-                sums_4[3] += hidden.student_hidden_NH.shape[0]
-        sums_4 = acc.reduce(sums_4, reduction="sum")
-        n = max(float(sums_4[3]), 1.0)
-        return dict(zip(PROBE_KEYS, (float(sums_4[i]) / n for i in range(3)), strict=True))
+                sums_5[4] += hidden.student_hidden_NH.shape[0]
+        sums_5 = acc.reduce(sums_5, reduction="sum")
+        n = max(float(sums_5[4]), 1.0)
+        return dict(zip(PROBE_KEYS, (float(sums_5[i]) / n for i in range(4)), strict=True))
 
     def _check(self, step: int, metrics: dict[str, float]) -> None:
         div = metrics["probe/divergence"]

@@ -35,6 +35,8 @@ def token_divergence(
     left to autograd. Args: student_logits_NV (N, V) with grad; teacher_logits_NV (N, V), detached here;
     target_ids_N (N,) long, for loss_type="sampled_token". Returns loss_N (N,) and detached (N,) stats.
     """
+    if settings.loss_type == "fixed_advantage" or settings.contrast_weight is not None:
+        raise ValueError("the reference code's loss has one teacher: no contrast, no fixed advantage")
     s_NV = student_logits_NV.float() / settings.temperature
     t_NV = teacher_logits_NV.detach().float() / settings.temperature
     top1_agree_N = (s_NV.argmax(-1) == t_NV.argmax(-1)).float()
@@ -55,7 +57,18 @@ def token_divergence(
         advantage_N = (log_prob_at(t_NV, t_NK, target_ids_N) - logp_s_N).detach()
         loss_N = -advantage_N * logp_s_N
         clipped_frac_N = torch.zeros_like(divergence_N)
-    stats = {"divergence": divergence_N, "clipped_frac": clipped_frac_N.detach(), "top1_agree": top1_agree_N}
+    abs_advantage_N = torch.zeros_like(divergence_N)
+    if target_ids_N is not None:
+        with torch.no_grad():
+            abs_advantage_N = (
+                log_prob_at(t_NV, t_NK, target_ids_N) - log_prob_at(s_NV, s_NK, target_ids_N)
+            ).abs()
+    stats = {
+        "divergence": divergence_N,
+        "clipped_frac": clipped_frac_N.detach(),
+        "top1_agree": top1_agree_N,
+        "abs_advantage": abs_advantage_N,
+    }
     return loss_N, stats
 
 

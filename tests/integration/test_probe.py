@@ -13,9 +13,10 @@ from opsd.method.loss import LossSettings
 from opsd.run.probe import PROBE_FILE, Probe, probe_token_sums, split_probe
 
 
-def _naive_sums(h_s, h_t, w_s, w_t, beta, tau):
-    """Divergence, top-1 agreement and teacher-token log-prob from full logits, one token at a time."""
-    div = agree = logp = 0.0
+def _naive_sums(h_s, h_t, w_s, w_t, beta, tau, ids):
+    """Divergence, top-1 agreement, teacher-token log-prob and |log p_T(y) - log p_S(y)| from full logits, one
+    token at a time."""
+    div = agree = logp = adv = 0.0
     for i in range(h_s.shape[0]):
         s = (h_s[i] @ w_s.T).double() / tau
         t = (h_t[i] @ w_t.T).double() / tau
@@ -30,7 +31,8 @@ def _naive_sums(h_s, h_t, w_s, w_t, beta, tau):
         div += float(d)
         agree += float(s.argmax() == t.argmax())
         logp += float(ps.log()[t.argmax()])
-    return torch.tensor([div, agree, logp], dtype=torch.float64)
+        adv += abs(float(pt.log()[ids[i]] - ps.log()[ids[i]]))
+    return torch.tensor([div, agree, logp, adv], dtype=torch.float64)
 
 
 def _settings(*, beta, temperature, chunk_size=1024):
@@ -48,17 +50,21 @@ def test_probe_sums_match_naive(beta, chunk):
     n, h, v = 7, 6, 11
     h_s, h_t = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
     w_s, w_t = torch.randn(v, h, generator=g), torch.randn(v, h, generator=g)
+    ids = torch.randint(0, v, (n,), generator=g)
     got = probe_token_sums(
-        h_s, h_t, w_s, w_t, settings=_settings(beta=beta, temperature=1.3, chunk_size=chunk)
+        h_s, h_t, w_s, w_t, settings=_settings(beta=beta, temperature=1.3, chunk_size=chunk), target_ids_N=ids
     )
-    torch.testing.assert_close(got.double(), _naive_sums(h_s, h_t, w_s, w_t, beta, 1.3), rtol=1e-5, atol=1e-5)
+    want = _naive_sums(h_s, h_t, w_s, w_t, beta, 1.3, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_probe_sums_of_identical_roles():
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(5, 4, generator=g), torch.randn(9, 4, generator=g)
-    div, agree, logp = probe_token_sums(h, h, w, w, settings=_settings(beta=0.0, temperature=1.0)).tolist()
-    assert abs(div) < 1e-6 and agree == 5.0
+    ids = torch.arange(5)
+    sums = probe_token_sums(h, h, w, w, settings=_settings(beta=0.0, temperature=1.0), target_ids_N=ids)
+    div, agree, logp, adv = sums.tolist()
+    assert abs(div) < 1e-6 and agree == 5.0 and abs(adv) < 1e-6
     assert logp == pytest.approx(float(F.log_softmax(h @ w.T, -1).max(-1).values.sum()), rel=1e-5)
 
 

@@ -507,7 +507,7 @@ SEEDS = (1, 2, 3)
 def curve(arm: str, seed: int, step: int) -> dict:
     off = 0.05 if arm == "B" else 0.0
     return {"step": step, "loss": round(2.0 - 0.01 * step - 0.1 * seed + off, 6),
-            "probe/divergence": round(0.5 + 0.001 * step + off, 6),
+            "probe/divergence": round(0.5 + 0.001 * step + off, 6), "rollout/correct": round(0.2 + 0.002 * step, 6),
             "completions/mean_length": 100 + step + seed, "learning_rate": 1e-5}  # fmt: skip
 
 
@@ -653,7 +653,13 @@ def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     # Training curves, as written.
     loss = result["curves"]["B"]["2"]["loss"]
     assert loss == [[k, pytest.approx(curve("B", 2, k)["loss"])] for k in range(20, 101, 20)]
-    assert set(result["curves"]["A"]["1"]) == {"loss", "probe/divergence", "completions/mean_length"}
+    assert set(result["curves"]["A"]["1"]) == {
+        "loss",
+        "probe/divergence",
+        "rollout/correct",
+        "completions/mean_length",
+    }
+    assert result["curves"]["A"]["3"]["rollout/correct"][-1] == [100, pytest.approx(0.4)]
 
     # The files.
     names = sorted(p.name for p in paths)

@@ -1,4 +1,4 @@
-"""Tests for opsd.evaluation.grading: box extraction, think-block rule, normalisation and correctness."""
+"""Tests for opsd.grading: box extraction, think-block rule, normalisation and correctness."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from opsd.evaluation import grading
-from opsd.evaluation.grading import (
+from opsd import grading
+from opsd.grading import (
     answer_region,
     extract_boxed,
     fallback_equal,

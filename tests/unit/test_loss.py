@@ -329,7 +329,7 @@ def test_opsd_loss_from_logits_masked(beta, clip_mode, loss_type):
     close(loss, ref["loss"].sum())
     close(sums["divergence"], ref["divergence"].sum())
     assert sums["num_tokens"].item() == 10
-    assert set(sums) == {"divergence", "clipped_frac", "top1_agree", "num_tokens"}
+    assert set(sums) == {"divergence", "clipped_frac", "top1_agree", "abs_advantage", "num_tokens"}
     assert all(v.ndim == 0 and not v.requires_grad for v in sums.values())
     loss.backward()
     ref["loss"].sum().backward()

@@ -123,20 +123,25 @@ def _read_box(
     return (i, stop), j
 
 
-def find_boxes(text: str) -> list[str | None]:
-    r"""All top-level boxes in `text` in order; each is its stripped content, or None if truncated.
+def box_spans(text: str) -> list[tuple[int, int] | None]:
+    r"""The (start, end) of each top-level box's stripped content in `text`, in order; None for a truncated box.
 
     A ``\boxed`` inside an earlier complete box is part of that box's content. Linear in `len(text)`.
     """
     closes = _closing_braces(text)
-    boxes: list[str | None] = []
+    spans: list[tuple[int, int] | None] = []
     pos = 0
     while True:
         m = _BOX_START.search(text, pos)
         if m is None:
-            return boxes
+            return spans
         span, pos = _read_box(text, m.end(), len(text), closes)
-        boxes.append(None if span is None else text[slice(*_strip_span(text, *span))])
+        spans.append(None if span is None else _strip_span(text, *span))
+
+
+def find_boxes(text: str) -> list[str | None]:
+    r"""All top-level boxes in `text` in order; each is its stripped content, or None if truncated (`box_spans`)."""
+    return [None if span is None else text[slice(*span)] for span in box_spans(text)]
 
 
 def _unwrap_box(content: str) -> str:

@@ -1,0 +1,326 @@
+"""The teacher variants of docs/method.md §1.10-1.11 against references written here: the contrastive target and
+its gradient (a naive float64 autograd oracle, every clip mode, both loss types), the teacher-free fixed
+advantage (its closed form by hand), the answer-only reference, the token-boundary cut of the reference, the
+wrong hint of `wrong_answer` and `shuffled`, and the refusals of switches that cannot work together."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsd.configuration.config import OPSDConfig
+from opsd.configuration.loss_settings import LossSettings
+from opsd.errors import InvalidValue
+from opsd.method import loss
+from opsd.method.contrast import contrast_references, wrong_reference, wrong_value
+from opsd.method.prompts import PromptBuilder, reference_text
+
+CLIP_MODES = ("element", "token", "rescale", "none")
+
+
+def settings(
+    *, beta=0.0, tau=1.0, clip=0.05, clip_mode="element", loss_type="jsd", weight=None, a=-0.5, chunk=5
+):
+    return LossSettings(
+        beta=beta, temperature=tau, clip=clip, clip_mode=clip_mode, teacher_support_k=0, loss_type=loss_type,
+        chunk_size=chunk, contrast_weight=weight, fixed_advantage=a,
+    )  # fmt: skip
+
+
+def naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, *, beta, tau, clip, clip_mode, loss_type, weight):
+    """The contrastive OPSD loss summed over tokens, from full float64 logits through autograd; shares no code with
+    opsd.method.loss. q = softmax(sg(log p_S) + lambda (log p_T(.|c) - log p_T(.|c~)))."""
+    logp_s = F.log_softmax((h_s @ w_s.T) / tau, -1)
+    logp_t = F.log_softmax((h_t @ w_t.T) / tau, -1)
+    logp_w = F.log_softmax((h_w @ w_t.T) / tau, -1)
+    if loss_type == "sampled_token":
+        rows = torch.arange(len(ids))
+        advantage = weight * (logp_t[rows, ids] - logp_w[rows, ids])
+        return -(advantage.detach() * logp_s[rows, ids]).sum()
+    logq = F.log_softmax(logp_s.detach() + weight * (logp_t - logp_w), -1)
+    q, p = logq.exp(), logp_s.exp()
+    if beta == 0.0:
+        terms = q * (logq - logp_s)
+    elif beta == 1.0:
+        terms = p * (logp_s - logq)
+    else:
+        log_m = torch.log(beta * q + (1 - beta) * p)
+        terms = beta * q * (logq - log_m) + (1 - beta) * p * (logp_s - log_m)
+    if clip_mode == "element":
+        return torch.minimum(terms, torch.full_like(terms, clip)).sum()
+    total = terms.sum(-1)
+    if clip_mode == "token":
+        return torch.minimum(total, torch.full_like(total, clip)).sum()
+    if clip_mode == "rescale":
+        return torch.where(total > clip, total * (clip / total).detach(), total).sum()
+    return total.sum()
+
+
+def tensors(n=13, h=6, v=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).requires_grad_()
+
+    return (
+        r(n, h),
+        r(n, h),
+        r(n, h),
+        r(v, h, scale=1.5),
+        r(v, h, scale=1.5),
+        torch.randint(0, v, (n,), generator=g),
+    )
+
+
+# Every clip mode at beta 0, 1/2 and 1 for jsd; sampled_token reads neither beta nor the clip, so one case each.
+ORACLE_CASES = [(b, m, "jsd") for b in (0.0, 0.5, 1.0) for m in CLIP_MODES] + [
+    (0.0, m, "sampled_token") for m in ("element", "none")
+]
+
+
+@pytest.mark.parametrize(("beta", "clip_mode", "loss_type"), ORACLE_CASES)
+def test_contrastive_loss_and_gradient_match_a_naive_float64_oracle(beta, clip_mode, loss_type):
+    h_s, h_t, h_w, w_s, w_t, ids = tensors()
+    tau, weight = 0.8, 1.3
+    with (
+        torch.no_grad()
+    ):  # a clip between data points, so that some entries (tokens) are clipped and some not
+        want_terms = naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, beta=beta, tau=tau, clip=1e9,
+                                         clip_mode="none", loss_type="jsd", weight=weight)  # fmt: skip
+    clip = 0.02 if clip_mode == "element" else float(want_terms) / len(ids)
+    kw = dict(beta=beta, tau=tau, clip=clip, clip_mode=clip_mode, loss_type=loss_type, weight=weight)
+    want = naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, **kw)
+    want_h, want_w = torch.autograd.grad(want, (h_s, w_s))
+
+    s = settings(**{k: v for k, v in kw.items()}, chunk=4)
+    got, sums = loss.chunked_opsd_loss(
+        h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=h_w
+    )
+    got_h, got_w = torch.autograd.grad(got, (h_s, w_s))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_h.double(), want_h, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_w.double(), want_w, atol=1e-5, rtol=1e-4)
+    assert float(want_h.abs().sum()) > 1e-3  # a signal to match, not two zeros
+    if loss_type == "jsd" and clip_mode != "none":
+        assert 0 < float(sums["clipped_frac"]) < len(ids)
+
+
+@pytest.mark.parametrize("loss_type", ["jsd", "sampled_token"])
+@pytest.mark.parametrize("clip_mode", CLIP_MODES)
+def test_no_contrastive_signal_at_weight_zero_or_when_the_wrong_hint_is_the_hint(clip_mode, loss_type):
+    h_s, h_t, h_w, w_s, w_t, ids = tensors(seed=1)
+    cases = [(0.0, h_w), (1.0, h_t.detach().clone())]  # lambda = 0; c~ = c
+    for weight, wrong in cases:
+        s = settings(beta=0.5, tau=1.1, clip_mode=clip_mode, loss_type=loss_type, weight=weight)
+        got, _ = loss.chunked_opsd_loss(
+            h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=wrong
+        )
+        grad_h, grad_w = torch.autograd.grad(got, (h_s, w_s))
+        assert abs(float(got.detach())) < 1e-6, (weight, float(got.detach()))
+        assert float(grad_h.abs().max()) < 1e-6 and float(grad_w.abs().max()) < 1e-6
+    # ... and a signal otherwise: the same inputs with a real wrong hint move the student.
+    s = settings(beta=0.5, tau=1.1, clip_mode=clip_mode, loss_type=loss_type, weight=1.0)
+    got, _ = loss.chunked_opsd_loss(h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=h_w)
+    assert float(torch.autograd.grad(got, h_s)[0].abs().max()) > 1e-3
+
+
+def test_contrastive_sampled_token_advantage_is_lambda_times_the_log_ratio():
+    h_s, h_t, h_w, w_s, w_t, ids = tensors(seed=2)
+    rows = torch.arange(len(ids))
+    e_ctr = (F.log_softmax(h_t @ w_t.T, -1) - F.log_softmax(h_w @ w_t.T, -1))[rows, ids]
+    s = settings(loss_type="sampled_token", weight=0.7)
+    _, stats, _ = loss.token_divergence_with_grad(
+        h_s @ w_s.T,
+        h_t @ w_t.T,
+        settings=s,
+        target_ids_N=ids,
+        need_grad=False,
+        contrast_logits_NV=h_w @ w_t.T,
+    )
+    torch.testing.assert_close(
+        stats["abs_advantage"].double(), (0.7 * e_ctr).abs().detach(), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_contrast_needs_its_hidden_states():
+    h_s, h_t, h_w, w_s, w_t, ids = tensors()
+    with pytest.raises(ValueError, match="wrong-hint"):
+        loss.chunked_opsd_loss(h_s, h_t, w_s, w_t, settings=settings(weight=1.0), target_ids_N=ids)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.6])
+def test_fixed_advantage_gradient_is_the_closed_form_and_needs_no_teacher(tau):
+    h_s, _, _, w_s, _, ids = tensors(seed=3)
+    a = -0.37
+    got, sums = loss.chunked_opsd_loss(h_s, None, w_s, None, settings=settings(loss_type="fixed_advantage", tau=tau,
+                                       a=a), target_ids_N=ids)  # fmt: skip
+    got_h, got_w = torch.autograd.grad(got, (h_s, w_s))
+    with torch.no_grad():  # by hand: L = -a sum_t log p(y_t); dL/dz = -a (onehot(y) - p) / tau, z = h W^T
+        z = h_s @ w_s.T
+        p = torch.softmax(z / tau, -1)
+        want = -a * (z.gather(-1, ids[:, None]).squeeze(-1) / tau - torch.logsumexp(z / tau, -1)).sum()
+        dz = -a * (F.one_hot(ids, z.shape[-1]).double() - p) / tau
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_h.double(), dz @ w_s.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_w.double(), dz.T @ h_s.detach(), atol=1e-6, rtol=1e-5)
+    assert float(sums["abs_advantage"]) == pytest.approx(abs(a) * len(ids))
+    metrics = loss.loss_metrics(got.detach(), sums, teacher=False)
+    assert set(metrics) == {"opsd/abs_advantage", "opsd/loss_per_token"}
+
+
+# -- the references the teacher reads ---------------------------------------------------------------------------
+
+
+def test_answer_only_reference_is_the_answer_column_in_the_same_template(tiny_tokenizer):
+    row = {
+        "problem": "What is 3 + 4?",
+        "solution": "3 + 4 = 7, so \\boxed{7}.",
+        "Answer": " 7 ",
+        "COT_Reason": "x",
+    }
+    ref = reference_text(row, "answer", 8000)
+    assert ref == "7"
+    builder = PromptBuilder(tiny_tokenizer)
+    text = builder.teacher_template.replace("{problem}", row["problem"]).replace("{reference}", "7")
+    chat = tiny_tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=True)  # fmt: skip
+    assert (
+        builder.teacher_ids(row["problem"], ref).ids
+        == tiny_tokenizer(chat, add_special_tokens=False)["input_ids"]
+    )
+    assert reference_text({**row, "Answer": 12}, "answer", 8000) == "12"  # a numeric column
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5, 0.77, 1.0])
+def test_reference_fraction_cuts_on_token_boundaries(tiny_tokenizer, fraction):
+    reference = (
+        "We compute 2x = 37 - 9 = 28, then x = 28 / 2 = 14. The answer is $\\boxed{14}$, as checked twice."
+    )
+    ids = tiny_tokenizer(reference, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(reference)  # multi-character tokens: a character cut would differ
+    builder = PromptBuilder(tiny_tokenizer, reference_fraction=fraction)
+    cut = builder.reference_prefix(reference)
+    keep = math.ceil(round(fraction * len(ids), 9))
+    assert tiny_tokenizer(cut, add_special_tokens=False)["input_ids"] == ids[:keep]
+    assert reference.startswith(cut)
+    assert (cut == reference) == (fraction == 1.0)
+    chars = reference[: math.ceil(fraction * len(reference))]
+    if fraction < 1:
+        assert cut != chars
+    # The teacher prompt carries the cut reference.
+    whole = PromptBuilder(tiny_tokenizer).teacher_ids("p", cut).ids
+    assert builder.teacher_ids("p", reference).ids == whole
+
+
+def test_reference_fraction_logs_its_cut_once(tiny_tokenizer, caplog):
+    builder = PromptBuilder(tiny_tokenizer, reference_fraction=0.5)
+    with caplog.at_level("INFO", logger="opsd.method.prompts"):
+        builder.teacher_ids("p", "a reference of several tokens")
+        builder.teacher_ids("q", "another reference")
+    lines = [r.getMessage() for r in caplog.records if "teacher_ref_fraction" in r.getMessage()]
+    assert len(lines) == 1 and "e.g." in lines[0]
+
+
+# -- the wrong hint ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reference", "answer", "kept", "changed"),
+    [
+        (
+            "2x = 28, x = 14. The answer is $\\boxed{14}$.",
+            "14",
+            "2x = 28, x = 14. The answer is $\\boxed{",
+            "}$.",
+        ),
+        ("so the final answer is 14, not 141 or 1.14", "14", "so the final answer is ", ", not 141 or 1.14"),
+        ("we get 3/4 of it: \\boxed{3/4}", "3/4", "we get 3/4 of it: \\boxed{", "/4}"),
+        ("half: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", "half: \\boxed{\\frac{", "}{2}}"),
+        ("about 2.50 m, \\boxed{2.50}", "2.50", "about 2.50 m, \\boxed{", "}"),
+        ("it is -7. \\boxed{-7} and \\boxed{-7}", "-7", "it is -7. \\boxed{", "}"),
+    ],
+)
+def test_wrong_reference_replaces_only_the_stated_final_answer(reference, answer, kept, changed):
+    wrong = wrong_reference(reference, answer, random.Random(0))
+    assert wrong is not None and wrong != reference
+    assert wrong.startswith(kept) and wrong.endswith(changed)
+    new = wrong[len(kept) : len(wrong) - len(changed)].split("}")[0].split("{")[-1]
+    assert new not in (answer, "") and new != answer.split("{")[-1].split("}")[0]
+
+
+def test_wrong_value_keeps_the_kind_and_refuses_other_kinds():
+    rng = random.Random(1)
+    for _ in range(200):
+        assert wrong_value("0", rng).isdigit()  # a count stays a count
+        assert wrong_value("-3", rng).lstrip("-").isdigit() and wrong_value("-3", rng) != "-3"
+        d = wrong_value("2.50", rng)
+        assert len(d.split(".")[1]) == 2 and d != "2.50"
+    for other in ("x + 1", "(1, 2)", "\\sqrt{2}", "yes", ""):
+        assert wrong_value(other, rng) is None
+    assert wrong_reference("the answer is 7", "x+1", rng) is None
+    assert wrong_reference("no such number here", "7", rng) is None
+
+
+def test_contrast_references_shuffled_never_own_nor_same_answer_and_wrong_answer_counts():
+    refs = [f"reference {i}: \\boxed{{{i % 5}}}" for i in range(40)]
+    answers = [str(i % 5) for i in range(40)]
+    shuffled, _ = contrast_references(refs, answers, "shuffled", seed=3)
+    assert all(w != r for w, r in zip(shuffled, refs, strict=True))
+    assert all(w.split("{")[-1] != r.split("{")[-1] for w, r in zip(shuffled, refs, strict=True))
+    assert sorted(shuffled) == sorted(refs)
+    again, _ = contrast_references(refs, answers, "shuffled", seed=3)
+    assert again == shuffled
+    mixed = refs[:3] + ["no number"]
+    wrong, record = contrast_references(mixed, answers[:3] + ["x+y"], "wrong_answer", seed=0)
+    assert record["unreplaced_rows"] == 1 and wrong[3] == "no number" and wrong[0] != refs[0]
+    with pytest.raises(
+        InvalidValue, match="teacher_contrast=wrong_answer could replace the final answer in none"
+    ):
+        contrast_references(["a", "b"], ["x", "y"], "wrong_answer", seed=0)
+
+
+# -- switches that cannot work together, and their ranges ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(teacher_contrast="shuffled", teacher_ref_pairing="empty"), "teacher_ref_pairing=empty gives"),
+        (dict(teacher_contrast="wrong_answer", loss_type="fixed_advantage"), "reads none"),
+        (dict(teacher_contrast="shuffled", top_k_loss=8), "top_k_loss=8"),
+        (dict(loss_type="fixed_advantage", top_k_loss=8), "reads no teacher"),
+        (dict(loss_type="fixed_advantage", fixed_advantage=0.2), "fixed_advantage=0.2 is out of range"),
+        (dict(loss_type="fixed_advantage", fixed_advantage=0.0), "must be < 0"),
+        (dict(teacher_ref_fraction=0.0), "teacher_ref_fraction=0.0 is out of range"),
+        (dict(teacher_ref_fraction=1.5), "must be in \\(0, 1\\]"),
+        (dict(contrast_weight=-1.0), "contrast_weight=-1.0 is out of range"),
+        (dict(teacher_contrast="wrong"), "teacher_contrast='wrong' is not allowed"),
+    ],
+)
+def test_switches_that_cannot_work_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message) as err:
+        OPSDConfig(report_to="none", **overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_the_published_defaults_are_unchanged_and_the_settings_carry_the_switches():
+    c = OPSDConfig(report_to="none")
+    assert (c.teacher_ref, c.teacher_ref_fraction, c.teacher_contrast, c.loss_type) == (
+        "solution",
+        1.0,
+        "none",
+        "jsd",
+    )
+    assert c.loss_settings().contrast_weight is None and c.loss_settings().needs_teacher
+    c = OPSDConfig(report_to="none", teacher_contrast="wrong_answer", contrast_weight=0.5)
+    assert c.loss_settings().contrast_weight == 0.5
+    assert not OPSDConfig(report_to="none", loss_type="fixed_advantage").loss_settings().needs_teacher
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
