@@ -16,6 +16,7 @@ STEP_METRICS = [
     "time/train_micro_s",
     "time/score_loss_s",
     "time/optimizer_s",
+    "time/grade_wait_s",
     "rollout/tokens_per_s",
     "memory/peak_gib",
     "memory/step_extra_gib",

@@ -1,13 +1,19 @@
 """Benchmark: one `python -m opsd.experiment` run end to end, timed, with its verdict, in one JSON.
 
-    python bench/experiment_run.py --out bench/results/experiment_h200.json  # one H200, the preset below
+    python bench/experiment_run.py --out bench/results/experiment_h200.json  # one H200, the clip preset
+    python bench/experiment_run.py --preset study --out bench/results/study_h200.json  # the teacher study
     python bench/experiment_run.py --out X.json -- --out runs/exp/mine --arm ...  # experiment flags after --
 
-The preset (no flags after `--`): the embedded SmolLM2-135M-Instruct trained under the capped harness (100 steps
-x 32 `builtin:easy` problems, 128-token rollouts, learning rate 1e-4, probe every 10 steps) with the published
-`element` clip against `rescale`, seeds 42, 43, 44, every cell side by side on one GPU (7 jobs at once, a fixed
-1.5 GiB KV cache per engine, no DeepSpeed), each final checkpoint scored on all 100 `builtin:easy-disjoint`
-problems x 8 samples at 128 tokens. `element` is the baseline.
+The presets (no flags after `--`) train the embedded SmolLM2-135M-Instruct under the capped harness (100 steps
+x 32 `builtin:easy` problems, 128-token rollouts, learning rate 1e-4, probe every 10 steps), seeds 42, 43, 44,
+every cell side by side on one GPU (7 jobs at once, a fixed 1.5 GiB KV cache per engine, no DeepSpeed), each final
+checkpoint scored on all 100 `builtin:easy-disjoint` problems x 8 samples at 128 tokens; the first arm is the
+baseline.
+- `clip` (default): the published `element` clip against `rescale`.
+- `study`: where the teacher's gain comes from (docs/method.md §1.10-1.11), each arm one switch on the recipe
+  that learns on this model (`rescale`): `opsd` (the baseline), `answer_only` (teacher_ref=answer), `ref_half`
+  (teacher_ref_fraction=0.5), `contrast_shuffled`, `contrast_wrong` (teacher_contrast), `fixed_advantage` (no
+  teacher) and `empty_ref` (teacher_ref_pairing=empty).
 
 Output: {"machine", "command", "wall_s", "timing" (per kind of job: attempts, summed and wall-clock seconds),
 "verdict" (per comparison: the reported interval, the bootstrap, variance components, minimum detectable
@@ -29,25 +35,43 @@ from common import machine, write
 ROOT = Path(__file__).resolve().parents[1]
 
 ARM = "CLIP_MODE={},LEARNING_RATE=1e-4,MAX_COMPLETION_LENGTH=128,PROBE_STEPS=10,VLLM_GPU_MEMORY_UTILIZATION=0.12"
-PRESET = [
-    "--out", "runs/experiment_h200", "--profile", "full", "--model", "embedded", "--dataset", "builtin:easy",
-    "--recipe", "", "--arm", "element=" + ARM.format("element"), "--arm", "rescale=" + ARM.format("rescale"),
-    "--seeds", "42,43,44",
+COMMON = [
+    "--profile", "full", "--model", "embedded", "--dataset", "builtin:easy", "--recipe", "", "--seeds", "42,43,44",
     "--eval-flags", "--dataset builtin:easy-disjoint --n 8 --max-tokens 128 --max-model-len 1024 --no-thinking "
     "--gpu-memory-utilization 0.12",
     "--cells-per-gpu", "7", "--kv-cache-gib", "1.5", "--accelerate-config", "configs/accelerate/single_gpu.yaml",
     "--status-every", "60",
 ]  # fmt: skip
+# The study's arms: one switch each on top of the recipe that learns on the embedded model.
+STUDY = {
+    "opsd": "",
+    "answer_only": "TEACHER_REF=answer",
+    "ref_half": "TEACHER_REF_FRACTION=0.5",
+    "contrast_shuffled": "TEACHER_CONTRAST=shuffled",
+    "contrast_wrong": "TEACHER_CONTRAST=wrong_answer",
+    "fixed_advantage": "LOSS_TYPE=fixed_advantage",
+    "empty_ref": "TEACHER_REF_PAIRING=empty",
+}
+PRESETS = {
+    "clip": ["--out", "runs/experiment_h200", "--arm", "element=" + ARM.format("element"),
+             "--arm", "rescale=" + ARM.format("rescale"), *COMMON],
+    "study": ["--out", "runs/study_h200",
+              *[x for name, switch in STUDY.items()
+                for x in ("--arm", f"{name}={ARM.format('rescale')}{',' * bool(switch)}{switch}")], *COMMON],
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = argv[argv.index("--") + 1 :] if "--" in argv else PRESET
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="The result JSON.")
+    p.add_argument(
+        "--preset", default="clip", choices=list(PRESETS), help="The experiment, without flags after --."
+    )
     p.add_argument("--target-diff", default="1", help="Points: the seeds needed to detect this.")
     a = p.parse_args(own)
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else PRESETS[a.preset]
     directory = Path(flags[flags.index("--out") + 1]).resolve()
     command = [sys.executable, "-m", "opsd.experiment", *flags, "--target-diff", a.target_diff]
     t0 = time.time()

@@ -12,6 +12,9 @@ teacher, beta 0, per-entry clip 0.05.
   `ckpt`, auto may still turn checkpointing off, and the row's `gradient_checkpointing` says what ran); a
   further parts: `:compile` adds `compile_layers=true` (its first steps pay the compile: give `--steps 6`),
   `:kN` sets `steps_per_rollout=N` (N steps per generation; the run takes whole windows, at least two);
+  `:fixed` the teacher-free control (`loss_type=fixed_advantage`: no teacher prompt, no teacher forward) and
+  `:contrast` the contrastive teacher (`teacher_contrast=shuffled`: a second teacher forward), docs/method.md
+  §1.10-1.11;
 - `reference`: `bench/reference_step.py` (both roles' logits over the whole vocabulary, TRL's rollout call
   and merged-LoRA sync) with per-device micro-batch MICRO.
 The first step (the first window of N steps with `:kN`: engine warm-up, compilation) is excluded; the rows
@@ -53,23 +56,31 @@ GOAL_RATIO = 0.65
 GOAL_RATIO_WINDOW = 0.5
 
 
+# The method levers a project variant may add, and the settings each stands for.
+METHOD_LEVERS = {"fixed": {"loss_type": "fixed_advantage"}, "contrast": {"teacher_contrast": "shuffled"}}
+
+
 def parse_variant(text: str) -> dict:
     arm, length, micro, ckpt, *levers = text.split(":")
     windows = [int(x[1:]) for x in levers if re.fullmatch(r"k[1-9][0-9]*", x)]
+    known = {"compile", *METHOD_LEVERS}
     if (
         arm not in ENTRY
         or ckpt not in ("ckpt", "nockpt")
         or len(levers) != len(set(levers))
-        or any(x != "compile" and not re.fullmatch(r"k[1-9][0-9]*", x) for x in levers)
+        or any(x not in known and not re.fullmatch(r"k[1-9][0-9]*", x) for x in levers)
         or len(windows) > 1
         or (levers and arm != "project")
+        or {"fixed", "contrast"} <= set(levers)
     ):
         raise SystemExit(
-            f"bad variant {text!r}: ARM:LENGTH:MICRO:ckpt|nockpt[:compile][:kN] with ARM in {sorted(ENTRY)} "
-            "(compile and kN, N steps per generation: project only)"
+            f"bad variant {text!r}: ARM:LENGTH:MICRO:ckpt|nockpt[:compile][:kN][:fixed|:contrast] with ARM in "
+            f"{sorted(ENTRY)} (compile, kN, fixed and contrast: project only)"
         )
+    method = {k: v for lever in levers for k, v in METHOD_LEVERS.get(lever, {}).items()}
     return {"arm": arm, "length": int(length), "micro": micro, "ckpt": ckpt == "ckpt",
-            "compile": "compile" in levers, "k": windows[0] if windows else 1, "variant": text}  # fmt: skip
+            "compile": "compile" in levers, "k": windows[0] if windows else 1, "method": method,
+            "variant": text}  # fmt: skip
 
 
 def measured_steps(steps: int, k: int) -> int:
@@ -104,6 +115,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
         cfg["micro_batch_size"] = v["micro"]
         cfg["compile_layers"] = v["compile"]
         cfg["steps_per_rollout"] = v["k"]
+        cfg.update(v.get("method", {}))
     else:
         cfg["per_device_train_batch_size"] = int(v["micro"])
         cfg["gradient_accumulation_steps"] = 32 // int(v["micro"])
@@ -118,6 +130,7 @@ def run(v: dict, model_dir: Path, work: Path, steps: int) -> dict:
         text=True,
     )
     row = {k: v[k] for k in ("variant", "arm", "length", "micro", "ckpt", "compile", "k")}
+    row["method"] = v.get("method", {})
     if res.returncode != 0:
         return {**row, "status": "failed", "stderr_tail": res.stderr[-4000:]}
     resolved = json.loads((out / "opsd_config.json").read_text())

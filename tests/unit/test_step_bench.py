@@ -17,6 +17,19 @@ def test_variants_with_a_window():
             parse_variant(bad)
 
 
+def test_method_levers_set_the_teacher_variant():
+    assert parse_variant("project:1024:auto:ckpt:compile:fixed")["method"] == {"loss_type": "fixed_advantage"}
+    assert parse_variant("project:1024:auto:ckpt:contrast")["method"] == {"teacher_contrast": "shuffled"}
+    assert parse_variant("project:1024:auto:ckpt")["method"] == {}
+    for bad in (
+        "reference:1024:4:ckpt:fixed",
+        "project:1024:4:ckpt:fixed:contrast",
+        "project:1024:4:ckpt:other",
+    ):
+        with pytest.raises(SystemExit, match="bad variant"):
+            parse_variant(bad)
+
+
 def test_whole_windows_at_least_two():
     assert [measured_steps(6, k) for k in (1, 2, 4)] == [6, 6, 8]
     assert measured_steps(2, 4) == 8 and measured_steps(9, 4) == 12
