@@ -271,7 +271,7 @@ class OPSDConfig(SDFTConfig):
         ),
     )
     fixed_advantage: float = field(
-        default=-0.5,
+        default=-0.25,
         metadata=_help(
             "The constant advantage a < 0 of loss_type=fixed_advantage: loss = -a log p_S(y) per sampled token "
             "(docs/method.md §1.11 says how the default was chosen)."

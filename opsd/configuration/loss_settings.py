@@ -29,7 +29,7 @@ class LossSettings:
     loss_type: str
     chunk_size: int
     contrast_weight: float | None = None
-    fixed_advantage: float = -1.0
+    fixed_advantage: float = -0.25
 
     @property
     def needs_teacher(self) -> bool:
