@@ -120,6 +120,15 @@ def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     cfg, _ = check_run(out, 2)
     assert cfg["resolved_model_path"] == str(embedded_cache_dir / "smollm2-135m-instruct")
+    # Its rollouts are graded every step, and the run's curves draw the grades.
+    from opsd.run.curves import read_metrics, training_curves
+
+    metrics = read_metrics(out)
+    assert [s for s, _ in metrics["rollout/correct"]] == [1, 2]
+    assert all(0.0 <= v <= 1.0 for _, v in metrics["rollout/boxed"])
+    assert "rollout correctness (graded like the evaluation)" in training_curves(
+        {"run": metrics}, tmp_path / "c.png"
+    )
 
 
 @pytest.mark.parametrize(
