@@ -281,3 +281,28 @@ def check_input_dir(path: str | Path, what: str, fix: str) -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise MissingPath(f"{what} {_named(p)} is {file_type(st.st_mode)}, not a directory; {fix}")
     return p
+
+
+def staged_write(path: Path, data: bytes) -> Path:
+    """`data` in a new temporary file beside `path` (the same directory, so that `os.replace` onto `path` is
+    atomic), made with the mode a plain write would give it; its path. Nothing is left when writing fails."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` whole: a reader, or a run stopped mid-write, sees the old file or the new one,
+    never part of one."""
+    tmp = staged_write(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
