@@ -1250,12 +1250,12 @@ def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
     one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
-    verdict.figures(verdict.build(one, reps=200), one)
+    verdict.figures(verdict.build(one, reps=200))
     assert labels == [
         "B: accuracy (paired t over problems, 1 seed)",
         "B: format rate (paired t over problems, 1 seed)",
     ]
     labels.clear()
     three = experiment(tmp_path / "three")
-    verdict.figures(verdict.build(three, reps=200), three)
+    verdict.figures(verdict.build(three, reps=200))
     assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]
