@@ -359,6 +359,10 @@ A_RECIPE = {"recipe": {"clip_mode": "element"}, "source": "A.env"}
         ((("seeds",), [2**40]), "seeds must be"),
         ((("profile",), "huge"), "profile 'huge'"),
         ((("model",), None), "model is None"),
+        ((("model",), "tiny\n| x |"), "model is 'tiny\\n| x |', not one line"),  # report.md quotes it
+        ((("eval_flags",), ["--n", "4\n"]), "eval_flags is not a list of one-line strings"),
+        ((("arms", "A", "source"), "A.env\n# x"), "'source': one line of text"),
+        ((("seeds",), list(range(1001))), "seeds must be 1 to 1000"),
         ((("eval_flags",), "--n 4"), "eval_flags"),
         ((("gpus_per_run",), -1), "gpus_per_run"),
         ((("gpus_per_run",), 1.5), "gpus_per_run"),

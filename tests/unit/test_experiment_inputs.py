@@ -176,7 +176,7 @@ def damage(directory: Path, what: str) -> None:
         # keys: a job key names a log file, DIR/logs/KEY.log
         "failed: an arm outside": (failed, failure("train-../x-s1")),
         "failed: the base's name as an arm": (failed, failure("train-base-s1")),
-        "failed: a seed past 2^31": (failed, failure("base-99999999999")),
+        "failed: a seed past 2^31": (failed, failure("base-2147483648")),
         "failed: a job that is not its key's": (failed, failure("train-B-s2", job="eval B/2")),
         "failed: not JSON": (directory / "failed.json", "{"),
         "failed: a list": (directory / "failed.json", "[]"),
@@ -246,7 +246,7 @@ DAMAGES = [
     ("failed: a log of two lines", "field log is 'x.log\\n| x |', not one line"),
     ("failed: an arm outside", "'train-../x-s1' is not a job key"),
     ("failed: the base's name as an arm", "'train-base-s1' is not a job key"),
-    ("failed: a seed past 2^31", "'base-99999999999' is not a job key"),
+    ("failed: a seed past 2^31", "'base-2147483648' is not a job key"),
     ("failed: a job that is not its key's", "field job is 'eval B/2', not 'train B/2'"),
 ]
 
