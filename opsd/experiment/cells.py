@@ -31,7 +31,6 @@ from opsd.evaluation.report import AGGREGATE_METRICS
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
 from opsd.experiment.arms import BASE, check_name
-from opsd.experiment.spec import shown_value
 from opsd.paths import GIB, MIB, FileKind, read_bytes, shown, write_atomically
 from opsd.rundir import EMA_TEACHER_FILE, METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
@@ -239,8 +238,8 @@ MAX_SAMPLES = 100_000
 MAX_PROBLEMS = 1_000_000
 MAX_STEP = 10**9  # a logged optimizer step (a capped run logs 1 to 100)
 MAX_ATTEMPTS = 1000  # a failed job's attempts (--retries is at most 10)
-MAX_JOB_SECONDS = 10 * 365 * 86400.0  # a job's duration, and the latest start time past 1970 is 100 years
-MAX_START = 100 * 365 * 86400.0
+MAX_JOB_SECONDS = 10 * 365 * 86400.0  # a job's duration in jobs.jsonl: ten years
+MAX_START = 100 * 365 * 86400.0  # its start, in seconds since 1970: before 2070
 # A label of summary.json (`avg@12`, `pass@12`, `maj@12`) is a table heading of report.md: one short line of
 # plain text, nothing markdown reads.
 _LABEL = re.compile(r"[A-Za-z0-9@%.+_-]{1,40}")
@@ -312,12 +311,12 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
         seen = by_problem.setdefault(str(r["id"]), {})
         if r["idx"] in seen:
             raise UserError(
-                f"{path} line {lineno}: sample {r['idx']} of problem {shown_value(r['id'])} is there twice; {redo}"
+                f"{path} line {lineno}: sample {r['idx']} of problem {S.shown_value(r['id'])} is there twice; {redo}"
             )
         seen[r["idx"]] = {k: float(r[k]) for k in SCORED}
     n = metrics["n"]
     for pid, samples in by_problem.items():
-        # Indices are distinct and >= 0, so they are 0..n-1 exactly when there are n of them, the last n-1.
+        # Distinct indices >= 0 are exactly 0..n-1 when there are n of them and the largest is n-1.
         if len(samples) != n or max(samples) != n - 1:
             raise UserError(
                 f"{path}: problem {shown(pid)} has {len(samples)} samples, the summary says {n}; {redo}"
@@ -337,15 +336,15 @@ def _summary_problem(metrics: dict, labels: dict) -> str | None:
     for key in ("n", "n_problems"):
         cap = MAX_SAMPLES if key == "n" else MAX_PROBLEMS
         if not _count(metrics.get(key), cap):
-            return f"field metrics.{key} is {shown_value(metrics.get(key))}, not a whole number from 1 to {cap:,}"
+            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a whole number from 1 to {cap:,}"
     for key in METRICS:
         if not _percent(metrics.get(key)):
-            return f"field metrics.{key} is {shown_value(metrics.get(key))}, not a percentage from 0 to 100"
+            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a percentage from 0 to 100"
     for key in ("avg", "pass_at_k", "maj"):
         label = labels.get(key)
         if not (isinstance(label, str) and _LABEL.fullmatch(label)):
             return (
-                f"field metrics.labels.{key} is {shown_value(label)}, not a label such as 'avg@12' (one line of at "
+                f"field metrics.labels.{key} is {S.shown_value(label)}, not a label such as 'avg@12' (one line of at "
                 "most 40 letters, digits and @%.+_-)"
             )
     return None
@@ -381,13 +380,13 @@ def read_failed(directory: Path) -> dict[str, dict]:
 def _failure_problem(key: JobKey, record: dict) -> str | None:
     """What in one record of failed.json is not what the runner writes, in words; None when all is."""
     if record["job"] != key.name:
-        return f"field job is {shown_value(record['job'])}, not {key.name!r}"
+        return f"field job is {S.shown_value(record['job'])}, not {key.name!r}"
     if not -255 <= record["exit"] <= 255:
         return f"field exit is {record['exit']}, not an exit status (-255 to 255)"
     if not 1 <= record["attempts"] <= MAX_ATTEMPTS:
         return f"field attempts is {record['attempts']}, not a count from 1 to {MAX_ATTEMPTS}"
     if not S.plain_line(record["log"]):  # the report quotes it in a line of report.md
-        return f"field log is {shown_value(record['log'])}, not one line of plain text"
+        return f"field log is {S.shown_value(record['log'])}, not one line of plain text"
     return None
 
 
@@ -417,8 +416,8 @@ def read_jobs(directory: Path) -> list[dict]:
         # Bounded, so that the report's sums and spans stay finite numbers that JSON can write.
         if not (0 <= r["start"] <= MAX_START and 0 <= r["seconds"] <= MAX_JOB_SECONDS):
             raise UserError(
-                f"{path} line {lineno} is not a job record: start {shown_value(r['start'])} or seconds "
-                f"{shown_value(r['seconds'])} is out of range (a time since 1970, a duration of at most "
+                f"{path} line {lineno} is not a job record: start {S.shown_value(r['start'])} or seconds "
+                f"{S.shown_value(r['seconds'])} is out of range (a time since 1970, a duration of at most "
                 f"{MAX_JOB_SECONDS:.0f} s); {fix}"
             )
     return [r for _, r in lines]
@@ -474,8 +473,8 @@ def check_links(directory: Path, spec: S.Spec) -> None:
 
 
 def check_directory(directory: Path, spec: S.Spec) -> None:
-    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation), so that a
-    damaged one is refused before a run adds to the directory."""
+    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation) and check the
+    links (`check_links`), so that a damaged one is refused before a run adds to the directory."""
     check_links(directory, spec)
     read_failed(directory)
     read_jobs(directory)

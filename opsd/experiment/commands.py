@@ -302,9 +302,12 @@ def run(a: argparse.Namespace) -> int:
     # The checks its jobs would make, so that no name they cannot use is recorded; a plan printed for another
     # machine does not depend on this one's model cache.
     S.check_inputs(spec, fetch=not a.print_commands)
-    C.check_links(directory, spec)
     if old is not None:
-        C.check_directory(directory, spec)  # a damaged result is refused now, not after hours of jobs
+        C.check_directory(
+            directory, spec
+        )  # a damaged result or a link out is refused now, not after hours of jobs
+    else:
+        C.check_links(directory, spec)  # an existing --out may hold links already
     S.recordable(directory, spec)  # before the dry runs, which take seconds an arm
     fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
     dry_run(spec, fresh)
