@@ -20,14 +20,17 @@ size 0) cannot make a read unbounded either.
 
 Directories. `check_output_dir`: a directory a command writes into (`--output_dir`, `--out`,
 `--runs-dir`) must be a directory, or not exist yet with a writable directory as its nearest existing
-ancestor (it is created later). `check_input_dir`: a directory a command reads (`--adapter`,
-`--compare`, `--aggregate`, `--plot-steps`) must exist and be a directory.
+ancestor (it is created later). Writable means that an entry could be created there: a probe directory is
+made and removed at once, because mode bits do not tell (root passes them on `/sys` or `/proc`, whose first
+`mkdir` fails). `check_input_dir`: a directory a command reads (`--adapter`, `--compare`, `--aggregate`,
+`--plot-steps`) must exist and be a directory.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +206,23 @@ def _nearest_existing(p: Path) -> tuple[Path, os.stat_result | None]:
     return p, None
 
 
+PROBE_PREFIX = ".opsd-probe-"
+
+
+def cannot_create_in(directory: str | Path) -> str | None:
+    """Why nothing can be created in `directory` (the system's words), or None once a probe entry was created
+    there and removed again."""
+    try:
+        probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=directory)
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    try:
+        os.rmdir(probe)
+    except OSError as err:  # made but not removable: writing there would not work as planned either
+        return f"a probe entry {shown(probe)} could not be removed ({err.strerror or type(err).__name__})"
+    return None
+
+
 def check_output_dir(path: str | Path, what: str) -> Path:
     """`path` (with `~` expanded) once a command can write into it: an existing writable directory, or a
     path whose nearest existing ancestor is a writable directory (the command creates the rest). `what`
@@ -224,10 +244,11 @@ def check_output_dir(path: str | Path, what: str) -> Path:
                 f"{what} {shown(p)} cannot be created: {_named(ancestor)} is {file_type(anc_st.st_mode)}, not "
                 "a directory; pass a path under a directory"
             ) from None
-        if anc_st is not None and not os.access(ancestor, os.W_OK | os.X_OK):
+        why = cannot_create_in(ancestor) if anc_st is not None else None
+        if why:
             raise MissingPath(
-                f"{what} {shown(p)} cannot be created: {shown(ancestor)} is not writable; pass a directory "
-                "you can write to"
+                f"{what} {shown(p)} cannot be created: {shown(ancestor)} is not writable ({why}); pass a "
+                "directory you can write to"
             ) from None
         return p
     except OSError as err:  # a path too long for the system, a link loop, no permission
@@ -236,8 +257,9 @@ def check_output_dir(path: str | Path, what: str) -> Path:
         raise MissingPath(
             f"{what} {_named(p)} is {file_type(st.st_mode)}, not a directory; {fix}, or move the file away"
         )
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise MissingPath(f"{what} {shown(p)} is not writable; pass a directory you can write to")
+    why = cannot_create_in(p)
+    if why:
+        raise MissingPath(f"{what} {shown(p)} is not writable ({why}); pass a directory you can write to")
     return p
 
 
@@ -259,3 +281,28 @@ def check_input_dir(path: str | Path, what: str, fix: str) -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise MissingPath(f"{what} {_named(p)} is {file_type(st.st_mode)}, not a directory; {fix}")
     return p
+
+
+def staged_write(path: Path, data: bytes) -> Path:
+    """`data` in a new temporary file beside `path` (the same directory, so that `os.replace` onto `path` is
+    atomic), made with the mode a plain write would give it; its path. Nothing is left when writing fails."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` whole: a reader, or a run stopped mid-write, sees the old file or the new one,
+    never part of one."""
+    tmp = staged_write(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -9,6 +9,10 @@ that have no evaluation unless `--every-checkpoint` keeps their adapters. The fi
 
 The files a report reads (each evaluation's summary.json and samples.jsonl, DIR/failed.json, DIR/jobs.jsonl) are
 checked as they are read: one edited or cut by hand is a `UserError` naming the file, the line and what to delete.
+Every value is checked for its type and its range where it is read (a sample count is a positive integer of at
+most `MAX_SAMPLES`, a label one line of plain text, a key of failed.json a job key of a valid arm name), so that
+nothing a disk can hold reaches the statistics, the figures or report.md unchecked. `check_links` refuses a link
+under the directory that leads out of it: the report reads there and the runner writes and prunes there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +30,17 @@ from opsd.errors import UserError
 from opsd.evaluation.report import AGGREGATE_METRICS
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
-from opsd.paths import GIB, MIB, FileKind, read_bytes
+from opsd.experiment.arms import BASE, check_name
+from opsd.paths import GIB, MIB, FileKind, read_bytes, shown, write_atomically
 from opsd.rundir import EMA_TEACHER_FILE, METRICS_FILE, checkpoint_step, checkpoints, is_complete
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
 JOBS_FILE = "jobs.jsonl"  # DIR/jobs.jsonl: one line per finished attempt (job, devices, start, seconds, exit)
 
 
-_KEY = re.compile(r"(?P<kind>train|eval)-(?P<arm>.+)-s(?P<seed>[0-9]+)|(?P<base>base)-(?P<base_seed>[0-9]+)")
+_KEY = re.compile(
+    r"(?P<kind>train|eval)-(?P<arm>.+)-s(?P<seed>[0-9]{1,10})|(?P<base>base)-(?P<base_seed>[0-9]{1,10})"
+)
 
 
 @dataclass(frozen=True)
@@ -59,18 +67,29 @@ class JobKey:
 
     @classmethod
     def parse(cls, text: str) -> JobKey:
-        """The key `str(key)` wrote; ValueError for any other text."""
+        """The key `str(key)` wrote; ValueError for any other text, and for a key whose arm is not an arm name
+        or whose seed is out of range (a key names a log file, so `train-../x-s1` must not read as one)."""
         m = _KEY.fullmatch(text)
-        if m is None:
+        seed = int(m["seed"] or m["base_seed"]) if m else -1
+        bad_arm = m is not None and m["arm"] is not None and not _arm_name(m["arm"])
+        if m is None or bad_arm or seed > S.MAX_SEED:
             raise ValueError(f"{text[:80]!r} is not a job key (train-ARM-sSEED, eval-ARM-sSEED or base-SEED)")
         if m["base"]:
-            return cls("base", int(m["base_seed"]))
-        return cls(m["kind"], int(m["seed"]), m["arm"])
+            return cls("base", seed)
+        return cls(m["kind"], seed, m["arm"])
 
     @property
     def name(self) -> str:
         """How the job reads in logs and DIR/jobs.jsonl: `train A/42`, `eval A/42`, `base 42`."""
         return f"base {self.seed}" if self.arm is None else f"{self.kind} {self.arm}/{self.seed}"
+
+
+def _arm_name(text: str) -> bool:
+    try:
+        check_name(text, "job key")
+    except UserError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -98,10 +117,10 @@ def last_step(run_dir: Path) -> int:
         tail = f.read().decode("utf-8", errors="replace").splitlines()
     for line in reversed(tail):
         try:
-            step = json.loads(line).get("step")
-        except (json.JSONDecodeError, AttributeError):
+            step = S.parse_json(line).get("step")
+        except (ValueError, AttributeError):
             continue
-        if isinstance(step, int):
+        if type(step) is int and 0 <= step <= MAX_STEP:
             return step
     return 0
 
@@ -201,7 +220,7 @@ def base_scored(directory: Path, seed: int) -> bool:
     return (S.base_eval_dir(directory, seed) / SUMMARY_FILE).is_file()
 
 
-METRICS = AGGREGATE_METRICS  # what eval_aime.py aggregates over runs: avg, pass@k, maj, format rate
+METRICS = AGGREGATE_METRICS  # what eval_aime.py aggregates over runs: avg, pass@k, maj, format rate (percent)
 SCORED = ("correct", "has_box")  # the per-sample fields a report compares
 # Bounds on what a report reads: far above what a run writes (a samples file of 30 problems x 64 samples of 32k
 # tokens is ~300 MiB), so only a wrong or damaged file reaches them.
@@ -212,6 +231,18 @@ SAMPLES_KIND = FileKind(
     "samples file", "samples files", 4 * GIB, "rerun the experiment", "it was not written by a run"
 )
 _FAILED_FIELDS = {"job": str, "exit": int, "attempts": int, "log": str}
+# Caps on the numbers a report reads. A sample count is a positive integer of at most MAX_SAMPLES samples per
+# problem and MAX_PROBLEMS problems (the protocol draws 12 for 30): a count far beyond them is a damaged file,
+# and `range(n)` of one would exhaust the memory.
+MAX_SAMPLES = 100_000
+MAX_PROBLEMS = 1_000_000
+MAX_STEP = 10**9  # a logged optimizer step (a capped run logs 1 to 100)
+MAX_ATTEMPTS = 1000  # a failed job's attempts (--retries is at most 10)
+MAX_JOB_SECONDS = 10 * 365 * 86400.0  # a job's duration in jobs.jsonl: ten years
+MAX_START = 100 * 365 * 86400.0  # its start, in seconds since 1970: before 2070
+# A label of summary.json (`avg@12`, `pass@12`, `maj@12`) is a table heading of report.md: one short line of
+# plain text, nothing markdown reads.
+_LABEL = re.compile(r"[A-Za-z0-9@%.+_-]{1,40}")
 
 
 def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
@@ -224,14 +255,23 @@ def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
     for lineno, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path} line {lineno} is not JSON ({err.msg})") from None
+                out.append((lineno, S.parse_json(line)))
+            except ValueError as err:
+                raise UserError(f"{path} line {lineno} is not JSON ({S.json_error(err)})") from None
     return out
 
 
 def _finite(x: object) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
+
+
+def _count(x: object, cap: int) -> bool:
+    """A positive integer of at most `cap` (not 4.0, not True)."""
+    return type(x) is int and 1 <= x <= cap
+
+
+def _percent(x: object) -> bool:
+    return _finite(x) and 0 <= x <= 100
 
 
 def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
@@ -242,21 +282,21 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
     or skipped, or fewer samples than the summary counts (a cut file).
     """
     redo = f"delete {eval_dir} and rerun the experiment to score it again"
+    where = eval_dir / SUMMARY_FILE
     try:
-        summary = json.loads(
-            read_bytes(eval_dir / SUMMARY_FILE, RESULT_FILE).decode("utf-8", errors="replace")
-        )
+        summary = S.parse_json(read_bytes(where, RESULT_FILE).decode("utf-8", errors="replace"))
         metrics = summary["metrics"]
         labels = metrics["labels"]
-        ok = all(_finite(metrics[k]) for k in (*METRICS, "n", "n_problems")) and all(
-            isinstance(labels[k], str) for k in ("avg", "pass_at_k", "maj")
-        )
-    except (json.JSONDecodeError, KeyError, TypeError):
+        ok = isinstance(metrics, dict) and isinstance(labels, dict)
+    except (ValueError, KeyError, TypeError):
         ok = False
     except UserError as err:
         raise UserError(f"{err}; {redo}") from None
     if not ok:
-        raise UserError(f"{eval_dir / SUMMARY_FILE} is not an eval_aime.py summary; {redo}")
+        raise UserError(f"{where} is not an eval_aime.py summary; {redo}")
+    problem = _summary_problem(metrics, labels)
+    if problem:
+        raise UserError(f"{where} is not an eval_aime.py summary: {problem}; {redo}")
     path = eval_dir / SAMPLES_FILE
     try:
         lines = _json_lines(path, SAMPLES_KIND)
@@ -265,20 +305,21 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
     by_problem: dict[str, dict[int, dict[str, float]]] = {}
     for lineno, r in lines:
         good = isinstance(r, dict) and type(r.get("id")) in (str, int) and type(r.get("idx")) is int
-        good = good and r["idx"] >= 0 and all(type(r.get(k)) is bool for k in SCORED)
+        good = good and 0 <= r["idx"] < MAX_SAMPLES and all(type(r.get(k)) is bool for k in SCORED)
         if not good:
             raise UserError(f"{path} line {lineno} is not a sample (id, idx, correct, has_box); {redo}")
         seen = by_problem.setdefault(str(r["id"]), {})
         if r["idx"] in seen:
             raise UserError(
-                f"{path} line {lineno}: sample {r['idx']} of problem {r['id']!r} is there twice; {redo}"
+                f"{path} line {lineno}: sample {r['idx']} of problem {S.shown_value(r['id'])} is there twice; {redo}"
             )
         seen[r["idx"]] = {k: float(r[k]) for k in SCORED}
     n = metrics["n"]
     for pid, samples in by_problem.items():
-        if sorted(samples) != list(range(n)):
+        # Distinct indices >= 0 are exactly 0..n-1 when there are n of them and the largest is n-1.
+        if len(samples) != n or max(samples) != n - 1:
             raise UserError(
-                f"{path}: problem {pid!r} has {len(samples)} samples, the summary says {n}; {redo}"
+                f"{path}: problem {shown(pid)} has {len(samples)} samples, the summary says {n}; {redo}"
             )
     if len(by_problem) != metrics["n_problems"]:
         raise UserError(
@@ -290,6 +331,25 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
     return metrics, scores
 
 
+def _summary_problem(metrics: dict, labels: dict) -> str | None:
+    """What in summary.json's metrics is not what eval_aime.py writes, in words; None when all is."""
+    for key in ("n", "n_problems"):
+        cap = MAX_SAMPLES if key == "n" else MAX_PROBLEMS
+        if not _count(metrics.get(key), cap):
+            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a whole number from 1 to {cap:,}"
+    for key in METRICS:
+        if not _percent(metrics.get(key)):
+            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a percentage from 0 to 100"
+    for key in ("avg", "pass_at_k", "maj"):
+        label = labels.get(key)
+        if not (isinstance(label, str) and _LABEL.fullmatch(label)):
+            return (
+                f"field metrics.labels.{key} is {S.shown_value(label)}, not a label such as 'avg@12' (one line of at "
+                "most 40 letters, digits and @%.+_-)"
+            )
+    return None
+
+
 def read_failed(directory: Path) -> dict[str, dict]:
     """DIR/failed.json: job key -> {job, exit, attempts, log}; {} when absent; UserError when damaged."""
     path = directory / FAILED_FILE
@@ -297,21 +357,37 @@ def read_failed(directory: Path) -> dict[str, dict]:
         return {}
     fix = f"it was edited or damaged: delete {path} (a rerun records failures again)"
     try:
-        data = json.loads(read_bytes(path, RESULT_FILE).decode("utf-8", errors="replace"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err.msg}); {fix}") from None
+        data = S.parse_json(read_bytes(path, RESULT_FILE).decode("utf-8", errors="replace"))
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({S.json_error(err)}); {fix}") from None
     good = isinstance(data, dict) and all(
         isinstance(v, dict) and set(v) == set(_FAILED_FIELDS) and all(type(v[k]) is t for k, t in _FAILED_FIELDS.items())
         for v in data.values()
     )  # fmt: skip
     if not good:
         raise UserError(f"{path} does not map jobs to {{job, exit, attempts, log}}; {fix}")
-    for key in data:
+    for key, record in data.items():
         try:
-            JobKey.parse(key)
+            job = JobKey.parse(key)
         except ValueError as err:
             raise UserError(f"{path}: {err}; {fix}") from None
+        problem = _failure_problem(job, record)
+        if problem:
+            raise UserError(f"{path}: job {key}'s {problem}; {fix}")
     return data
+
+
+def _failure_problem(key: JobKey, record: dict) -> str | None:
+    """What in one record of failed.json is not what the runner writes, in words; None when all is."""
+    if record["job"] != key.name:
+        return f"field job is {S.shown_value(record['job'])}, not {key.name!r}"
+    if not -255 <= record["exit"] <= 255:
+        return f"field exit is {record['exit']}, not an exit status (-255 to 255)"
+    if not 1 <= record["attempts"] <= MAX_ATTEMPTS:
+        return f"field attempts is {record['attempts']}, not a count from 1 to {MAX_ATTEMPTS}"
+    if not S.plain_line(record["log"]):  # the report quotes it in a line of report.md
+        return f"field log is {S.shown_value(record['log'])}, not one line of plain text"
+    return None
 
 
 def cell_failure(failed: dict[str, dict], arm: str, seed: int) -> tuple[JobKey, dict] | None:
@@ -335,18 +411,71 @@ def read_jobs(directory: Path) -> list[dict]:
         raise UserError(f"{err}; {fix}") from None
     for lineno, r in lines:
         if not (isinstance(r, dict) and r.get("kind") in JobKey.KINDS and _finite(r.get("start"))
-                and _finite(r.get("seconds")) and r["seconds"] >= 0):  # fmt: skip
+                and _finite(r.get("seconds"))):  # fmt: skip
             raise UserError(f"{path} line {lineno} is not a job record (kind, start, seconds); {fix}")
+        # Bounded, so that the report's sums and spans stay finite numbers that JSON can write.
+        if not (0 <= r["start"] <= MAX_START and 0 <= r["seconds"] <= MAX_JOB_SECONDS):
+            raise UserError(
+                f"{path} line {lineno} is not a job record: start {S.shown_value(r['start'])} or seconds "
+                f"{S.shown_value(r['seconds'])} is out of range (a time since 1970, a duration of at most "
+                f"{MAX_JOB_SECONDS:.0f} s); {fix}"
+            )
     return [r for _, r in lines]
 
 
 def write_failed(directory: Path, failed: dict[str, dict]) -> None:
-    (directory / FAILED_FILE).write_text(json.dumps(failed, indent=1) + "\n")
+    # Replaced whole: a run stopped while writing it leaves the previous record, not half of one.
+    write_atomically(directory / FAILED_FILE, (json.dumps(failed, indent=1) + "\n").encode())
+
+
+def _read_and_written(directory: Path, spec: S.Spec) -> Iterator[Path]:
+    """Every path under the directory that a report reads or a run writes, prunes or appends to, each directory
+    before what it holds (so that a link is met where it leaves the directory, before anything under it)."""
+    for name in (S.EXPERIMENT_FILE, FAILED_FILE, JOBS_FILE, S.RECIPES, S.RUNS, S.EVALS, S.LOGS):
+        yield directory / name
+    yield directory / S.EVALS / BASE
+    for seed in spec.seeds:
+        yield from _with_entries(S.base_eval_dir(directory, seed))
+        yield directory / S.LOGS / f"{JobKey('base', seed)}.log"
+    for arm in spec.arm_names:
+        yield from (S.recipe_path(directory, arm), directory / S.RUNS / arm, directory / S.EVALS / arm)
+        for seed in spec.seeds:
+            yield from _with_entries(S.run_dir(directory, arm, seed))
+            for sweep in _with_entries(S.eval_dir(directory, arm, seed)):
+                yield sweep
+                if checkpoint_step(sweep) is not None:
+                    yield from (sweep / SUMMARY_FILE, sweep / SAMPLES_FILE)
+            for kind in ("train", "eval"):
+                yield directory / S.LOGS / f"{JobKey(kind, seed, arm)}.log"
+
+
+def _with_entries(path: Path) -> Iterator[Path]:
+    yield path
+    if path.is_dir():
+        yield from sorted(path.iterdir())
+
+
+def check_links(directory: Path, spec: S.Spec) -> None:
+    """Refuse a link under the experiment directory that leads out of it (an evaluation directory replaced by a
+    link to /etc): the report would read there, and a run would write, prune and append logs there. A link that
+    stays inside is followed. UserError naming the first such link."""
+    root = Path(os.path.realpath(directory))
+    for path in _read_and_written(directory, spec):
+        if not os.path.lexists(path):
+            continue
+        real = Path(os.path.realpath(path))
+        if real != root and root not in real.parents:
+            raise UserError(
+                f"{shown(path)} is a link to {shown(real)}, outside the experiment {shown(directory)}; an "
+                "experiment reads and writes only inside its directory: put what it links to in its place, or "
+                "delete the link (a rerun makes it again)"
+            )
 
 
 def check_directory(directory: Path, spec: S.Spec) -> None:
-    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation), so that a
-    damaged one is refused before a run adds to the directory."""
+    """Read every result a report will read (failed.json, jobs.jsonl, each finished evaluation) and check the
+    links (`check_links`), so that a damaged one is refused before a run adds to the directory."""
+    check_links(directory, spec)
     read_failed(directory)
     read_jobs(directory)
     for seed in spec.seeds:

@@ -15,6 +15,7 @@ SEED's sampling seeds; the base model is scored once per seed the same way.
 Rerunning the command resumes: finished cells are skipped, interrupted ones continue. Without `--arm` and
 `--seeds` a rerun takes the directory's own. Results: DIR/report.md, DIR/summary.json, DIR/verdict.png,
 DIR/curves.png, also written by `report` from whatever has finished. Bad input: one line, exit status 2.
+SIGTERM stops the command as Ctrl-C does: its jobs are stopped and its temporary files removed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -156,13 +158,22 @@ def visible_gpus(requested: str | None) -> list[str]:
 
 def refuse_method_env(environ=os.environ) -> None:
     """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
+    from opsd.configuration.aliases import ALIASES
+    from opsd.configuration.keys import CAPPED_KEYS
     from opsd.configuration.recipe import ENV_PREFIX, RESERVED_ENV
 
     found = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if found:
+        # An arm's recipe takes the upper-case key (OPSD_learning_rate is LEARNING_RATE there).
+        field = found[0].removeprefix(ENV_PREFIX).lower()
+        field = ALIASES.get(field, field)
+        if field in CAPPED_KEYS:
+            fix = f"put the switch in an arm instead (--arm NAME={field.upper()}=VALUE)"
+        else:
+            fix = f"{field.upper()} is not a setting an arm's recipe may hold either"
         raise UserError(
             f"{', '.join(found)} set in the environment would change every arm without being recorded; unset "
-            f"it and put the switch in an arm instead (--arm NAME={found[0].removeprefix(ENV_PREFIX)}=VALUE)"
+            f"it and {fix}"
         )
 
 
@@ -192,9 +203,13 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
     if a.recipe:  # '' starts inline arms from the defaults
         from opsd.paths import RECIPE_FILE, check_file
 
+        S.check_text(a.recipe, "--recipe")  # an inline arm's source names it
         base_recipe = check_file(a.recipe, RECIPE_FILE)
+    if len(a.arm) > S.MAX_ARMS:
+        raise UserError(f"{len(a.arm)} --arm flags: an experiment holds at most {S.MAX_ARMS} arms; split it")
     arms = {}
     for text in a.arm:
+        S.check_text(text, "--arm")  # its text is recorded as the arm's source
         arm = parse_arm(text, base_recipe)
         if arm.name.lower() in {n.lower() for n in arms}:
             raise UserError(
@@ -222,6 +237,7 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         from opsd.paths import ACCELERATE_CONFIG, check_file
 
         accelerate = str(check_file(accelerate, ACCELERATE_CONFIG).resolve())
+        S.check_text(accelerate, "--accelerate-config")
     return S.Spec(
         profile=profile,
         model=a.model if a.model is not None else (old.model if old else prof.model),
@@ -283,8 +299,16 @@ def run(a: argparse.Namespace) -> int:
     if a.cells_per_gpu > 1 and not gpus:
         raise UserError("--cells-per-gpu shares a GPU; without GPUs cells run one at a time")
     check_baseline(a.baseline, spec, directory)
+    # The checks its jobs would make, so that no name they cannot use is recorded; a plan printed for another
+    # machine does not depend on this one's model cache.
+    S.check_inputs(spec, fetch=not a.print_commands)
     if old is not None:
-        C.check_directory(directory, spec)  # a damaged result is refused now, not after hours of jobs
+        C.check_directory(
+            directory, spec
+        )  # a damaged result or a link out is refused now, not after hours of jobs
+    else:
+        C.check_links(directory, spec)  # an existing --out may hold links already
+    S.recordable(directory, spec)  # before the dry runs, which take seconds an arm
     fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
     dry_run(spec, fresh)
     S.save(directory, spec)
@@ -376,15 +400,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug, argv = split_debug(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # SIGTERM unwinds like Ctrl-C: its default would end the process where it stands, leaving an arm's dry-run
+    # recipe in its temporary directory and a half-written file behind.
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         a = parse(argv)
         return a.func(a)
-    except (UserError, ValueError) as err:
+    except UserError as err:
         return report(err, "opsd.experiment", debug=debug)
     except KeyboardInterrupt:
         print("opsd.experiment: stopped; rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -173,6 +173,9 @@ def describe_plan(p: dict, n_seeds: int, target: float) -> str:
     s_lo, s_hi = p["seeds_range"]
     upper = "more than 10000" if s_hi is None else str(s_hi)
     point = "more than 10000" if p["seeds_needed"] is None else str(p["seeds_needed"])
+    if s_lo is None:  # even the smallest sd in the range needs more seeds than are searched: no range to give
+        return (f"{line}; seeds needed for a {target:g}-point difference: more than 10000, even at the smallest sd "
+                f"the {n_seeds} seeds allow (95%)")  # fmt: skip
     if p["pinned"]:
         return f"{line}; seeds needed for a {target:g}-point difference: {point} (95%: {s_lo} to {upper})"
     return (f"{line}; seeds needed for a {target:g}-point difference: {point} as estimated, but {n_seeds} seeds cannot pin "

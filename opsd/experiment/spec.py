@@ -6,7 +6,13 @@ cell of the arm trains from that copy, so editing recipe.env later cannot change
 `DIR/experiment.json` holds the shared settings (profile, model, training data, evaluation flags, GPUs per run),
 the arms and the seeds. A rerun must agree with it: a different shared setting or a changed arm is refused with
 one line; new arms and new seeds are added and recorded under `history`. It is checked field by field when read
-(`load`), so a hand-edited file cannot name an arm that escapes the directory.
+(`load`), so a hand-edited file cannot name an arm that escapes the directory, and `save` writes only what `load`
+accepts: at most `MAX_SEEDS` seeds and `MAX_ARMS` arms, every text one line of at most `MAX_TEXT_CHARS`, the file
+within its 16 MiB cap.
+
+Before anything is written, `check_inputs` checks the model, the training data and the evaluation's flags with the
+checks its jobs make (`opsd.models.check_model_source`, the data loaders' own names and files), so that a name no job
+could use is refused at once rather than in every cell.
 
 Sampling seeds. Every evaluation of training seed s (each arm's cell, and the base model scored for that seed)
 runs `eval_aime.py --seed s` (`sampling_seed`): within a seed the arms and the base draw sample i of problem p
@@ -25,12 +31,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from opsd.errors import UserError
+from opsd.errors import MissingPath, UserError
 from opsd.experiment.arms import BASE, Arm, check_name, overrides_to_recipe
 from opsd.launch.capped import STEPS
-from opsd.paths import MIB, FileKind
+from opsd.paths import MIB, RECIPE_FILE, FileKind, shown, size_text, write_atomically
 from opsd.rundir import checkpoint_dir
+
+if TYPE_CHECKING:  # eval_config imports transformers' argument parser: loaded where flags are parsed
+    from opsd.evaluation.eval_config import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train_capped.sh and eval_aime.py live here
 EXPERIMENT_FILE = "experiment.json"
@@ -39,6 +49,13 @@ RUNS = "runs"
 EVALS = "evals"
 LOGS = "logs"
 MAX_SEED = 2**31 - 1  # numpy and torch seed generators take 32-bit seeds
+# An experiment's size. Every seed is a capped run per arm (an hour or more on a GPU): a thousand seeds is far
+# beyond any experiment, and a list longer than that is a mistake (a range typed out, a generated list).
+MAX_SEEDS = 1000
+MAX_ARMS = 64
+# A recorded text (a model, a dataset, a path, an evaluation flag, an arm's source): one line, as long as a path
+# may be; report.md quotes them in its lines.
+MAX_TEXT_CHARS = 4096
 # The layout of experiment.json and the directory; 1 (no field): every cell scored with eval_aime.py's default
 # sampling seeds and the base model scored once.
 LAYOUT = 2
@@ -75,8 +92,47 @@ class Spec:
         return list(self.arms)
 
 
+def shown_value(value: object) -> str:
+    """A value read from a file, as a message quotes it: repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def plain_line(value: object, max_chars: int = MAX_TEXT_CHARS) -> bool:
+    """One line of printable text (no newline, tab or other control character) of at most `max_chars`."""
+    return isinstance(value, str) and len(value) <= max_chars and value.isprintable()
+
+
+def check_text(value: str, what: str) -> None:
+    """A text the experiment records and quotes (`plain_line`); UserError naming `what` otherwise."""
+    if not plain_line(value):
+        raise UserError(
+            f"{what} {shown(value)} is not one line of printable text of at most {MAX_TEXT_CHARS} characters; "
+            "give it without newlines, tabs or other control characters"
+        )
+
+
+def parse_json(text: str | bytes) -> object:
+    """`json.loads`, with each way a damaged file fails it as a ValueError: not JSON (JSONDecodeError), a
+    number of thousands of digits (ValueError), arrays nested past the parser's depth (RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def json_error(err: ValueError) -> str:
+    """Why `parse_json` failed, in a few words."""
+    return getattr(err, "msg", None) or str(err)[:120]
+
+
 def parse_seeds(text: str) -> list[int]:
     shown = text if len(text) <= 80 else text[:80] + "..."
+    if text.count(",") >= MAX_SEEDS:  # before splitting a list of millions
+        raise UserError(
+            f"--seeds {shown!r}: at most {MAX_SEEDS} seeds (got {text.count(',') + 1} items); an experiment of "
+            "more is a mistake, each seed is a capped run per arm"
+        )
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items or not all(re.fullmatch(r"[0-9]{1,10}", s) for s in items):
         raise UserError(
@@ -90,7 +146,15 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def check_eval_flags(flags: list[str]) -> None:
+def check_eval_flags(flags: list[str]) -> EvalConfig:
+    """The evaluation's `EvalConfig` once the flags parse as eval_aime.py's, without the ones the experiment sets
+    itself; UserError otherwise."""
+    for flag in flags:
+        check_text(flag, "--eval-flags item")
+    return _parse_eval_flags(flags)
+
+
+def _parse_eval_flags(flags: list[str]) -> EvalConfig:
     """The evaluation flags must parse as eval_aime.py's, without the ones the experiment sets itself."""
     import contextlib
     import io
@@ -116,6 +180,73 @@ def check_eval_flags(flags: list[str]) -> None:
             f"--eval-flags sets {', '.join('--' + f.replace('_', '-') for f in owned)}, which the experiment sets "
             "itself (the model is --model, results go under the experiment directory, adapters are merged)"
         )
+    return config
+
+
+def _check_hub_id(name: str, what: str) -> None:
+    """A name that is neither built-in nor local is a hub id, which no job could load unless it has the hub's
+    form (`org/name` of letters, digits, `-_.`); whether the hub has it, a job on the machine that runs it
+    finds out."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise MissingPath(
+            f"{what} {shown(name)} is not a local file or directory, a built-in set or a hub id (org/name of "
+            "letters, digits, '-', '_', '.'); give one of those"
+        ) from None
+
+
+def check_inputs(spec: Spec, *, fetch: bool) -> None:
+    """The model, the training data and the evaluation's data and prompt file, checked as the jobs will check
+    them, before anything is written; UserError otherwise.
+
+    The model as training and eval_aime.py check it before loading (`check_model_source`: a local directory
+    with its config and tokenizer, or a hub id; with `fetch`, in the cache or downloadable, since the jobs run
+    here; without, for `--print-commands`, only its form, the plan being for another machine). The training
+    data: a built-in set, an existing local path (its rows are checked by each new arm's dry run) or a hub id of
+    a valid form. The evaluation's problems: a local or built-in set is loaded and checked as eval_aime.py loads
+    it (`load_problems`); a hub id is checked for its form. Its prompt file as eval_aime.py checks it."""
+    from opsd.evaluation.job import load_problems
+    from opsd.models import check_model_source, resolve_model_path
+    from opsd.paths import PROMPT_FILE, check_file
+
+    for value, what in ((spec.model, "--model"), (spec.dataset, "--dataset")):
+        check_text(value, what)
+    try:
+        check_model_source(spec.model, fetch=fetch)
+    except MissingPath as err:  # its fix names training's flag; here the model is --model
+        raise MissingPath(f"--model: {err}".replace("--model_name_or_path", "--model")) from None
+    if spec.model not in ("", "embedded") and not Path(resolve_model_path(spec.model)).is_dir():
+        _check_hub_id(spec.model, "--model")
+    _check_data_name(spec.dataset, "--dataset")
+    config = check_eval_flags(spec.eval_flags)
+    if config.prompt_file:
+        check_file(config.prompt_file, PROMPT_FILE)
+    if _check_data_name(config.dataset, "--eval-flags --dataset"):
+        try:
+            load_problems(config)
+        except UserError as err:
+            raise UserError(f"--eval-flags --dataset: {err}") from None
+
+
+def _check_data_name(name: str, what: str) -> bool:
+    """Whether `name` is built-in or local data (an unknown built-in name or a missing local path refused);
+    otherwise it must be a hub id of a valid form."""
+    from opsd.data.builtin import BUILTIN_SETS
+    from opsd.data.loading import is_local
+
+    try:
+        local = is_local(name)
+    except UserError as err:  # builtin:<unknown>
+        raise UserError(f"{what}: {err}") from None
+    if not local:
+        _check_hub_id(name, what)
+    elif name and name not in BUILTIN_SETS and not Path(name).expanduser().exists():
+        raise MissingPath(f"{what} {shown(name)} does not exist; pass an existing data file or directory")
+    return local
 
 
 def load(directory: Path) -> Spec | None:
@@ -127,9 +258,9 @@ def load(directory: Path) -> Spec | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(read_text(path, EXPERIMENT_KIND))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err}); {_REWRITE}") from None
+        data = parse_json(read_text(path, EXPERIMENT_KIND))
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({json_error(err)}); {_REWRITE}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object; {_REWRITE}")
     if data.get("layout") != LAYOUT:
@@ -162,23 +293,24 @@ def _check_data(data: dict) -> str | None:
     if unknown or missing:
         return f"unknown field(s) {unknown}, missing field(s) {missing}"
     for key in ("profile", "model", "dataset", "accelerate_config"):
-        if not isinstance(data[key], str):
-            return f"{key} is {data[key]!r}, not a string"
+        if not plain_line(data[key]):
+            return f"{key} is {shown_value(data[key])}, not one line of text"
     if data["profile"] not in PROFILES:
         return f"profile {data['profile']!r} is not one of {', '.join(sorted(PROFILES))}"
-    if not isinstance(data["eval_flags"], list) or not all(isinstance(f, str) for f in data["eval_flags"]):
-        return "eval_flags is not a list of strings"
-    if type(data["gpus_per_run"]) is not int or data["gpus_per_run"] < 0:
-        return f"gpus_per_run is {data['gpus_per_run']!r}, not a count"
+    if not isinstance(data["eval_flags"], list) or not all(plain_line(f) for f in data["eval_flags"]):
+        return "eval_flags is not a list of one-line strings"
+    if type(data["gpus_per_run"]) is not int or not 0 <= data["gpus_per_run"] <= 8:
+        return f"gpus_per_run is {shown_value(data['gpus_per_run'])}, not a count of GPUs from 0 to 8"
     seeds = data["seeds"]
-    if (not isinstance(seeds, list) or not seeds or any(type(s) is not int or not 0 <= s <= MAX_SEED for s in seeds)
+    if (not isinstance(seeds, list) or not 0 < len(seeds) <= MAX_SEEDS
+            or any(type(s) is not int or not 0 <= s <= MAX_SEED for s in seeds)
             or len(set(seeds)) != len(seeds)):  # fmt: skip
-        return f"seeds must be distinct integers from 0 to {MAX_SEED}, got {str(seeds)[:80]}"
-    if not isinstance(data["history"], list):
-        return "history is not a list"
+        return f"seeds must be 1 to {MAX_SEEDS} distinct integers from 0 to {MAX_SEED}, got {str(seeds)[:80]}"
+    if not isinstance(data["history"], list) or not all(isinstance(h, dict) for h in data["history"]):
+        return "history is not a list of records"
     arms = data["arms"]
-    if not isinstance(arms, dict) or not arms:
-        return "arms is not a mapping of arm names"
+    if not isinstance(arms, dict) or not 0 < len(arms) <= MAX_ARMS:
+        return f"arms is not a mapping of 1 to {MAX_ARMS} arm names"
     if len({name.lower() for name in arms}) != len(arms):
         return "two arm names differ only in case (one directory each on a case-insensitive disk)"
     for name, arm in arms.items():
@@ -186,12 +318,8 @@ def _check_data(data: dict) -> str | None:
             check_name(name, "arms")
         except UserError as err:
             return str(err)
-        if (
-            not isinstance(arm, dict)
-            or set(arm) != {"recipe", "source"}
-            or not isinstance(arm["source"], str)
-        ):
-            return f"arm {name!r} is not {{'recipe': ..., 'source': ...}}"
+        if not isinstance(arm, dict) or set(arm) != {"recipe", "source"} or not plain_line(arm["source"]):
+            return f"arm {name!r} is not {{'recipe': ..., 'source': one line of text}}"
         recipe = arm["recipe"]
         if not isinstance(recipe, dict) or not all(isinstance(v, str) for v in recipe.values()):
             return f"arm {name!r}'s recipe is not a mapping of settings to strings"
@@ -208,19 +336,43 @@ def _check_data(data: dict) -> str | None:
     return None
 
 
+def recordable(directory: Path, spec: Spec) -> tuple[str, dict[str, str]]:
+    """(experiment.json's text, {arm: its recipe file's text}) once `load` would read them back: at most
+    `MAX_SEEDS` seeds and `MAX_ARMS` arms, every text one line, each file within its cap; UserError otherwise.
+    Cheap: `run` asks before the arms' dry runs, `save` again before writing."""
+    data = asdict(spec)
+    problem = _check_data(data)
+    if problem:
+        raise UserError(f"this experiment cannot be recorded: {problem}")
+    text = json.dumps(data, indent=1) + "\n"
+    size = len(text.encode())
+    if size > EXPERIMENT_KIND.max_bytes:
+        raise UserError(
+            f"{directory / EXPERIMENT_FILE} would be {size_text(size)}, over the {size_text(EXPERIMENT_KIND.max_bytes)} "
+            "an experiment file is limited to; run fewer arms or seeds, or split them into several experiments"
+        )
+    recipes = {name: spec.arm(name).recipe_text() for name in spec.arms}
+    for name, recipe in recipes.items():
+        if len(recipe.encode()) > RECIPE_FILE.max_bytes:
+            raise UserError(
+                f"arm {name!r}'s recipe would be over the {size_text(RECIPE_FILE.max_bytes)} recipe files are limited "
+                "to; give it fewer or shorter settings"
+            )
+    return text, recipes
+
+
 def save(directory: Path, spec: Spec) -> None:
+    """experiment.json and each arm's recipe file (`recordable`), each replaced whole."""
+    text, recipes = recordable(directory, spec)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (EXPERIMENT_FILE + ".tmp")
-    tmp.write_text(json.dumps(asdict(spec), indent=1) + "\n")
-    tmp.replace(directory / EXPERIMENT_FILE)
+    write_atomically(directory / EXPERIMENT_FILE, text.encode())
     (directory / RECIPES).mkdir(exist_ok=True)
     from opsd.configuration.recipe import parse_recipe
 
-    for name in spec.arms:
+    for name, recipe in recipes.items():
         path = recipe_path(directory, name)
-        text = spec.arm(name).recipe_text()
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
+        if not path.is_file() or path.read_text() != recipe:
+            write_atomically(path, recipe.encode())
         if overrides_to_recipe(parse_recipe(path)) != spec.arms[name]["recipe"]:
             raise RuntimeError(f"{path} does not read back as arm {name}'s recipe")  # a bug, not a user error
 
@@ -252,6 +404,13 @@ def merge(old: Spec | None, new: Spec, directory: Path) -> Spec:
             )
     added_arms = [n for n in new.arms if n not in old.arms]
     added_seeds = [s for s in new.seeds if s not in old.seeds]
+    for what, count, cap in (("seeds", len(old.seeds) + len(added_seeds), MAX_SEEDS),
+                             ("arms", len(old.arms) + len(added_arms), MAX_ARMS)):  # fmt: skip
+        if count > cap:
+            raise UserError(
+                f"{directory} would hold {count} {what} with these added, over the {cap} an experiment may hold; "
+                "start another experiment (a new --out) for the rest"
+            )
     added = [
         {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "added_arms": added_arms, "added_seeds": added_seeds}
     ]

@@ -9,18 +9,29 @@ seeds needed to detect `--target-diff` points (`opsd.experiment.power`). Seeds a
 by (problem, sample index): every evaluation of training seed s, the base model's included, uses s's sampling
 seeds. A comparison uses the seeds both arms
 have scored and says so whenever that is fewer than were planned.
+
+Writing (`write`). Every file a report reads is checked, every figure drawn and every output rendered before the
+first is written; then each is written to a temporary file beside it and renamed over it, so a report that
+fails (a damaged file, an output path that is a directory, a full disk) leaves the previous report as it was.
+A curve point that cannot be drawn (not finite, or beyond `PLOT_LIMIT`, which matplotlib's axes overflow on) is
+left out of the figure and of summary.json, and report.md says how many were.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
+import os
 from pathlib import Path
 from typing import Any
 
+from opsd.errors import UserError
 from opsd.experiment import cells as C
 from opsd.experiment import power, stats
 from opsd.experiment import spec as S
+from opsd.paths import MIB, FileKind, cannot_create_in, check_file, shown, staged_write
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +42,14 @@ COMPARED = (("correct", "accuracy"), ("has_box", "format rate"))
 CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out)"),
               ("rollout/correct", "training rollouts correct"),
               ("completions/mean_length", "completion length (tokens)"))  # fmt: skip
+OUTPUTS = (REPORT_FILE, SUMMARY_JSON, VERDICT_PNG, CURVES_PNG)
+# A curve value beyond this is drawn by nothing: matplotlib's tick arithmetic overflows on values near 1e308,
+# and no loss, divergence or length comes near it.
+PLOT_LIMIT = 1e15
+# A capped run's metrics.jsonl is ~100 lines of a few hundred bytes; one far bigger is not a run's log.
+METRICS_KIND = FileKind(
+    "training log", "training logs", 256 * MIB, "rerun the experiment", "it was not written by a run"
+)
 
 
 def read_scores(eval_dir: Path) -> dict[str, dict[str, list[float]]]:
@@ -76,13 +95,12 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
     """summary.json's content: every finished evaluation of the experiment, compared."""
     spec = S.load(directory)
     if spec is None:
-        raise S.UserError(f"{directory} holds no {S.EXPERIMENT_FILE}: pass an experiment directory")
+        raise UserError(f"{directory} holds no {S.EXPERIMENT_FILE}: pass an experiment directory")
     arms = spec.arm_names
     baseline = baseline or arms[0]
     if baseline not in arms:
-        raise S.UserError(
-            f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(arms)}"
-        )
+        raise UserError(f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(arms)}")
+    C.check_links(directory, spec)
     failed = C.read_failed(directory)
     # The base model, once per training seed with that seed's sampling seeds.
     base_metrics, base = {}, {}
@@ -135,7 +153,7 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
             name: compare(scores[key][baseline], scores[key][arm], target_diff, reps, name)
             for key, name in COMPARED
         }
-    result["curves"] = _curves(directory, spec)
+    result["curves"], result["curve_points_skipped"] = _curves(directory, spec)
     result["timing"] = timing(directory)
     return result
 
@@ -174,22 +192,45 @@ def _mean_se(values: list[float]) -> dict[str, Any]:
     return {"mean": agg["mean"], "se": agg["se"], "n": agg["n"]}
 
 
-def _curves(directory: Path, spec: S.Spec) -> dict[str, dict[str, dict[str, list]]]:
-    """{arm: {seed: {metric: [[step, value], ...]}}} of the curves drawn in curves.png."""
-    from opsd.run.curves import read_metrics
+def _curves(directory: Path, spec: S.Spec) -> tuple[dict[str, dict[str, dict[str, list]]], int]:
+    """({arm: {seed: {metric: [[step, value], ...]}}} of the curves drawn in curves.png, the points left out).
+
+    Each run's metrics.jsonl as `opsd.rundir.read_step_log` reads it (a line that is not a record is passed
+    over with a warning), records without a step left aside as `opsd.run.curves.read_metrics` leaves them and
+    the last record of a step winning, keeping only the points a figure can draw: a step that is a whole number
+    from 0 to `cells.MAX_STEP` and a finite value within `PLOT_LIMIT`."""
+    from opsd.rundir import METRICS_FILE, read_step_log
 
     out: dict[str, dict[str, dict[str, list]]] = {}
+    skipped = 0
     for arm in spec.arm_names:
         for seed in spec.seeds:
-            run = S.run_dir(directory, arm, seed)
-            try:
-                metrics = read_metrics(run)
-            except (FileNotFoundError, ValueError):
+            path = S.run_dir(directory, arm, seed) / METRICS_FILE
+            if not path.is_file():
                 continue
+            check_file(path, METRICS_KIND)
+            points: dict[str, dict[int, float]] = {k: {} for k, _ in CURVE_KEYS}
+            for record in read_step_log(path):
+                if "step" not in record:
+                    continue
+                step = record["step"]
+                for key, _ in CURVE_KEYS:
+                    if key not in record:
+                        continue
+                    value = record[key]
+                    if _drawable(step, value):
+                        points[key][step] = float(value)
+                    else:
+                        skipped += 1
             out.setdefault(arm, {})[str(seed)] = {
-                k: [list(p) for p in metrics.get(k, [])] for k, _ in CURVE_KEYS
+                k: [[s, v] for s, v in sorted(p.items())] for k, p in points.items()
             }
-    return out
+    return out, skipped
+
+
+def _drawable(step: object, value: object) -> bool:
+    number = type(value) in (int, float) and math.isfinite(value) and abs(value) <= PLOT_LIMIT
+    return type(step) is int and 0 <= step <= C.MAX_STEP and number
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -224,6 +265,17 @@ def _split(v: dict) -> str:
             "(in variance: between² + within² = sd²)")  # fmt: skip
 
 
+def _code(text: str) -> str:
+    """`text` as a markdown code span that nothing in it can end (a run of backticks gets a longer fence)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    ticks = 1
+    while "`" * ticks in text:
+        ticks += 1
+    fence = "`" * ticks
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     labels = result["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
     names = {
@@ -233,10 +285,10 @@ def markdown(result: dict[str, Any]) -> str:
         "format_rate": "format",
     }
     planned = result["seeds_planned"]
-    lines = [f"# Experiment {result['directory']}", ""]
+    lines = [f"# Experiment {_code(result['directory'])}", ""]
     s = result["settings"]
-    lines += [f"Profile `{s['profile']}`, model `{s['model'] or '(embedded SmolLM2-135M)'}`, training data "
-              f"`{s['dataset']}`, evaluation flags `{' '.join(s['eval_flags']) or '(eval_aime.py defaults)'}`; "
+    lines += [f"Profile {_code(s['profile'])}, model {_code(s['model'] or '(embedded SmolLM2-135M)')}, training data "
+              f"{_code(s['dataset'])}, evaluation flags {_code(' '.join(s['eval_flags']) or '(eval_aime.py defaults)')}; "
               f"seeds planned: {', '.join(map(str, planned))}. Points are percent; ± is the between-seed SE.", ""]  # fmt: skip
     if result["base"]:
         b = result["base"]
@@ -255,6 +307,10 @@ def markdown(result: dict[str, Any]) -> str:
         if e["missing"]:
             lines.append(f"- **{arm}** is missing seeds: "
                          + "; ".join(f"{seed}: {why}" for seed, why in e["missing"].items()))  # fmt: skip
+    if result["curve_points_skipped"]:
+        lines += ["", f"The training curves leave out {result['curve_points_skipped']} point(s) of metrics.jsonl that "
+                  f"cannot be drawn (not a number, not finite, or beyond ±{PLOT_LIMIT:g}, or at a step that is not a "
+                  "whole number)."]  # fmt: skip
     lines += ["", f"## Against the baseline `{result['baseline']}`", ""]
     if not result["comparisons"]:
         lines += ["No comparison yet: the baseline and another arm need at least one common scored seed.", ""]
@@ -285,7 +341,8 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def figures(result: dict[str, Any], directory: Path) -> list[Path]:
+def figures(result: dict[str, Any]) -> dict[str, bytes]:
+    """{file name: PNG bytes} of verdict.png and (when a run has logged a step) curves.png, drawn in memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,7 +350,7 @@ def figures(result: dict[str, Any], directory: Path) -> list[Path]:
 
     arms = list(result["arms"])
     colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
-    written = []
+    drawn: dict[str, bytes] = {}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
     for i, arm in enumerate(arms):
@@ -325,10 +382,7 @@ def figures(result: dict[str, Any], directory: Path) -> list[Path]:
         ax.set_yticks([y for y, _ in ys], [t for _, t in ys], fontsize=8)
     ax.set_xlabel(f"arm − {result['baseline']}, points (95% CI: ● the reported interval, △ bootstrap)")
     fig.tight_layout()
-    path = directory / VERDICT_PNG
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    drawn[VERDICT_PNG] = _png(fig)
 
     curves = result["curves"]
     if curves:
@@ -345,15 +399,66 @@ def figures(result: dict[str, Any], directory: Path) -> list[Path]:
         axes[0].legend(fontsize=8)
         fig.suptitle("Training curves, one line per seed", fontsize=10)
         fig.tight_layout()
-        path = directory / CURVES_PNG
-        fig.savefig(path, dpi=110)
+        drawn[CURVES_PNG] = _png(fig)
+    return drawn
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=110)
+    finally:
         plt.close(fig)
-        written.append(path)
-    return written
+    return buffer.getvalue()
+
+
+def check_outputs(directory: Path) -> None:
+    """The report can replace its files: the directory takes a new entry, and no output's name is taken by a
+    directory (a rename cannot replace one). UserError naming the path otherwise, before anything is read."""
+    for name in OUTPUTS:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            raise UserError(
+                f"{shown(path)} is a directory; the report writes its {name} there: move the directory away"
+            )
+    why = cannot_create_in(directory)
+    if why:
+        raise UserError(
+            f"{shown(directory)} is not writable ({why}); the report writes {', '.join(OUTPUTS)} there: make it "
+            "writable, or copy the experiment somewhere writable and report there"
+        )
 
 
 def write(directory: Path, **kwargs) -> tuple[dict[str, Any], list[Path]]:
+    """Build the report, render every output, then replace each file whole (the module docstring says why);
+    (summary.json's content, the paths written)."""
+    check_outputs(directory)
     result = build(directory, **kwargs)
-    (directory / SUMMARY_JSON).write_text(json.dumps(result, indent=1) + "\n")
-    (directory / REPORT_FILE).write_text(markdown(result))
-    return result, [directory / REPORT_FILE, directory / SUMMARY_JSON, *figures(result, directory)]
+    rendered = {
+        REPORT_FILE: markdown(result).encode(),
+        SUMMARY_JSON: (json.dumps(result, indent=1, allow_nan=False) + "\n").encode(),
+        **figures(result),
+    }
+    staged: dict[Path, Path] = {}
+    replaced = 0
+    try:
+        for name, data in rendered.items():
+            path = directory / name
+            staged[path] = staged_write(path, data)
+        for path, tmp in staged.items():
+            os.replace(tmp, path)
+            replaced += 1
+    except OSError as err:
+        left = (
+            "the previous report is left as it was" if not replaced else f"{replaced} file(s) were replaced"
+        )
+        raise UserError(
+            f"cannot write {shown(path)} ({err.strerror or type(err).__name__}); {left}: free space or make the "
+            "directory writable, then report again"
+        ) from None
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+    return result, [directory / name for name in rendered]

@@ -359,6 +359,10 @@ A_RECIPE = {"recipe": {"clip_mode": "element"}, "source": "A.env"}
         ((("seeds",), [2**40]), "seeds must be"),
         ((("profile",), "huge"), "profile 'huge'"),
         ((("model",), None), "model is None"),
+        ((("model",), "tiny\n| x |"), "model is 'tiny\\n| x |', not one line"),  # report.md quotes it
+        ((("eval_flags",), ["--n", "4\n"]), "eval_flags is not a list of one-line strings"),
+        ((("arms", "A", "source"), "A.env\n# x"), "'source': one line of text"),
+        ((("seeds",), list(range(1001))), "seeds must be 1 to 1000"),
         ((("eval_flags",), "--n 4"), "eval_flags"),
         ((("gpus_per_run",), -1), "gpus_per_run"),
         ((("gpus_per_run",), 1.5), "gpus_per_run"),
@@ -1256,12 +1260,12 @@ def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
     one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
-    verdict.figures(verdict.build(one, reps=200), one)
+    verdict.figures(verdict.build(one, reps=200))
     assert labels == [
         "B: accuracy (paired t over problems, 1 seed)",
         "B: format rate (paired t over problems, 1 seed)",
     ]
     labels.clear()
     three = experiment(tmp_path / "three")
-    verdict.figures(verdict.build(three, reps=200), three)
+    verdict.figures(verdict.build(three, reps=200))
     assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]

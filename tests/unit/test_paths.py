@@ -159,6 +159,20 @@ def test_output_dir(tmp_path):
     assert file.read_text() == "x"
 
 
+def test_output_dir_is_judged_by_a_probe_not_by_mode_bits(tmp_path, monkeypatch):
+    # Mode bits that say "writable" (as they do for root everywhere) on a directory where nothing can be made:
+    # /proc refuses every mkdir, and /sys/kernel as well.
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+    for parent in ("/proc", "/sys/kernel"):
+        if os.path.isdir(parent):
+            with pytest.raises(MissingPath, match=f"cannot be created: '{parent}' is not writable"):
+                check_output_dir(f"{parent}/opsd-out", "--out")
+    with pytest.raises(MissingPath, match="'/proc' is not writable"):
+        check_output_dir("/proc", "--out")
+    # Where it can write, the probe leaves nothing behind.
+    assert check_output_dir(tmp_path, "--out") == tmp_path and not list(tmp_path.iterdir())
+
+
 def test_input_dir(tmp_path):
     assert check_input_dir(tmp_path, "adapter directory", "fix") == tmp_path
     with pytest.raises(MissingPath, match="adapter directory .* does not exist; pass a checkpoint"):
