@@ -1,5 +1,6 @@
 """`python -m opsd.experiment` end to end on CPU: 2 arms x 2 seeds of the smoke profile on the tiny model, real
-capped runs (vLLM rollouts) and real evaluations. The experiment is stopped in the middle of a cell and rerun;
+capped runs (vLLM rollouts) and real evaluations; the arms are the published recipe and the teacher-free control
+(the study of docs/experiments.md in CI-sized form). The experiment is stopped in the middle of a cell and rerun;
 the rerun finishes without redoing the finished cells. Then: the report against the samples on disk, the
 refusal of a changed arm, the printed commands reproducing a cell by hand, and an added seed recorded."""
 
@@ -62,7 +63,7 @@ def exp(tmp_path_factory, tiny_model_dir):
     d = tmp_path_factory.mktemp("exp") / "clip"
     first = [
         "--out", d, "--profile", "smoke", "--model", tiny_model_dir, "--recipe", "", "--seeds", "42,43",
-        "--arm", "a=CLIP_MODE=element", "--arm", "b=CLIP_MODE=rescale", "--eval-flags", EVAL_FLAGS,
+        "--arm", "a=CLIP_MODE=element", "--arm", "b=LOSS_TYPE=fixed_advantage", "--eval-flags", EVAL_FLAGS,
         "--status-every", 5,
     ]  # fmt: skip
     proc = subprocess.Popen(experiment(*first), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -133,6 +134,12 @@ def test_report_pairs_seeds_and_samples(exp):
         assert sorted(summary["arms"][arm]["per_seed"]) == ["42", "43"]
         curves = summary["curves"][arm]["42"]
         assert [s for s, _ in curves["loss"]] == list(range(1, 101))
+        assert [s for s, _ in curves["rollout/correct"]] == list(range(1, 101))
+    # The teacher-free arm read no teacher: its runs log no divergence.
+    from opsd.rundir import read_step_log
+
+    steps = [r for r in read_step_log(d / "runs" / "b" / "capped_seed42" / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 100 and all("opsd/abs_advantage" in r and "opsd/divergence" not in r for r in steps)
     report = (d / "report.md").read_text()
     assert "b − a" in report and "2 of 2" in report
     for name in ("verdict.png", "curves.png"):
