@@ -39,6 +39,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 from common import machine, write
+from opsd.configuration.choices import KV_CACHE_DTYPES
 from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params
 from opsd.evaluation.requests import ListSource, plan_requests
@@ -83,6 +84,8 @@ def start_engine(a, path: Path, max_len: int):
         kwargs["gpu_memory_utilization"] = a.gpu_memory_utilization
     else:
         kwargs["dtype"] = "float32"
+    if a.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = a.kv_cache_dtype
     return LLM(**kwargs)
 
 
@@ -252,7 +255,7 @@ def bench_config(a, cap: int) -> dict:
         "model": f"{a.model_config} shape, dummy weights (vLLM load_format=dummy)",
         "problems": a.problems, "n": a.n, "prompt_tokens": PROMPT_LEN, "median": a.median, "cap": a.cap,
         "cap_share": a.cap_share, "scale": a.scale, "scaled_cap": cap, "chunk_size": a.chunk_size,
-        "max_in_flight": a.max_in_flight, "seed": a.seed, "num_gpus": a.num_gpus,
+        "max_in_flight": a.max_in_flight, "seed": a.seed, "num_gpus": a.num_gpus, "kv_cache_dtype": a.kv_cache_dtype,
     }  # fmt: skip
 
 
@@ -351,6 +354,7 @@ def main() -> None:
     ap.add_argument("--peak-batch", type=int, default=256)
     ap.add_argument("--peak-tokens", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="eval_aime.py's flag")
     ap.add_argument("--num-gpus", type=int, choices=(1, 2), default=1)
     ap.add_argument(
         "--no-merge", dest="merge", action="store_false", help="overwrite --out instead of merging"

@@ -68,6 +68,7 @@ def build_engine(job: Job, scratch: Path):
                 seed=settings.seed,
                 enable_lora=enable_lora,
                 max_lora_rank=rank,
+                kv_cache_dtype=settings.kv_cache_dtype,
             )
         finally:
             if load_path != model_path:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 from opsd import errors
-from opsd.configuration.choices import ROLLOUT_ENGINES
+from opsd.configuration.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
 from opsd.configuration.ranges import EVAL_RANGES, check_table
 
 _MERGE_WORDS = {
@@ -92,6 +92,11 @@ class EvalConfig:
     # Engine and output
     engine: str = _arg("auto", "auto (vLLM if installed, else transformers) | vllm | transformers.")
     gpu_memory_utilization: float = _arg(0.9, "vLLM's share of GPU memory.")
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "vLLM's KV cache: auto (the model's dtype) | fp8 (8-bit floats: half the cache's reads at long lengths; "
+        "a GPU only; docs/evaluation.md says what it did to scores).",
+    )
     tensor_parallel_size: int = _arg(1, "GPUs per vLLM engine.")
     num_gpus: int = _arg(1, "Data parallel: N worker processes that pull samples from a shared queue.")
     stream: bool = _arg(
@@ -122,6 +127,8 @@ class EvalConfig:
             raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
         if self.engine not in ROLLOUT_ENGINES:
             raise bad("engine", f"choose one of {ROLLOUT_ENGINES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"choose one of {KV_CACHE_DTYPES}")
         # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
         value = {True: "true", False: "false", None: "auto"}.get(self.merge_adapter, self.merge_adapter)
         if not isinstance(value, str) or value.lower() not in _MERGE_WORDS:

@@ -196,6 +196,12 @@ def resolve(config: EvalConfig) -> Job:
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
     engine = choose_engine(config.engine)
+    if config.kv_cache_dtype != "auto" and (engine != "vllm" or not cuda_available()):
+        where = "the transformers engine" if engine != "vllm" else "vLLM on a CPU"
+        raise UserError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs vLLM on a GPU, and this run uses {where}; leave it "
+            "at auto"
+        )
     dataset = config.dataset
     if Path(dataset).expanduser().is_file():
         dataset = str(Path(dataset).expanduser().resolve())

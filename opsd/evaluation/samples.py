@@ -25,8 +25,10 @@ SEED_STRIDE = 1 << 16  # seeds of one problem's samples; n above this would reus
 RESUME_KEYS = (
     "model_path", "adapter_path", "adapter_mode", "engine_used", "dataset_source", "split", "n",
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_model_len_used", "thinking",
-    "student_template", "seed",
+    "student_template", "seed", "kv_cache_dtype",
 )  # fmt: skip
+# Settings added after runs were saved without them: a saved run that lacks one ran at this value.
+RESUME_DEFAULTS = {"kv_cache_dtype": "auto"}
 
 
 def sample_seed(seed: int, problem_index: int, sample_index: int) -> int:
@@ -108,6 +110,7 @@ def check_resume(out: Path, settings: EvalSettings) -> None:
     if cfg_path.is_file():
         saved = json.loads(cfg_path.read_text())
         now = {k: getattr(settings, k) for k in RESUME_KEYS}
+        saved = {**RESUME_DEFAULTS, **saved}
         diff = [k for k in RESUME_KEYS if saved.get(k, "<missing>") != now[k]]
         if diff:
             detail = "; ".join(f"{k}: saved {saved.get(k, '<missing>')!r}, now {now[k]!r}" for k in diff)

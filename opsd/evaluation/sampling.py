@@ -76,6 +76,7 @@ class VLLMEngine:
         enable_lora: bool = False,
         max_lora_rank: int = 64,
         dtype: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         single_node_engine_env()
         fixed_kv_cache()
@@ -97,6 +98,8 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if enable_lora:
             kwargs["max_lora_rank"] = max_lora_rank
+        if kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 

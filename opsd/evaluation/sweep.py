@@ -209,7 +209,7 @@ class SweepEngine:
         self.engine = VLLMEngine(
             self.base_path, max_model_len=max_model_len, gpu_memory_utilization=self.config.gpu_memory_utilization,
             tensor_parallel_size=self.config.tensor_parallel_size, seed=self.config.seed,
-            enable_lora=self.enable_lora, max_lora_rank=rank,
+            enable_lora=self.enable_lora, max_lora_rank=rank, kv_cache_dtype=self.config.kv_cache_dtype,
         )  # fmt: skip
         self.starts += 1
 

@@ -415,6 +415,8 @@ ERROR_CASES = {
         ["--compare", "{file}", "{not_adapter}"], "--compare directory '{file}' is a regular file",
     ),
     "aggregate a file": (["--aggregate", "{file}"], "--aggregate directory '{file}' is a regular file"),
+    "fp8 KV cache off a GPU": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs vLLM on a GPU"),
+    "unknown KV cache dtype": (["--kv-cache-dtype", "int4"], "kv_cache_dtype='int4' is invalid: choose one of"),
     "prompt file /dev/zero": (
         ["--prompt-file", "/dev/zero"], "prompt template file '/dev/zero' is a character device",
     ),

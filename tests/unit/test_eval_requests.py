@@ -72,6 +72,16 @@ def test_resume_check_writes_accepts_and_refuses(tmp_path):
         check_resume(tmp_path, dataclasses.replace(merged, adapter_mode="vllm-lora"))
 
 
+def test_resume_of_a_run_saved_before_the_kv_cache_flag(tmp_path):
+    s = settings(tmp_path)
+    old = s.to_json()
+    del old["kv_cache_dtype"]  # eval_config.json as written before the flag existed: it ran at auto
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(old))
+    check_resume(tmp_path, s)
+    with pytest.raises(UserError, match=r"kv_cache_dtype: saved 'auto', now 'fp8'"):
+        check_resume(tmp_path, dataclasses.replace(s, kv_cache_dtype="fp8"))
+
+
 class Builder:
     """A prompt builder whose prompt of a problem is one token per character; counts its renders."""
 
