@@ -9,7 +9,8 @@ pure functions of `opsd.method` that take what they need as arguments. What diff
 colocate/server/sleep/TP rollouts, the teacher kinds and the buffered generation window are TRL's): OPSD's prompts
 with their own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped
 divergence computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`),
-per-row rollout seeds and merged weights pushed into the engine out of place (`opsd.method.engine`),
+per-row rollout seeds and merged weights pushed into the engine out of place (`opsd.method.engine`, whose
+engine TRL creates),
 the EMA teacher started from the initial adapter and checkpointed
 (`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.callbacks`), several
 steps per generation (`steps_per_rollout`, docs/method.md §1.9), and phase timing and OPSD metrics. For other
@@ -23,25 +24,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from peft import PeftModel
+from transformers.trainer import TRAINING_ARGS_NAME
 from trl.experimental.sdft import SDFTTrainer
+from trl.experimental.sdft.sdft_trainer import split_tensor_dict
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
 from opsd.method.ema_teacher import InitialisedAdapterEMA
-from opsd.method.engine import (
-    RolloutSeeds,
-    SeededLLM,
-    first_rollout_row,
-    row_seed,
-    sync_colocated_engine,
-)
+from opsd.method.engine import RolloutSeeds, opsd_engine
 from opsd.method.engine_classes import engine_start_refusal, own_classes
 from opsd.method.hidden import (
     CompletionHiddenStates,
@@ -55,7 +53,7 @@ from opsd.method.hidden import (
 from opsd.method.loss import chunked_opsd_loss, loss_metrics
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
-from opsd.method.trl_compat import engine_max_num_seqs, restore_lora_dropout
+from opsd.method.trl_compat import restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
 from opsd.run.rollout_grades import RolloutGrader
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
@@ -67,12 +65,13 @@ logger = logging.getLogger(__name__)
 class OPSDTrainer(SDFTTrainer):
     """Clipped-JSD on-policy self-distillation. One optimizer step, in the order its methods run below:
 
-    1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from TRL's
+    1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from
        `_prepare_inputs`, which at the start of a generation window (every step, or every `steps_per_rollout`
        steps) builds the window's batch: `_prepare_training_batch` -> TRL's `sample_rollouts`:
        a. `_tokenize_prompts`: the student prompt of each problem (`opsd.method.prompts`);
-       b. `_generate` (phase `rollout`) -> `_generate_vllm`: `_sync_rollout_weights` when the weights changed
-          (phase `weight_sync`), then the engine with one seed per row; or `_generate_transformers` in eval mode;
+       b. `_generate` (phase `rollout`) -> TRL's `_generate_vllm`, which calls the engine's `sync_weights` when
+          the weights changed (OPSD's engine, `opsd.method.engine.opsd_engine`: phase `weight_sync`), then the
+          engine with one seed per row; or `_generate_transformers` in eval mode;
        c. `_compute_rollout_logps`: skipped (the loss takes no importance ratio);
        d. `teacher_context_builder.build` (TRL's teacher-context hook): `[teacher prompt ; completion]` rows;
        e. each optimizer step's valid-token count over all processes: its loss denominator.
@@ -103,31 +102,43 @@ class OPSDTrainer(SDFTTrainer):
                 eprint       = {arXiv:2601.18734}
             }"""),
     }
-    # The TRL methods overridden here; a test fails if TRL stops calling one of them by this name.
+    # The TRL methods overridden here that TRL calls; tests/integration/test_trl_hooks.py fails if TRL stops
+    # calling one of them by this name.
     TRL_HOOKS = (
         "_setup_teacher_model",
         "training_step",
-        "_prepare_training_batch",
+        "_prepare_inputs",
         "_tokenize_prompts",
         "_generate",
-        "_generate_vllm",
         "_generate_transformers",
         "_compute_rollout_logps",
         "compute_loss",
-        "_get_teacher_context_for_self_distillation",
         "_save",
         "_load_optimizer_and_scheduler",
     )
 
+    # TRL methods overridden here that this file calls (TRL too, where OPSD leaves the call to it: the
+    # evaluation batch; no teacher forward of OPSD's goes through TRL's).
+    OWN_CALLS = ("_prepare_training_batch", "_get_teacher_context_for_self_distillation")
+
     # -- set-up -------------------------------------------------------------------------------------------------
     def __init__(self, *args, **kwargs):
-        config = kwargs.get("args", args[1] if len(args) > 1 else None)
-        colocated = getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", "") == "colocate"
+        config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
+        colocated = config.use_vllm and config.vllm_mode == "colocate"
         model = kwargs.get("model", args[0] if args else None)
         if colocated and isinstance(model, torch.nn.Module):  # before the engine starts, which may decorate
             own_classes(model)  # the model's classes in place
+        # Read by the engine TRL creates inside super().__init__ (and by _setup_teacher_model, run there too).
+        self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
+        self.clock = PhaseClock()
         with (
-            engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)),
+            opsd_engine(
+                self.seeds,
+                self.clock,
+                max_num_seqs=config.vllm_max_num_seqs,
+                tensor_parallel_size=config.vllm_tensor_parallel_size,
+                process_index=config.process_index,
+            ),
             engine_start_refusal(colocated, model),
         ):
             super().__init__(*args, **kwargs)
@@ -146,12 +157,14 @@ class OPSDTrainer(SDFTTrainer):
             decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
             reduce=functools.partial(self.accelerator.reduce, reduction="sum"),
         )
-        self.seeds = RolloutSeeds(a.seed, step_of=lambda: self.state.global_step)
-        self.clock = PhaseClock()
         self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
         # The loss's logit transform (opsd.method.hidden), picked and checked on each model's first forward.
         self.logit_transform = None
         self.logits_checked: set[int] = set()
+        # The window's micro-batches and the index of the next one over the run (`_prepare_inputs`); None until
+        # the first micro-batch of a `train()` call, fresh or resumed.
+        self.window: list[dict] | None = None
+        self.micro_batch: int | None = None
         self.add_callback(StepTimer(self._metrics["train"], self.clock))
         self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
         self.add_callback(self.nonfinite)
@@ -160,11 +173,6 @@ class OPSDTrainer(SDFTTrainer):
         restore_lora_dropout(self.accelerator.unwrap_model(self.model))
         if a.compile_layers:
             compile_decoder_layers(self.accelerator.unwrap_model(self.model))
-        if self.use_vllm and self.vllm_generation.mode == "colocate":
-            # Training reads token ids only; vLLM would otherwise detokenise every sequence at every decode
-            # step in this process, between GPU steps (docs/performance.md).
-            gen = self.vllm_generation
-            gen.generation_kwargs = {"detokenize": False, **(gen.generation_kwargs or {})}
 
     def _setup_teacher_model(self) -> None:
         super()._setup_teacher_model()
@@ -185,13 +193,16 @@ class OPSDTrainer(SDFTTrainer):
 
     # -- 1. a micro-batch, and the window's batch at its start ------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self._buffered_inputs is None:
-            # TRL's micro-batch counter starts at 0 in every process; a run resumed at a step inside a window
-            # of steps_per_rollout steps must take that step's share of the regenerated window.
-            self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        if (
+            self.micro_batch is None
+        ):  # a run resumed inside a window of steps_per_rollout steps takes its share
+            self.micro_batch = self.state.global_step * self.args.gradient_accumulation_steps
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
-        if self._step % self.args.gradient_accumulation_steps == 0:  # the optimizer step's last micro-batch
+        self.micro_batch += 1
+        if (
+            self.micro_batch % self.args.gradient_accumulation_steps == 0
+        ):  # the optimizer step's last micro-batch
             # The rollouts of this step's generation were graded meanwhile (opsd.run.rollout_grades); what the
             # step still waits for them is time/grade_wait_s.
             with self.clock.phase("grade_wait"):
@@ -202,6 +213,20 @@ class OPSDTrainer(SDFTTrainer):
         if self.args.compile_layers:
             self.record_metrics({"compile/graphs": compiled_graphs()})
         return out
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's, with the window's micro-batch picked by `micro_batch`: TRL's own counter starts at 0 in every
+        process, so a run resumed inside a window would take the window's first share, not its step's."""
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        per_window = self.args.steps_per_generation
+        generate_every = per_window * self.num_iterations
+        if self.micro_batch % generate_every == 0 or self.window is None:
+            self.window = split_tensor_dict(self._prepare_training_batch(generation_batch), per_window)
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built", generate_every=generate_every, steps_per_generation=per_window
+            )
+        return self.window[self.micro_batch % per_window]
 
     def _prepare_training_batch(self, inputs):
         batch = super()._prepare_training_batch(inputs)
@@ -250,34 +275,6 @@ class OPSDTrainer(SDFTTrainer):
         n_tokens = sum(len(c) for c in out[1])
         self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(timed.seconds, 1e-9))
         return out
-
-    def _generate_vllm(self, prompt_ids):
-        if self.state.global_step != self._last_loaded_step:
-            with self.clock.phase("weight_sync"):
-                self._sync_rollout_weights()
-            self._last_loaded_step = self.state.global_step
-        gen, a = self.vllm_generation, self.args
-        if gen.mode == "colocate":
-            if not isinstance(gen.llm, SeededLLM):
-                tp, rank = a.vllm_tensor_parallel_size, self.accelerator.process_index
-                gen.llm = self.seeds.seeded(gen.llm, lambda n: first_rollout_row(rank, tp, n))
-        else:
-            # The server samples the whole batch from one seed (its i-th sample of a prompt from seed + i).
-            rank = self.accelerator.process_index // a.vllm_tensor_parallel_size
-            gen.generation_kwargs = {
-                **(gen.generation_kwargs or {}),
-                "seed": row_seed(a.seed, self.seeds.step, rank),
-            }
-        return super()._generate_vllm(prompt_ids)
-
-    def _sync_rollout_weights(self) -> None:
-        gen = self.vllm_generation
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        if gen.mode != "colocate" or zero3:
-            gen.sync_weights()  # TRL's path: server mode, sharded parameters
-            return
-        on_cpu = self.accelerator.device.type == "cpu"
-        sync_colocated_engine(gen, self.accelerator.unwrap_model(self.model), on_cpu=on_cpu)
 
     def _generate_transformers(self, prompt_ids):
         # Rollouts come from the policy without dropout, as the vLLM engine's do.
@@ -429,7 +426,7 @@ class OPSDTrainer(SDFTTrainer):
             and self.model.training
             and self.accelerator.is_main_process
             and self.state.global_step % every == 0
-            and self._step % self.args.gradient_accumulation_steps == 0
+            and self.micro_batch % self.args.gradient_accumulation_steps == 0
         )
 
     def _log_completions(self, inputs, hidden: CompletionHiddenStates) -> None:
@@ -461,13 +458,14 @@ class OPSDTrainer(SDFTTrainer):
         model = self.accelerator.unwrap_model(self.model)
         if not isinstance(model, PeftModel) or len(model.peft_config) == 1:
             return super()._save(output_dir, state_dict)
-        model.save_pretrained = functools.partial(
-            type(model).save_pretrained, model, selected_adapters=[model.active_adapter]
-        )
-        try:
-            return super()._save(output_dir, state_dict)
-        finally:
-            del model.save_pretrained
+        # transformers' `_save` for a peft model, with the active adapter alone: it has no setting for the
+        # adapters it saves.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model.save_pretrained(output_dir, state_dict=state_dict, selected_adapters=[model.active_adapter])
+        if self.args.should_save:
+            self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume, on every backend (DeepSpeed included), before training begins.

@@ -14,7 +14,7 @@ time split and memory the trainer logs (`bench.common.STEP_METRICS`), medians ov
 (engine warm-up), and every step's values.
 
 Agreement: after training, the same process pushes the student's current weights into the engine
-(`_sync_rollout_weights`), samples `--agree-prompts` student prompts x `--agree-tokens` tokens at temperature 1
+(`vllm_generation.sync_weights`), samples `--agree-prompts` student prompts x `--agree-tokens` tokens at temperature 1
 with the engine's log-prob of each sampled token, and scores those tokens with the student in eval mode
 (`_completion_hidden`, `head_logits` with the trainer's logit transform). The row reports max and mean |delta log p|,
 the engine's log-prob mode and the engine's model class (whether it ran the family through vLLM's Transformers
@@ -101,7 +101,7 @@ def agreement(trainer, n_prompts: int, n_tokens: int, seed: int) -> dict:
     from opsd.method.hidden import IDENTITY, eval_mode, head_logits, left_pad, lm_head_weight, right_pad
 
     gen = trainer.vllm_generation
-    trainer._sync_rollout_weights()  # the last optimizer step's weights are not in the engine yet
+    trainer.vllm_generation.sync_weights()  # the last optimizer step's weights are not in the engine yet
     if getattr(gen, "enable_sleep_mode", False):
         gen.llm.wake_up(tags=["kv_cache"])
     rows = trainer.train_dataset.select(range(n_prompts))

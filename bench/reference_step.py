@@ -33,16 +33,18 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.use_vllm:
-            kwargs = dict(self.vllm_generation.generation_kwargs or {})
-            kwargs.pop("detokenize", None)
-            self.vllm_generation.generation_kwargs = kwargs
+            gen = self.vllm_generation
+            gen.generation_kwargs = {k: v for k, v in gen.generation_kwargs.items() if k != "detokenize"}
+            gen.llm = getattr(gen.llm, "llm", gen.llm)  # the reference samples with TRL's one seed per engine
 
     def _generate_vllm(self, prompt_ids):
+        from trl.generation.vllm_generation import VLLMGeneration
+
         if self.state.global_step != self._last_loaded_step:
             with self.clock.phase("weight_sync"):
-                self.vllm_generation.sync_weights()
+                VLLMGeneration.sync_weights(self.vllm_generation)  # TRL's push, not OPSDGeneration's
             self._last_loaded_step = self.state.global_step
-        return opsd_trainer.SDFTTrainer._generate_vllm(self, prompt_ids)  # TRL's call, not OPSDTrainer's
+        return opsd_trainer.SDFTTrainer._generate_vllm(self, prompt_ids)
 
     def _role_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
         width = prompt_ids.size(1)

@@ -16,6 +16,7 @@ an engine started once can serve the base model and any number of checkpoints (e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -65,11 +66,6 @@ class RolloutSeeds:
             yield
         finally:
             self._override = None
-
-    def seeded(self, llm, first_row: Callable[[int], int]) -> SeededLLM:
-        """`llm` (a `vllm.LLM`) whose `generate` seeds each prompt of a call with its own seed; `first_row(n)`
-        is the global position of a call's first prompt when the call has n prompts."""
-        return SeededLLM(llm, lambda n: self.for_rows(first_row(n), n))
 
 
 class SeededLLM:
@@ -190,3 +186,83 @@ def sync_colocated_engine(generation, model, *, on_cpu: bool) -> None:
         generation._llm_weights_sleeping = False
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
+
+
+# -- TRL's engine -------------------------------------------------------------------------------------------
+@contextmanager
+def opsd_engine(
+    seeds: RolloutSeeds, clock, *, max_num_seqs: int, tensor_parallel_size: int, process_index: int
+):
+    """While active, the engine TRL's trainer creates is OPSD's (`OPSDGeneration`): SDFTTrainer.__init__ builds
+    `trl.generation.vllm_generation.VLLMGeneration` by name and has no setting for its class, so the name is
+    replaced for the duration. `clock` (a `PhaseClock`) times the weight pushes as phase `weight_sync`."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.VLLMGeneration
+    vllm_generation.VLLMGeneration = functools.partial(
+        _generation_class(original),
+        seeds=seeds,
+        clock=clock,
+        max_num_seqs_limit=max_num_seqs,
+        rank_in_batch=process_index // tensor_parallel_size,
+        first_row=lambda n: first_rollout_row(process_index, tensor_parallel_size, n),
+    )
+    try:
+        yield
+    finally:
+        vllm_generation.VLLMGeneration = original
+
+
+@functools.cache
+def _generation_class(base: type) -> type:
+    class OPSDGeneration(base):
+        """TRL's `VLLMGeneration` with OPSD's seeds and weight pushes, every setting passed where TRL reads it:
+
+        - `max_num_seqs_limit` > 0 caps the colocated engine's batch (TRL sizes it from the batch with no setting
+          of its own). On vLLM's CPU backend a decode step's numerics depend on how many sequences it holds, so
+          one at a time makes seeded rollouts independent of how the batch is split across processes;
+        - a colocated engine does not detokenise: training reads token ids only, and vLLM would otherwise
+          detokenise every sequence at every decode step in this process, between GPU steps;
+        - the colocated engine is a `SeededLLM` (one seed per row); a server samples the whole batch from one
+          seed per step and process group (its i-th sample of a prompt from seed + i), in `generation_kwargs`;
+        - `sync_weights`, which TRL calls whenever the weights changed, pushes the merged weights out of place
+          (`sync_colocated_engine`); a server and ZeRO-3's sharded parameters take TRL's path.
+        """
+
+        def __init__(self, *args, seeds, clock, max_num_seqs_limit, rank_in_batch, first_row, **kwargs):
+            self.seeds, self.clock = seeds, clock
+            self.rank_in_batch, self.first_row = rank_in_batch, first_row
+            if max_num_seqs_limit > 0:
+                kwargs["max_num_seqs"] = max_num_seqs_limit
+            if kwargs.get("mode") == "colocate":
+                kwargs["generation_kwargs"] = {"detokenize": False, **(kwargs.get("generation_kwargs") or {})}
+            super().__init__(*args, **kwargs)
+
+        def _init_vllm(self) -> None:
+            super()._init_vllm()
+            if self.mode == "colocate":
+                self.llm = SeededLLM(self.llm, lambda n: self.seeds.for_rows(self.first_row(n), n))
+
+        @property
+        def generation_kwargs(self) -> dict:
+            if self.mode == "colocate":
+                return self.fixed_generation_kwargs
+            return {
+                **self.fixed_generation_kwargs,
+                "seed": row_seed(self.seeds.seed, self.seeds.step, self.rank_in_batch),
+            }
+
+        @generation_kwargs.setter
+        def generation_kwargs(self, value: dict) -> None:
+            self.fixed_generation_kwargs = value
+
+        def sync_weights(self) -> None:
+            with self.clock.phase("weight_sync"):
+                plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+                if self.mode != "colocate" or (plugin is not None and plugin.zero_stage == 3):
+                    super().sync_weights()
+                    return
+                on_cpu = self.accelerator.device.type == "cpu"
+                sync_colocated_engine(self, self.accelerator.unwrap_model(self.model), on_cpu=on_cpu)
+
+    return OPSDGeneration

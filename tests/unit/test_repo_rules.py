@@ -411,3 +411,45 @@ def test_the_configuration_doc_is_generated_from_the_config():
     for name in OPSDConfig.__dict__["__annotations__"]:
         assert f"| `{name}` | `OPSD_{name.upper()}` |" in table
     assert config_docs.main(["--check"]) == 0
+
+
+def trl_state_writes(source: str, trl_attributes: set[str]) -> list[str]:
+    """Assignments outside `__init__` in `source` to an attribute TRL's classes set (`self.X` with X in
+    `trl_attributes`) or to another object's attribute (`obj.X = ...`): "line: target"."""
+    found = []
+
+    def visit(node, in_init):
+        for child in ast.iter_child_nodes(node):
+            init = in_init or (isinstance(child, ast.FunctionDef) and child.name == "__init__")
+            targets = []
+            if isinstance(child, ast.Assign):
+                targets = child.targets
+            elif isinstance(child, ast.AugAssign | ast.AnnAssign):
+                targets = [child.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and not init:
+                    own = isinstance(t.value, ast.Name) and t.value.id == "self"
+                    if not own or t.attr in trl_attributes:
+                        found.append(f"{child.lineno}: {ast.unparse(t)}")
+            visit(child, init)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_the_trainer_writes_no_trl_state_outside_init():
+    """OPSDTrainer owns its state: outside `__init__` it assigns no attribute that TRL's SDFTTrainer or
+    transformers' Trainer sets, and no attribute of another object (an engine, a model)."""
+    import transformers.trainer
+    from trl.experimental.sdft import sdft_trainer
+
+    trl_attributes = set()
+    for module in (sdft_trainer, transformers.trainer):
+        for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    trl_attributes.add(node.attr)
+    assert {"_step", "_last_loaded_step", "_buffered_inputs"} <= trl_attributes
+    assert trl_state_writes((ROOT / "opsd_trainer.py").read_text(), trl_attributes) == []
+    snippet = "class T:\n    def __init__(self):\n        self._step = 0\n    def f(self, m):\n        self._step = 1\n        m.llm = 2\n        self.mine = 3\n"
+    assert trl_state_writes(snippet, trl_attributes) == ["5: self._step", "6: m.llm"]
