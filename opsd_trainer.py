@@ -125,7 +125,7 @@ class OPSDTrainer(SDFTTrainer):
             own_classes(model)  # the model's classes in place
         with (
             engine_max_num_seqs(getattr(config, "vllm_max_num_seqs", 0)),
-            engine_start_refusal(colocated, model),
+            engine_start_refusal(colocated, model, getattr(config, "output_dir", None)),
         ):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
