@@ -15,7 +15,8 @@ in saved configs and the engine's own model (an instance of the original class) 
 without torchvision, say) into one line naming the engine, its version, the family, the model type the checkpoint
 declares, the cause and the fix. vLLM reports such failures on its own first, with tracebacks, through a logger
 that writes to the process's stdout; so the engine starts with the process's output (file descriptors 1 and 2,
-which vLLM's logger, its C++ code and progress bars all write to) going to files. Once the engine is up, that
+which vLLM's logger, its C++ code and progress bars all write to) going to files, in the run directory's
+`vllm_engine_start.partial/` while it starts (where a slow start can be followed). Once the engine is up, that
 output is replayed to its streams; when it fails, it is kept in the run directory (`vllm_engine_start.log`), the
 one line names that file, and nothing of it reaches the terminal unless `--debug` (or `OPSD_DEBUG=1`) is given.
 """
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import traceback
@@ -98,9 +100,12 @@ def engine_start_refusal(colocated: bool, model, log_dir: str | Path | None = No
     if not colocated:
         yield
         return
-    logger.info("starting the colocated vLLM engine (its start-up output follows once it is up)")
-    with tempfile.TemporaryDirectory(prefix="opsd-engine-start-") as tmp:
-        capture = _Capture(Path(tmp))
+    with _capture_folder(log_dir) as folder:
+        logger.info(
+            "starting the colocated vLLM engine; its output goes to %s until it is up, then follows here",
+            folder,
+        )
+        capture = _Capture(folder)
         try:
             with capture:
                 yield
@@ -119,12 +124,28 @@ def engine_start_refusal(colocated: bool, model, log_dir: str | Path | None = No
         capture.replay()
 
 
+@contextmanager
+def _capture_folder(log_dir: str | Path | None):
+    """Where the start-up output goes while the engine starts: a folder in the run directory, where a slow or hung
+    start can be followed (`tail -f`), removed afterwards; a temporary folder without a run directory."""
+    if log_dir is None:
+        with tempfile.TemporaryDirectory(prefix="opsd-engine-start-") as tmp:
+            yield Path(tmp)
+        return
+    folder = _engine_log_path(log_dir).with_suffix(".partial")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class _Capture:
     """File descriptors 1 and 2 redirected to files in `folder` while inside; `replay` writes what they got to the
     streams they were meant for."""
 
     def __init__(self, folder: Path):
-        self.paths = {fd: folder / f"fd{fd}" for fd in (1, 2)}
+        self.paths = {fd: folder / name for fd, name in ((1, "stdout"), (2, "stderr"))}
         self.saved: dict[int, int] = {}
 
     def __enter__(self):

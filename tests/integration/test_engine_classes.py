@@ -123,6 +123,7 @@ def test_a_failed_start_is_one_line_and_its_output_kept_off_both_streams(
     assert "--rollout_engine transformers" in line and line.endswith(f"{run / 'vllm_engine_start.log'}")
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Initializing" not in out and "checkpoint shards" not in err
+    assert [p.name for p in run.iterdir()] == ["vllm_engine_start.log"]
     log = (run / "vllm_engine_start.log").read_text()
     assert "ModuleNotFoundError: No module named 'torchvision'" in log and "checkpoint shards" in log
     assert "ValueError: Model architectures" in log  # and the error itself, with its traceback
@@ -143,6 +144,7 @@ def test_a_started_engine_shows_its_output_and_other_errors_keep_theirs(fake_eng
     out, err = capfd.readouterr()
     assert "Initializing a V1 LLM engine" in out and "checkpoint shards" in err  # replayed on its own stream
     assert not (tmp_path / "run" / "vllm_engine_start.log").exists()
+    assert list((tmp_path / "run").iterdir()) == []  # the capture's folder is gone too
     with (
         pytest.raises(KeyError, match="not the engine's"),
         engine_start_refusal(True, model, tmp_path / "run"),
