@@ -78,6 +78,9 @@ class SeededLLM:
     def __init__(self, llm, seeds_for: Callable[[int], list[int]]):
         self.llm = llm
         self.seeds_for = seeds_for  # number of prompts -> one seed per prompt
+        self.generated = (
+            False  # the first generation is the first forward: a kernel may refuse the model there
+        )
 
     def __getattr__(self, name):
         return getattr(self.llm, name)
@@ -90,7 +93,14 @@ class SeededLLM:
                 sp.seed = seed
                 per_row.append(sp)
             sampling_params = per_row
-        return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        if self.generated:
+            return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        from opsd.method.engine_classes import engine_run_refusal
+
+        with engine_run_refusal(self.llm):
+            outputs = self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        self.generated = True
+        return outputs
 
 
 # -- weights ------------------------------------------------------------------------------------------------

@@ -197,10 +197,12 @@ def _engine_log_path(log_dir: str | Path | None) -> Path:
     return path
 
 
-def refusal_line(err: BaseException, model, output: str, log: Path) -> str:
-    """The one line for an engine that failed to start: engine and version, the architecture and the model type
-    the checkpoint declares (and the one it was loaded as, where they differ), the cause in a few words, the fix,
-    and where vLLM's output is."""
+def refusal_line(
+    err: BaseException, model, output: str, log: Path | None, *, failed: str = "to start"
+) -> str:
+    """The one line for an engine that failed `failed` (to start, on its first generation): engine and version,
+    the architecture and the model type the checkpoint declares (and the one it was loaded as, where they
+    differ), the cause in a few words, the fix, and where vLLM's output is (when it was kept)."""
     import vllm
 
     config = getattr(model, "config", None)
@@ -217,10 +219,23 @@ def refusal_line(err: BaseException, model, output: str, log: Path) -> str:
         fix = f"set {PORT_VARIABLE} to a free port (e.g. {PORT_VARIABLE}={_free_port()}) or stop what holds {port}"
     else:
         cause, fix = _cause(err, output).rstrip(". "), ENGINE_FIX
-    return (
-        f"the colocated vLLM {vllm.__version__} engine failed to start for {arch} ({what}): {cause}; {fix}; "
-        f"vLLM's output: {log}"
-    )
+    where = f"; vLLM's output: {log}" if log is not None else ""
+    return f"the colocated vLLM {vllm.__version__} engine failed {failed} for {arch} ({what}): {cause}; {fix}{where}"
+
+
+@contextmanager
+def engine_run_refusal(llm):
+    """Inside the block (an engine's first generation), an error raised from vLLM's own code becomes one line as
+    at start-up: a kernel that refuses the model's shapes fails only once it runs (vLLM's CPU MLA kernel takes
+    one latent size, and says so on the first forward)."""
+    try:
+        yield
+    except Exception as err:
+        if not raised_inside(err, ENGINE_PACKAGE):
+            raise
+        config = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "hf_config", None)
+        model = type("EngineModel", (), {"config": config})()
+        raise UnsupportedModel(refusal_line(err, model, "", None, failed="on its first generation")) from err
 
 
 def _declared(config) -> dict:

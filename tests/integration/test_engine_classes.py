@@ -81,6 +81,19 @@ def start(fail):
                     b"(MainProcess) ERROR [registry.py:1120]   File \\"vllm/model_executor/models/qwen3_5.py\\", line 88\\n"
                     b"(MainProcess) ERROR [registry.py:1120] ModuleNotFoundError: No module named 'torchvision'\\n")
         raise ValueError("Model architectures ['Qwen3_5ForConditionalGeneration'] failed to be inspected.")
+
+
+class Engine:  # a started engine whose kernel refuses the model on the calls in `fail_on`
+    def __init__(self, hf_config, fail_on):
+        self.llm_engine = type("LLMEngine", (), {})()
+        self.llm_engine.model_config = type("ModelConfig", (), {"hf_config": hf_config})()
+        self.fail_on, self.calls = fail_on, 0
+
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ValueError("Head dimension 48 is not supported by MLA.")
+        return ["completion"] * len(prompts)
 """
 
 
@@ -102,7 +115,7 @@ def fake_engine(tmp_path):
     (checkpoint / "config.json").write_text(json.dumps(declared))
     # the text model a multimodal Qwen3.5 checkpoint loads as
     model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_5_text", _name_or_path=str(checkpoint)))
-    return module.start, model
+    return SimpleNamespace(start=module.start, Engine=module.Engine, model=model)
 
 
 def test_a_failed_start_is_one_line_and_its_output_kept_off_both_streams(
@@ -112,7 +125,7 @@ def test_a_failed_start_is_one_line_and_its_output_kept_off_both_streams(
     from opsd.method.engine_classes import engine_start_refusal
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    start, model = fake_engine
+    start, model = fake_engine.start, fake_engine.model
     run = tmp_path / "run"
     with pytest.raises(UnsupportedModel) as refused, engine_start_refusal(True, model, run):
         start(fail=True)
@@ -138,7 +151,7 @@ def test_a_failed_start_is_one_line_and_its_output_kept_off_both_streams(
 def test_a_started_engine_shows_its_output_and_other_errors_keep_theirs(fake_engine, tmp_path, capfd):
     from opsd.method.engine_classes import engine_start_refusal
 
-    start, model = fake_engine
+    start, model = fake_engine.start, fake_engine.model
     with engine_start_refusal(True, model, tmp_path / "run"):
         start(fail=False)
     out, err = capfd.readouterr()
@@ -152,3 +165,25 @@ def test_a_started_engine_shows_its_output_and_other_errors_keep_theirs(fake_eng
         start(fail=False)
         raise KeyError("not the engine's")
     assert "Initializing a V1 LLM engine" in capfd.readouterr().out
+
+
+def test_a_kernel_refusing_the_model_on_the_first_generation_is_one_line(fake_engine):
+    """vLLM checks some kernels' shapes only when they first run (its CPU MLA kernel takes one latent size): the
+    first generation's failure is one line too; later failures are not a refusal of the model and keep theirs."""
+    from opsd.errors import UnsupportedModel
+    from opsd.method.engine import SeededLLM
+
+    config = fake_engine.model.config
+    with pytest.raises(UnsupportedModel) as refused:
+        SeededLLM(fake_engine.Engine(config, fail_on={1}), lambda n: [0] * n).generate(["prompt"])
+    line = str(refused.value)
+    assert "failed on its first generation for Qwen3_5ForConditionalGeneration (model type 'qwen3_5'" in line
+    assert (
+        "ValueError: Head dimension 48 is not supported by MLA; train with --rollout_engine transformers"
+        in line
+    )
+
+    later = SeededLLM(fake_engine.Engine(config, fail_on={2}), lambda n: [0] * n)
+    assert later.generate(["prompt"]) == ["completion"]
+    with pytest.raises(ValueError, match="Head dimension 48"):
+        later.generate(["prompt"])
