@@ -68,10 +68,15 @@ def main(argv: list[str] | None = None) -> Path | None:
     checked = preflight.check_run(config, extra, num_processes=state.num_processes)
     dataset, pairing_record, history = checked.dataset, checked.pairing_record, checked.history
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     from opsd.method import lora_targets
-    from opsd.models import load_tokenizer, resolve_attn_implementation, resolve_dtype, resolve_model_path
+    from opsd.models import (
+        load_model,
+        load_tokenizer,
+        resolve_attn_implementation,
+        resolve_dtype,
+        resolve_model_path,
+    )
     from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
     from opsd.run.probe import Probe, split_probe
     from opsd.run.provenance import provenance
@@ -119,8 +124,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         )
 
     tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = load_model(
         model_path,
+        allow_missing_weights=config.allow_missing_weights,
         revision=config.model_revision,
         dtype=resolve_dtype(config.dtype),
         attn_implementation=resolve_attn_implementation(config.attn_implementation),
@@ -132,7 +138,9 @@ def main(argv: list[str] | None = None) -> Path | None:
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=lora_targets.resolve_targets(model, config.lora_target_modules),
+            **lora_targets.resolve_targets(
+                model, config.lora_target_modules, lora_dropout=config.lora_dropout
+            ),
             task_type="CAUSAL_LM",
         )
     elif config.teacher_mode == "fixed":

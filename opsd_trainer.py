@@ -139,7 +139,7 @@ class OPSDTrainer(SDFTTrainer):
                 tensor_parallel_size=config.vllm_tensor_parallel_size,
                 process_index=config.process_index,
             ),
-            engine_start_refusal(colocated, model),
+            engine_start_refusal(colocated, model, config.output_dir),
         ):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args

@@ -83,7 +83,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
     cfg = OPSDConfig(output_dir=work, model_name_or_path=str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                      target_modules=resolve_targets(model, cfg.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
+                      **resolve_targets(model, cfg.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
     model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():

@@ -318,7 +318,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     dtype = torch.bfloat16 if cuda else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=resolve_targets(model, config.lora_target_modules), task_type="CAUSAL_LM")  # fmt: skip
+                      **resolve_targets(model, config.lora_target_modules, lora_dropout=config.lora_dropout), task_type="CAUSAL_LM")  # fmt: skip
     trainer = FixedRolloutTrainer(model=model, args=config, train_dataset=dataset,
                                   processing_class=load_tokenizer(str(model_dir)), peft_config=lora)  # fmt: skip
     trainer.length, trainer.spans, trainer.tokens, trainer.widths = length, Spans(cuda), Counter(), set()

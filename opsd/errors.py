@@ -71,9 +71,20 @@ def report(err: BaseException, prog: str, *, debug: bool) -> int:
     return USER_ERROR_EXIT
 
 
+_debug_run = False
+
+
+def debug_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process runs under `--debug` (an entry point's `run_main`) or `OPSD_DEBUG=1`: code that keeps a
+    library's own output back (a failed engine start's) shows it then."""
+    return _debug_run or split_debug([], environ)[0]
+
+
 def run_main(main: Callable[[list[str]], object], prog: str, argv: Sequence[str] | None = None) -> int:
     """Call `main(argv)`; a `UserError` becomes one line on stderr and exit status 2, anything else raises."""
+    global _debug_run
     debug, rest = split_debug(sys.argv[1:] if argv is None else argv)
+    _debug_run = debug
     try:
         main(rest)
     except UserError as err:

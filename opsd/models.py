@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from opsd.configuration.choices import check_choice
-from opsd.errors import MissingPath
+from opsd.errors import MissingPath, UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,62 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str = "
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_model(path: str, *, allow_missing_weights: bool = False, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, refused when the checkpoint lacks weights of the
+    model (`check_loaded_weights`)."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    check_loaded_weights(model, info, path, allow_missing_weights=allow_missing_weights)
+    return model
+
+
+SHOWN_WEIGHTS = 3
+
+
+def check_loaded_weights(model, info: dict, path: str, *, allow_missing_weights: bool = False) -> None:
+    """Refuse (UnsupportedModel, one line) a model some of whose weights the checkpoint did not hold or held in
+    another shape: transformers initialises those at random and says so only in a load report, and training on a
+    random lm_head or layer is silent corruption. `allow_missing_weights` turns the refusal into a warning.
+    Checkpoint weights the model has no place for (a multimodal checkpoint's vision tower under its text model)
+    are only logged: they do not change what is trained."""
+    missing = sorted(set(info.get("missing_keys") or ()) | {k[0] for k in info.get("mismatched_keys") or ()})
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        logger.info(
+            "%d weights of checkpoint %s are not part of the %s model and are not loaded (%s%s)",
+            len(unexpected), path, type(model).__name__, ", ".join(unexpected[:SHOWN_WEIGHTS]),
+            ", ..." if len(unexpected) > SHOWN_WEIGHTS else "",
+        )  # fmt: skip
+    if not missing:
+        return
+    shown = ", ".join(missing[:SHOWN_WEIGHTS]) + (
+        f" and {len(missing) - SHOWN_WEIGHTS} more" if len(missing) > SHOWN_WEIGHTS else ""
+    )
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if any(name.split(".")[-2:-1] == ["lm_head"] for name in missing) and not getattr(
+        text, "tie_word_embeddings", False
+    ):
+        cause = (
+            "the config unties the output head (tie_word_embeddings false) while the checkpoint has no lm_head "
+            "weight: it was probably saved tied; set tie_word_embeddings true in its config.json (in its "
+            "text_config for a multimodal one)"
+        )
+    else:
+        cause = (
+            "the checkpoint is not of this architecture or version (compare its config.json with the model "
+            "class), or is incomplete"
+        )
+    message = (
+        f"model {path}: {len(missing)} weights of {type(model).__name__} are not in the checkpoint and were "
+        f"initialised at random ({shown}); likely cause: {cause}"
+    )
+    if allow_missing_weights:
+        logger.warning("%s; training anyway (allow_missing_weights)", message)
+        return
+    raise UnsupportedModel(f"{message}; or pass --allow_missing_weights true to train with them random")
 
 
 def looks_like_hub_id(name: str) -> bool:

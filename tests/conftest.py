@@ -170,7 +170,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj"
             r=4,
             lora_alpha=8,
             lora_dropout=cfg.lora_dropout,
-            target_modules=resolve_targets(model, list(targets)),
+            **resolve_targets(model, list(targets), lora_dropout=cfg.lora_dropout),
             task_type="CAUSAL_LM",
         )  # fmt: skip
         if use_peft

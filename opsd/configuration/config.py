@@ -149,6 +149,14 @@ class OPSDConfig(SDFTConfig):
         default="auto",
         metadata=_help("auto (flash_attention_2 if installed on GPU, else sdpa) | sdpa | eager | ..."),
     )
+    allow_missing_weights: bool = field(
+        default=False,
+        metadata=_help(
+            "Train even when the checkpoint lacks weights of the model, which transformers then initialises at "
+            "random (an lm_head missing under an untied config, say); without it such a model is refused in "
+            "one line naming them."
+        ),
+    )
     use_peft: bool = field(
         default=True, metadata=_help("Train LoRA adapters (published recipe) instead of all weights.")
     )

@@ -74,6 +74,9 @@ class SeededLLM:
     def __init__(self, llm, seeds_for: Callable[[int], list[int]]):
         self.llm = llm
         self.seeds_for = seeds_for  # number of prompts -> one seed per prompt
+        self.generated = (
+            False  # the first generation is the first forward: a kernel may refuse the model there
+        )
 
     def __getattr__(self, name):
         return getattr(self.llm, name)
@@ -86,7 +89,14 @@ class SeededLLM:
                 sp.seed = seed
                 per_row.append(sp)
             sampling_params = per_row
-        return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        if self.generated:
+            return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        from opsd.method.engine_classes import engine_run_refusal
+
+        with engine_run_refusal(self.llm):
+            outputs = self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
+        self.generated = True
+        return outputs
 
 
 # -- weights ------------------------------------------------------------------------------------------------
@@ -104,26 +114,52 @@ def merged_named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _merged(model) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from _merged_parameters(model)
+    yield from _persistent_buffers(model)
+
+
+def _persistent_buffers(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (DeepSeek-V3's router score-correction bias): the engine's reload leaves a
+    weight it is not given uninitialised."""
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    for module_name, module in base.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                full = f"{module_name}.{name}" if module_name else name
+                yield full.replace(".base_layer.", "."), buffer.detach()
+
+
+def _merged_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
         for name, p in model.named_parameters():
             yield name, p.detach()
         return
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
     base = model.get_base_model()
     adapter = model.active_adapter
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
-        if ".base_layer." in name:
-            module_path, _, leaf = name.rpartition(".base_layer.")
-            module = base.get_submodule(module_path)
-            value = p.detach()
-            if leaf == "weight" and adapter in getattr(module, "lora_A", {}):
-                value = value + module.get_delta_weight(adapter).to(value.dtype)
-            yield f"{module_path}.{leaf}", value
-        else:
+        if ".base_layer." not in name:
             yield name, p.detach()
+            continue
+        # `a.b.base_layer[.base_layer...].leaf`: a LoRA module at `a.b`, or nested parameter wrappers there (one per
+        # adapted parameter: peft's target_parameters, e.g. the routed experts' fused `gate_up_proj`)
+        module_path, _, rest = name.partition(".base_layer.")
+        leaf = rest.replace("base_layer.", "")
+        value = p.detach()
+        module = base.get_submodule(module_path)
+        while isinstance(module, LoraLayer) and "." not in leaf:  # a parameter of the wrapped module itself
+            wrapped = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
+            if leaf == wrapped and adapter in module.lora_A:
+                value = value + module.get_delta_weight(adapter).to(value.dtype)
+            module = module.base_layer
+        yield f"{module_path}.{leaf}", value
 
 
 def checkpoint_format(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -158,9 +194,45 @@ def push_weights(
     else:
         kwargs["weights_path"] = path
     llm.collective_rpc("reload_weights", kwargs=kwargs)
-    if tie_word_embeddings and _cpu_backend():
-        llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+    if _cpu_backend():
+        llm.apply_model(repack_cpu_experts)
+        if tie_word_embeddings:
+            llm.apply_model(repack_tied_heads)
     llm.reset_prefix_cache()
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack again, for the CPU backend's fused-MoE kernel, the expert weights of every mixture-of-experts layer of
+    the engine's `model` after a reload; returns how many layers were packed.
+
+    vLLM 0.32 packs expert weights for its CPU kernel only when the layer's kernel is first set up: a reload
+    processes the layer again but, the kernel being set up already, leaves the reloaded weights in checkpoint
+    layout, and the kernel then reads them as packed (the rollouts of a Qwen3-MoE or DeepSeek-V3 engine move away
+    from the model's own distribution on the first push, even of unchanged weights)."""
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
+
+
+def repack_tied_heads(model: torch.nn.Module) -> int:
+    """Rebuild the CPU backend's packed copy of the output head of the engine's `model` (a tied model's, whose
+    head shares the embedding's weight); returns how many heads were rebuilt.
+
+    A tied head's weight is not in the checkpoint, so the reload never re-processes the head itself and its
+    packed copy would keep the old embedding. Heads are found by type, not by name: several tied vLLM classes
+    (Gemma 2, Cohere) have no `lm_head` and compute their logits from the embedding module itself, which the
+    reload re-processes like any other module; for them there is nothing to rebuild."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    for head in heads:
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
 
 
 def _cpu_backend() -> bool:

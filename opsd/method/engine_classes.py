@@ -11,24 +11,48 @@ capture of `opsd.method.hidden`) no longer run.
 name that pins `__call__` and `forward` to the class's own (undecorated) ones. isinstance checks, class names
 in saved configs and the engine's own model (an instance of the original class) are unaffected.
 
-`engine_start_refusal` turns an engine that cannot start on an architecture (vLLM's CPU build cannot import its
-Qwen3.5 module without torchvision, say) into one line naming the engine, its version, the family and the
-engine that works.
+`engine_start_refusal` turns an engine that cannot start (vLLM's CPU build cannot import its Qwen3.5 module
+without torchvision, say) into one line naming the engine, its version, the family, the model type the checkpoint
+declares, the cause and the fix. vLLM reports such failures on its own first, with tracebacks, through a logger
+that writes to the process's stdout; so the engine starts with the process's output (file descriptors 1 and 2,
+which vLLM's logger, its C++ code and progress bars all write to) going to files, in the run directory's
+`vllm_engine_start.partial/` while it starts (where a slow start can be followed). Once the engine is up, that
+output is replayed to its streams; when it fails, it is kept in the run directory (`vllm_engine_start.log`), the
+one line names that file, and nothing of it reaches the terminal unless `--debug` (or `OPSD_DEBUG=1`) is given.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
-from opsd.errors import UnsupportedModel, raised_inside
+from opsd.errors import UnsupportedModel, debug_requested, raised_inside
+
+logger = logging.getLogger(__name__)
 
 # The base class vLLM's decorator appends (vllm.compilation.wrapper); matched by name so this module needs no vLLM.
 ENGINE_WRAPPER = "TorchCompileWithNoGuardsWrapper"
 PINNED = ("__call__", "forward")
 ENGINE_PACKAGE = "/vllm/"
 OWN_CLASS_FLAG = "_opsd_own_class"
+ENGINE_LOG = "vllm_engine_start.log"
+# The variable that moves the rendezvous port of the colocated engine's torch.distributed init: TRL starts it with
+# distributed_executor_backend="external_launcher", whose init method is env:// (MASTER_ADDR:MASTER_PORT), and
+# sets MASTER_PORT to 29500 when that looks free and the variable is unset.
+PORT_VARIABLE = "MASTER_PORT"
+ENGINE_FIX = (
+    "train with --rollout_engine transformers, or run vLLM in server mode where it runs it (docs/families.md)"
+)
 
 
 def decorated(cls: type) -> bool:
@@ -68,21 +92,214 @@ def own_classes(model: torch.nn.Module) -> int:
 
 
 @contextmanager
-def engine_start_refusal(colocated: bool, model):
-    """Inside the block, an error raised from vLLM's own code while the colocated engine starts becomes one line
-    naming the engine, its version, the model type and the engine that trains every family (transformers)."""
+def engine_start_refusal(colocated: bool, model, log_dir: str | Path | None = None):
+    """Inside the block, the colocated engine starts with the process's output captured (module docstring), and
+    an error raised from vLLM's own code becomes one line (`refusal_line`); the captured output is kept in
+    `log_dir` (the run directory; a temporary file without one). Other errors keep their traceback, after the
+    captured output is replayed."""
+    if not colocated:
+        yield
+        return
+    with _capture_folder(log_dir) as folder:
+        logger.info(
+            "starting the colocated vLLM engine; its output goes to %s until it is up, then follows here",
+            folder,
+        )
+        capture = _Capture(folder)
+        try:
+            with capture:
+                yield
+        except Exception as err:
+            if not raised_inside(err, ENGINE_PACKAGE):
+                capture.replay()
+                raise
+            if debug_requested():
+                capture.replay()
+            log = _engine_log_path(log_dir)
+            log.write_text(
+                capture.text() + "\n== the error ==\n" + "".join(traceback.format_exception(err)),
+                errors="replace",
+            )
+            raise UnsupportedModel(refusal_line(err, model, capture.text(), log)) from err
+        capture.replay()
+
+
+@contextmanager
+def _capture_folder(log_dir: str | Path | None):
+    """Where the start-up output goes while the engine starts: a folder in the run directory, where a slow or hung
+    start can be followed (`tail -f`), removed afterwards; a temporary folder without a run directory."""
+    if log_dir is None:
+        with tempfile.TemporaryDirectory(prefix="opsd-engine-start-") as tmp:
+            yield Path(tmp)
+        return
+    folder = _engine_log_path(log_dir).with_suffix(".partial")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Capture:
+    """File descriptors 1 and 2 redirected to files in `folder` while inside; `replay` writes what they got to the
+    streams they were meant for."""
+
+    def __init__(self, folder: Path):
+        self.paths = {fd: folder / name for fd, name in ((1, "stdout"), (2, "stderr"))}
+        self.saved: dict[int, int] = {}
+
+    def __enter__(self):
+        _flush()
+        for fd, path in self.paths.items():
+            self.saved[fd] = os.dup(fd)
+            with open(path, "wb") as f:
+                os.dup2(f.fileno(), fd)
+        return self
+
+    def __exit__(self, *exc):
+        _flush()
+        for fd, saved in self.saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        return False
+
+    def text(self) -> str:
+        parts = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            parts.append(f"== {name} ==\n" + self.paths[fd].read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def replay(self) -> None:
+        for fd, path in self.paths.items():
+            data = path.read_bytes()
+            while data:
+                data = data[os.write(fd, data) :]
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError):  # a closed or replaced stream
+            pass
+
+
+def _engine_log_path(log_dir: str | Path | None) -> Path:
+    """Where a failed start's output is kept: `log_dir`/vllm_engine_start.log (one file per rank beyond the
+    first), or a temporary file."""
+    if log_dir is None:
+        fd, name = tempfile.mkstemp(prefix="vllm_engine_start-", suffix=".log")
+        os.close(fd)
+        return Path(name)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    path = Path(log_dir) / (ENGINE_LOG if rank == 0 else ENGINE_LOG.replace(".log", f".rank{rank}.log"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def refusal_line(
+    err: BaseException, model, output: str, log: Path | None, *, failed: str = "to start"
+) -> str:
+    """The one line for an engine that failed `failed` (to start, on its first generation): engine and version,
+    the architecture and the model type the checkpoint declares (and the one it was loaded as, where they
+    differ), the cause in a few words, the fix, and where vLLM's output is (when it was kept)."""
+    import vllm
+
+    config = getattr(model, "config", None)
+    loaded_type = getattr(config, "model_type", type(model).__name__)
+    declared = _declared(config)
+    model_type = declared.get("model_type") or loaded_type
+    what = f"model type {model_type!r}"
+    if model_type != loaded_type:
+        what += f", loaded as {loaded_type!r}"
+    arch = (declared.get("architectures") or [type(model).__name__])[0]
+    port = _port_in_use(err)
+    if port is not None:
+        cause = f"its rendezvous port {port} ({PORT_VARIABLE}) is already in use by another process"
+        fix = f"set {PORT_VARIABLE} to a free port (e.g. {PORT_VARIABLE}={_free_port()}) or stop what holds {port}"
+    else:
+        cause, fix = _cause(err, output).rstrip(". "), ENGINE_FIX
+    where = f"; vLLM's output: {log}" if log is not None else ""
+    return f"the colocated vLLM {vllm.__version__} engine failed {failed} for {arch} ({what}): {cause}; {fix}{where}"
+
+
+@contextmanager
+def engine_run_refusal(llm):
+    """Inside the block (an engine's first generation), an error raised from vLLM's own code becomes one line as
+    at start-up: a kernel that refuses the model's shapes fails only once it runs (vLLM's CPU MLA kernel takes
+    one latent size, and says so on the first forward)."""
     try:
         yield
     except Exception as err:
-        if not colocated or not raised_inside(err, ENGINE_PACKAGE):
+        if not raised_inside(err, ENGINE_PACKAGE):
             raise
-        import vllm
+        config = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "hf_config", None)
+        model = type("EngineModel", (), {"config": config})()
+        raise UnsupportedModel(refusal_line(err, model, "", None, failed="on its first generation")) from err
 
-        config = getattr(model, "config", None)
-        model_type = getattr(config, "model_type", type(model).__name__)
-        first = " ".join(str(err).split())[:300]
-        raise UnsupportedModel(
-            f"the colocated vLLM {vllm.__version__} engine failed to start for model type {model_type!r} "
-            f"({type(err).__name__}: {first}); if this vLLM cannot run the architecture, train with "
-            "--rollout_engine transformers, or run vLLM in server mode where it runs it (docs/families.md)"
-        ) from err
+
+def _declared(config) -> dict:
+    """The checkpoint's own config.json (its declared model type and architectures), where it is a directory."""
+    path = Path(str(getattr(config, "_name_or_path", "") or "")) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen = []
+    while err is not None and err not in seen:
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
+
+
+def _port_in_use(err: BaseException) -> str | None:
+    for e in _chain(err):
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            found = re.search(r"port:? (\d+)", text)
+            return found.group(1) if found else os.environ.get(PORT_VARIABLE, "?")
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cause(err: BaseException, output: str) -> str:
+    """The real cause in a few words: a module vLLM failed to import (reported only in its logged output: the
+    error raised is a later, vaguer one), the reason in a validation error, else the innermost error."""
+    chain = _chain(err)
+    imports = [e for e in chain if isinstance(e, ImportError)]
+    if imports:
+        return _missing_module(type(imports[-1]).__name__, str(imports[-1]), output)
+    # vLLM logs an import failure of a model module line by line behind its own prefix
+    logged = re.findall(r"\b(ModuleNotFoundError|ImportError): (.+)$", output, flags=re.MULTILINE)
+    if logged:
+        return _missing_module(*logged[-1], output)
+    for e in chain:
+        reason = re.search(r"Value error, (.+?)(?: \[type=|$)", " ".join(str(e).split()))
+        if reason:
+            return reason.group(1)[:300]
+    inner = chain[-1]
+    return f"{type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
+
+
+def _missing_module(kind: str, message: str, output: str) -> str:
+    """An import failure in a few words, naming vLLM's model module where its traceback shows it."""
+    modules = [m for m in re.findall(r"vllm/model_executor/models/(\w+)\.py", output) if m != "registry"]
+    module = (
+        f"vLLM's module for it (vllm.model_executor.models.{modules[0]})"
+        if modules
+        else "vLLM's module for it"
+    )
+    name = re.search(r"No module named '([^']+)'", message)
+    if name:
+        return f"{module} imports {name.group(1)!r}, which is not installed here ({kind})"
+    return f"{module} does not import here ({kind}: {' '.join(message.split())[:200]})"

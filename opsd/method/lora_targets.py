@@ -11,6 +11,16 @@ kinds and skips the others without a word. `auto` takes every `nn.Linear` inside
 - a mixture-of-experts router (a projection onto the experts): adapting the routing is not what the recipe does.
 Convolution kernels and expert weights that are not `nn.Linear` are not adapted. On the dense families the rule
 gives the published recipe's q, k, v, o, gate, up and down projections.
+
+Where peft moves them. For the mixture-of-experts model types whose experts transformers 5 fuses into stacked
+parameters (DeepSeek-V3, Qwen3-MoE, GLM-4-MoE, OLMoE... transformers' `_MODEL_TO_CONVERSION_PATTERN`), peft
+rewrites every target_modules entry named like an expert projection (`gate_proj`, `up_proj`, `down_proj`, even as
+a full module name) into a target parameter of the routed experts, for adapters trained before that fusion. Such
+a target then adapts the routed experts, and the dense MLP of the first layers and the shared experts, whose
+`nn.Linear` modules carry those names, get nothing. `auto` asks peft's own conversion which of its chosen modules
+it would move, and adapts those through peft's `target_parameters` (`mlp.gate_proj.weight`: a LoRA delta on
+that one weight, the same W + BA as on a module) instead; peft's parameter adapters take no dropout, so with
+`lora_dropout` > 0 such a model is refused in one line.
 """
 
 from __future__ import annotations
@@ -52,6 +62,26 @@ def layer_kind(model: torch.nn.Module, index: int, layer: torch.nn.Module) -> st
     )
 
 
+def layer_kinds(model: torch.nn.Module) -> list[str]:
+    """Every decoder layer's kind (`layer_kind`), split further where layers of one kind are built of different
+    blocks: DeepSeek-V3's first layers have a dense MLP where the later ones have experts, in one layer class and
+    with no `layer_types`, so their kinds are `DeepseekV3DecoderLayer (mlp: DeepseekV3MLP)` and `... (mlp:
+    DeepseekV3MoE)`, and the coverage line of each says what its own linears got."""
+    layers = decoder_layers(model)
+    kinds = [layer_kind(model, i, layer) for i, (_, layer) in enumerate(layers)]
+    blocks = [tuple((n, type(c).__name__) for n, c in layer.named_children()) for _, layer in layers]
+    for kind in set(kinds):
+        members = [i for i, k in enumerate(kinds) if k == kind]
+        if len({blocks[i] for i in members}) < 2:
+            continue
+        # the children whose class differs between layers of this kind name the split
+        differing = [n for n, _ in blocks[members[0]] if len({dict(blocks[i]).get(n) for i in members}) > 1]
+        for i in members:
+            parts = ", ".join(f"{n}: {dict(blocks[i]).get(n)}" for n in differing)
+            kinds[i] = f"{kind} ({parts})"
+    return kinds
+
+
 def _expert_counts(model) -> set[int]:
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -75,12 +105,16 @@ def _source(cls: type) -> str:
         return ""
 
 
-def auto_targets(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
-    """(target_modules for peft, {module name: why left out}) under the `auto` rule (module docstring).
+def auto_targets(model: torch.nn.Module) -> tuple[list[str], list[str], dict[str, str]]:
+    """(target_modules, target_parameters for peft, {module name: why left out}) under the `auto` rule (module
+    docstring).
 
     Each target is the shortest name suffix that matches exactly the chosen modules among all of the model's
     modules (peft matches a target `t` to a module named `t` or ending in `.t`): the leaf name where every
-    module of that name is chosen (`q_proj`), a longer suffix where it is not (`self_attn.out_proj`)."""
+    module of that name is chosen (`q_proj`), a longer suffix where it is not (`self_attn.out_proj`). The
+    chosen modules peft would move off target_modules (`peft_moved`) become target parameters instead, the
+    shortest suffix of their `weight` that matches exactly those weights (`mlp.gate_proj.weight`,
+    `shared_experts.gate_proj.weight`)."""
     experts = _expert_counts(model)
     modules = dict(model.named_modules())
     chosen, left_out = set(), {}
@@ -96,16 +130,51 @@ def auto_targets(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
                 chosen.add(sub)
     if not chosen:
         raise ValueError(f"{type(model).__name__}: no linear projection in its decoder layers to adapt")
-    targets: set[str] = set()
+    moved = peft_moved(model, chosen)
+    targets = _shortest_suffixes(chosen - moved, set(modules))
+    weights = {f"{name}.weight" for name in moved}
+    parameters = _shortest_suffixes(weights, {n for n, _ in model.named_parameters()})
+    return sorted(targets, key=_published_order), sorted(parameters), left_out
+
+
+def _shortest_suffixes(chosen: set[str], names: set[str]) -> set[str]:
+    """For each of `chosen`, its shortest dotted suffix that matches (as peft matches) only names in `chosen`."""
+    suffixes: set[str] = set()
     for name in sorted(chosen):
         parts = name.split(".")
         for n in range(1, len(parts) + 1):
             suffix = ".".join(parts[-n:])
-            matched = {m for m in modules if m == suffix or m.endswith("." + suffix)}
-            if matched <= chosen:
-                targets.add(suffix)
+            if {m for m in names if m == suffix or m.endswith("." + suffix)} <= chosen:
+                suffixes.add(suffix)
                 break
-    return sorted(targets, key=_published_order), left_out
+    return suffixes
+
+
+def peft_moved(model: torch.nn.Module, names: set[str]) -> set[str]:
+    """Which of the modules `names` peft would not adapt as target_modules on this model, because its conversion
+    for transformers 5 moves such targets onto fused expert parameters (module docstring). Asked of peft's own
+    conversion, so the answer follows peft's list of model types; empty with a peft that has no conversion."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return set()
+
+    def kept(targets: set[str]) -> set[str]:
+        config = LoraConfig(r=1, target_modules=sorted(targets))
+        convert_peft_config_for_transformers(config, model=model, conversions=None)
+        return set(config.target_modules or ())
+
+    try:
+        return set(names) - kept(set(names))
+    except ValueError:  # peft refuses half of a fused pair (gate_proj without up_proj): ask name by name
+        moved = set()
+        for name in names:
+            try:
+                moved |= {name} - kept({name})
+            except ValueError:
+                moved.add(name)
+        return moved
 
 
 def _published_order(name: str) -> tuple[int, str]:
@@ -114,37 +183,78 @@ def _published_order(name: str) -> tuple[int, str]:
     return (order.index(leaf) if leaf in order else len(order), name)
 
 
-def resolve_targets(model: torch.nn.Module, requested: list[str]) -> str | list[str]:
-    """peft's target_modules for the config's `lora_target_modules`: `auto` resolved on this model, `all-linear`
-    passed to peft, any other list kept as given."""
-    if requested == [AUTO]:
-        targets, left_out = auto_targets(model)
-        if left_out:
-            reasons = defaultdict(set)
-            for name, why in left_out.items():
-                reasons[why].add(name.split(".")[-1])
-            logger.info(
-                "lora_target_modules=auto leaves out: %s",
-                "; ".join(f"{', '.join(sorted(v))} ({k})" for k, v in sorted(reasons.items())),
-            )
-        return targets
-    return "all-linear" if requested == ["all-linear"] else requested
+def resolve_targets(model: torch.nn.Module, requested: list[str], *, lora_dropout: float = 0.0) -> dict:
+    """peft's LoraConfig targets for the config's `lora_target_modules`, as keyword arguments: `auto` resolved on
+    this model (`target_modules`, and `target_parameters` where peft would move modules off target_modules),
+    `all-linear` passed to peft, any other list kept as given. Raises UnsupportedModel when `auto` needs target
+    parameters and `lora_dropout` is set (peft's parameter adapters refuse dropout)."""
+    if requested != [AUTO]:
+        return {"target_modules": "all-linear" if requested == ["all-linear"] else requested}
+    targets, parameters, left_out = auto_targets(model)
+    if left_out:
+        reasons = defaultdict(set)
+        for name, why in left_out.items():
+            reasons[why].add(name.split(".")[-1])
+        logger.info(
+            "lora_target_modules=auto leaves out: %s",
+            "; ".join(f"{', '.join(sorted(v))} ({k})" for k, v in sorted(reasons.items())),
+        )
+    if not parameters:
+        return {"target_modules": targets}
+    model_type = _model_type(model)
+    if lora_dropout:
+        raise UnsupportedModel(
+            f"lora_target_modules=auto on this {model_type!r} model adapts {', '.join(parameters)} as peft "
+            "target_parameters (peft moves target_modules of those names onto the routed experts' fused "
+            f"weights for this model type), and peft's parameter adapters take no dropout: set lora_dropout 0, "
+            f"or lora_target_modules={','.join(targets)} to leave those linear layers without adapters"
+        )
+    logger.info(
+        "lora_target_modules=auto adapts %s as peft target_parameters: peft would move modules of those names "
+        "onto the routed experts' fused weights of this %r model",
+        ", ".join(parameters), model_type,
+    )  # fmt: skip
+    return {"target_modules": targets, "target_parameters": parameters}
+
+
+def _model_type(model: torch.nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
 def coverage(model: torch.nn.Module) -> dict[str, dict[str, list[str]]]:
-    """Per layer kind: {"adapted": [...], "not adapted": [...]} linear modules (names inside the layer, e.g.
-    `self_attn.q_proj`), from a model that already carries its LoRA adapters."""
-    from peft.tuners.lora import LoraLayer
-
+    """Per layer kind (`layer_kinds`): {"adapted": [...], "not adapted": [...]} names inside the layer, from a
+    model that already carries its LoRA adapters. A linear module counts as adapted under its own name whether
+    peft wrapped the module or its weight (`mlp.gate_proj`); an adapted parameter of anything else is named
+    with the parameter (`mlp.experts.gate_up_proj`, the routed experts' fused weight)."""
     kinds: dict[str, dict[str, set[str]]] = defaultdict(lambda: {"adapted": set(), "not adapted": set()})
-    for index, (_, layer) in enumerate(decoder_layers(model)):
-        kind = layer_kind(model, index, layer)
-        for sub, module in layer.named_modules():
-            if isinstance(module, LoraLayer):
-                kinds[kind]["adapted"].add(sub)
-            elif isinstance(module, torch.nn.Linear) and not _inside_lora(sub, layer):
-                kinds[kind]["not adapted"].add(sub)
+    for kind, (_, layer) in zip(layer_kinds(model), decoder_layers(model), strict=True):
+        adapted, rest = _layer_coverage(layer)
+        kinds[kind]["adapted"] |= adapted
+        kinds[kind]["not adapted"] |= rest
     return {k: {state: sorted(names) for state, names in v.items()} for k, v in kinds.items()}
+
+
+def _layer_coverage(layer: torch.nn.Module) -> tuple[set[str], set[str]]:
+    """(adapted, not adapted linear) names inside one decoder layer (`coverage`)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    adapted, rest = set(), set()
+    for sub, module in layer.named_modules():
+        if _inside_lora(sub, layer):
+            continue
+        wrapper = module
+        while isinstance(wrapper, ParamWrapper):  # nested: one wrapper per adapted parameter of a module
+            base = wrapper.get_base_layer()
+            linear_weight = isinstance(base, torch.nn.Linear) and wrapper.parameter_name == "weight"
+            adapted.add(sub if linear_weight else f"{sub}.{wrapper.parameter_name}")
+            wrapper = wrapper.base_layer
+        if isinstance(module, ParamWrapper):
+            continue
+        if isinstance(module, LoraLayer):
+            adapted.add(sub)
+        elif isinstance(module, torch.nn.Linear):
+            rest.add(sub)
+    return adapted, rest
 
 
 def _inside_lora(name: str, layer: torch.nn.Module) -> bool:
@@ -158,19 +268,50 @@ def _inside_lora(name: str, layer: torch.nn.Module) -> bool:
     return False
 
 
+def left_out_dense(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Per layer kind, its linear modules without an adapter that `auto` would adapt (neither a weight that a
+    fused kernel reads directly nor an expert router): dense linears that a target list leaves out, or that peft
+    moved off its target_modules (module docstring)."""
+    experts = _expert_counts(model)
+    found: dict[str, set[str]] = defaultdict(set)
+    for kind, (_, layer) in zip(layer_kinds(model), decoder_layers(model), strict=True):
+        for sub in _layer_coverage(layer)[1]:
+            parent, _, leaf = sub.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            if not _excluded(owner, leaf, layer.get_submodule(sub), experts):
+                found[kind].add(sub)
+    return {kind: sorted(names) for kind, names in found.items()}
+
+
 def log_coverage(model: torch.nn.Module) -> None:
-    """One INFO line per layer kind with its adapted modules; a WARNING for a kind left with none."""
+    """One INFO line per layer kind with its adapted modules and the linear modules it leaves out; a WARNING for
+    a kind left with no adapter, and one for a kind whose dense linears (those `auto` would adapt) got none."""
+    dense = left_out_dense(model)
     for kind, states in coverage(model).items():
         adapted, rest = states["adapted"], states["not adapted"]
+        missed = dense.get(kind, [])
+        by_design = [name for name in rest if name not in missed]
+        notes = []
+        if missed:
+            notes.append(f"dense linears without an adapter: {', '.join(missed)}")
+        if by_design:
+            notes.append(f"not adapted: {', '.join(by_design)}")
         logger.info(
             "LoRA on %s layers: %s%s", kind, ", ".join(adapted) or "nothing",
-            f" (not adapted: {', '.join(rest)})" if rest else "",
+            f" ({'; '.join(notes)})" if notes else "",
         )  # fmt: skip
         if not adapted and rest:
             logger.warning(
                 "no LoRA adapter in the %s layers (linear modules %s): lora_target_modules names none of "
                 "them; lora_target_modules=auto adapts every layer kind",
                 kind, ", ".join(rest),
+            )  # fmt: skip
+        elif missed:
+            logger.warning(
+                "the %s layers' linear modules %s have no LoRA adapter: lora_target_modules leaves them out, or "
+                "peft moved targets of those names onto fused expert weights (model type %r); "
+                "lora_target_modules=auto adapts them",
+                kind, ", ".join(missed), _model_type(model),
             )  # fmt: skip
 
 

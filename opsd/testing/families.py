@@ -22,6 +22,25 @@ on test sequences of a few dozen tokens:
   logits (the other multipliers keep their default 1.0).
 - nemotron_h: Mamba2, MLP, attention (no RoPE, as in Nemotron-H), MLP (conv kernel 4, scan chunk 16).
 
+Ten more families, held out from the first list and measured after it (docs/families.md):
+
+- llama: 2 attention layers with an untied lm_head (Llama 3 8B's).
+- granite: 2 attention layers, tied, with Granite 3's multipliers: embeddings x12, residuals x0.22, attention
+  scaled by 1/head_dim, and `logits_scaling=8.0` dividing the logits; random weights of std 0.1.
+- cohere: 2 layers of attention beside the MLP (one shared LayerNorm), tied, `logit_scale=4.0` multiplying
+  the logits (Command-R's is 0.0625; 4 makes the transform large on logits of random weights).
+- cohere2: sliding (window 4) x3, full attention (Command R7B's pattern), tied, `logit_scale=4.0`.
+- gemma2: sliding (window 4), full, sliding, full attention, tied, with both of Gemma 2's soft-caps:
+  `final_logit_softcapping=5.0` on the logits, `attn_logit_softcapping=50.0` on attention scores.
+- falcon_h1: 2 hybrid layers, each with attention and a Mamba2 mixer side by side (conv kernel 4, scan chunk
+  16), untied, `lm_head_multiplier=0.25` multiplying the logits.
+- phi3: 2 attention layers with fused `qkv_proj` and `gate_up_proj` projections, untied.
+- deepseek_v3: a dense-MLP layer, then a MoE layer (4 routed experts, top-2, one shared expert; the router's
+  `noaux_tc` top-k with its score-correction bias, as the released config.json sets it, which vLLM reads); MLA
+  attention with a latent of rank 512 plus 64 rotary dims (vLLM's CPU MLA kernel takes only that size), untied.
+- qwen3_moe: a dense-MLP layer (`mlp_only_layers=[0]`), then a MoE layer of 4 experts top-2, untied.
+- bamba: Mamba2, then attention (conv kernel 4, scan chunk 16), untied.
+
 `build_family(name, dir, shape="real")` (`build_real`) writes instead a random-weight model of the released shape in
 `REAL_SHAPES` (bfloat16, built on the GPU when there is one), beside the same tokenizer padded to its vocabulary:
 what the GPU benchmark `bench/families_gpu.py` trains.
@@ -148,6 +167,113 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             expand=2,
             chunk_size=16,
             tie_word_embeddings=True,
+        ),
+    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, head_dim=TINY_HEAD_DIM)),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=1 / TINY_HEAD_DIM,
+            logits_scaling=8.0,
+            # At the default 0.02, the layers' share of a hidden state (residuals x0.22 beside embeddings x12)
+            # is too small for positions or padding to move the logits measurably.
+            initializer_range=0.1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_hidden_layers=2, logit_scale=4.0)),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=4,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            logit_scale=4.0,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=TINY_HEAD_DIM,
+            query_pre_attn_scalar=TINY_HEAD_DIM,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=5.0,
+            attn_logit_softcapping=50.0,
+        ),
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=TINY_HEAD_DIM,
+            mamba_d_ssm=128,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            lm_head_multiplier=0.25,
+        ),
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=64,
+            n_group=1,
+            topk_group=1,
+            # Not transformers fields (its DeepSeek-V3 always routes so): the released config.json's, which vLLM
+            # reads, defaulting to another router without them.
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            num_key_value_heads=2,
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=16,
+            v_head_dim=32,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=TINY_HEAD_DIM,
+            mlp_only_layers=[0],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+        ),
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
         ),
     ),
 }

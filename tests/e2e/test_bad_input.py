@@ -344,6 +344,48 @@ def test_model_directory_without_tokenizer_is_one_line(tmp_path, tiny_model_dir)
     check_model_source(str(tiny_model_dir))  # a complete directory passes
 
 
+def _untied_copy(tiny_model_dir, dest: Path) -> Path:
+    """The tiny Qwen3 (saved tied: its checkpoint has no lm_head.weight) with a config that unties the head, as a
+    multimodal checkpoint's text config without tie_word_embeddings reads."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    config["tie_word_embeddings"] = False
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_a_checkpoint_without_its_lm_head_is_refused_before_training(tmp_path, tiny_model_dir):
+    model = _untied_copy(tiny_model_dir, tmp_path / "untied")
+    out = tmp_path / "o"
+    args = ["--output_dir", str(out), "--model_name_or_path", str(model), "--rollout_engine", "transformers",
+            "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_completion_length", "4"]  # fmt: skip
+    res = run("opsd_train.py", args, tmp_path)
+    one_line(res, "opsd_train.py: error: model ", "lm_head.weight", "initialised at random",
+             "tie_word_embeddings true", "--allow_missing_weights")  # fmt: skip
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("checkpoint-*"))
+
+
+def test_allow_missing_weights_loads_them_random_with_a_warning(tmp_path, tiny_model_dir, caplog):
+    """The opt-in: the same checkpoint loads, its lm_head is not the embedding (transformers drew it at random),
+    and the warning names it."""
+    import logging
+
+    from opsd.errors import UnsupportedModel
+    from opsd.models import load_model
+
+    model_dir = str(_untied_copy(tiny_model_dir, tmp_path / "untied"))
+    with pytest.raises(UnsupportedModel, match="1 weights of Qwen3ForCausalLM are not in the checkpoint"):
+        load_model(model_dir)
+    with caplog.at_level(logging.WARNING, logger="opsd.models"):
+        model = load_model(model_dir, allow_missing_weights=True)
+    assert "lm_head.weight" in caplog.text and "training anyway (allow_missing_weights)" in caplog.text
+    assert not model.lm_head.weight.equal(model.get_input_embeddings().weight)
+    load_model(str(tiny_model_dir))  # the tied original loads without a word
+
+
 def test_hub_dataset_offline_and_missing_split(tmp_path, monkeypatch):
     _train_refused(tmp_path, ["--dataset_name", "someorg/some-data"], "'someorg/some-data'", "HF_HUB_OFFLINE",
                    "local .json/.jsonl/.csv/.parquet", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip

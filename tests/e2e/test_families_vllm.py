@@ -1,20 +1,26 @@
 """opsd_train.py with its default rollout engine (colocated vLLM, the CPU build here) on the architecture families of
 `opsd.testing.families`: two optimizer steps where this vLLM runs the family, one line naming engine, version,
-family and the engine that works where it does not.
+family, the model type, the cause and the fix where it does not, with vLLM's own output (tracebacks included) kept
+in the run directory and off both streams.
 
 One family per engine path: olmo3 goes through vLLM 0.32's Transformers backend, which decorates the transformers
 decoder class in place when the engine starts (without `opsd.method.engine_classes` the trainer's own model of
 that class then fails: 'Olmo3Model' object has no attribute 'do_not_compile'; smollm3 takes the same path);
 gemma3 native with sliding windows and a soft-cap; lfm2 native with short convolutions; granitemoehybrid native
-with Mamba layers (as nemotron_h), MoE weights that transformers renames on load, and logits divided by 8. The
-CPU build cannot import its Qwen3.5 module (it needs torchvision), so qwen3_5 gets the one line. Every family
-with the transformers engine, in process: tests/integration/test_families_training.py; every family on vLLM
-0.26 at its released shape: bench/families_gpu.py (docs/families.md).
+with Mamba layers (as nemotron_h), MoE weights that transformers renames on load, and logits divided by 8; gemma2
+native and tied with no lm_head in vLLM's class (its logits come from the embedding module, as Cohere's do). The
+CPU build cannot import its Qwen3.5 module (it needs torchvision), and no longer runs Bamba, so those get the one
+line; so does a rendezvous port already in use.
+
+Weights pushed into a running engine, family by family: tests/e2e/test_families_push.py. Every family with the
+transformers engine, in process: tests/integration/test_families_training.py; every family on vLLM 0.26 at its
+released shape: bench/families_gpu.py (docs/families.md).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -24,14 +30,20 @@ from tests.e2e.test_train_cli import run_train
 
 pytest.importorskip("vllm")
 
-VLLM_FAMILIES = ("olmo3", "gemma3", "lfm2", "granitemoehybrid")
+VLLM_FAMILIES = ("olmo3", "gemma3", "lfm2", "granitemoehybrid", "gemma2")
+REFUSED = {  # family: the cause its one line gives
+    "qwen3_5": "vLLM's module for it (vllm.model_executor.models.qwen3_5) imports 'torchvision', which is not "
+    "installed here (ModuleNotFoundError)",
+    "bamba": "Model architecture BambaForCausalLM was supported in vLLM until v0.23.0",
+}
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-families")
     tok = build_tokenizer(root / "tokenizer")
-    return {name: build_family(name, root / name, tokenizer=tok) for name in (*VLLM_FAMILIES, "qwen3_5")}
+    names = {*VLLM_FAMILIES, *REFUSED, "llama"}
+    return {name: build_family(name, root / name, tokenizer=tok) for name in sorted(names)}
 
 
 def _args(model_dir, out):
@@ -57,9 +69,37 @@ def test_two_steps_with_colocated_vllm(family, family_dirs, tmp_path):
         assert "checked against the model's logits: scaled by 0.125" in proc.stderr
 
 
-def test_a_family_this_vllm_cannot_start_is_one_line(family_dirs, tmp_path):
-    proc = run_train(_args(family_dirs["qwen3_5"], tmp_path / "run"), tmp_path, timeout=600)
+def _refused_in_one_line(proc, run_dir) -> str:
+    """The run's one line (exit status 2), after checking that no traceback reached either stream and that vLLM's
+    output, with its tracebacks, is in the run directory where the line says."""
     assert proc.returncode == 2, proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("opsd_train.py: error: the colocated vLLM ") and "Traceback" not in proc.stderr
-    assert "model type 'qwen3_5_text'" in last and "--rollout_engine transformers" in last
+    assert last.startswith("opsd_train.py: error: the colocated vLLM "), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr
+    log = run_dir / "vllm_engine_start.log"
+    assert last.endswith(f"vLLM's output: {log}") and "Traceback" in log.read_text()
+    return last
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_a_family_this_vllm_cannot_start_is_one_line(family, family_dirs, tmp_path):
+    proc = run_train(_args(family_dirs[family], tmp_path / "run"), tmp_path, timeout=600)
+    last = _refused_in_one_line(proc, tmp_path / "run")
+    model_type = json.loads((family_dirs[family] / "config.json").read_text())["model_type"]
+    assert f"(model type {model_type!r})" in last and REFUSED[family] in last
+    assert "--rollout_engine transformers" in last
+
+
+def test_a_rendezvous_port_in_use_is_one_line_naming_it(family_dirs, tmp_path):
+    """The colocated engine's torch.distributed init binds MASTER_PORT (TRL starts it with the external launcher,
+    init method env://); taken by another process, the line names the port and the variable, not the model."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_train(
+            _args(family_dirs["llama"], tmp_path / "run"), tmp_path, {"MASTER_PORT": str(port)}, timeout=600
+        )
+    last = _refused_in_one_line(proc, tmp_path / "run")
+    assert f"its rendezvous port {port} (MASTER_PORT) is already in use" in last
+    assert "set MASTER_PORT to a free port" in last and "--rollout_engine" not in last

@@ -25,7 +25,20 @@ from opsd.testing.families import FAMILIES, build_family
 from opsd.testing.tiny import build_tokenizer
 
 # Families whose attention rotates queries and keys by position (granitemoehybrid and nemotron_h have none).
-ROPE_FAMILIES = ("qwen3", "qwen3_5", "olmo3", "smollm3", "gemma3", "lfm2")
+ROPE_FAMILIES = (
+    "qwen3", "qwen3_5", "olmo3", "smollm3", "gemma3", "lfm2", "llama", "granite", "cohere", "cohere2", "gemma2",
+    "falcon_h1", "phi3", "deepseek_v3", "qwen3_moe", "bamba",
+)  # fmt: skip
+# What each family applies after its lm_head, as its modeling code does it (the config field and the operation).
+LOGIT_TRANSFORMS = {
+    "granitemoehybrid": ("logits_scaling", "divide"),
+    "granite": ("logits_scaling", "divide"),
+    "cohere": ("logit_scale", "multiply"),
+    "cohere2": ("logit_scale", "multiply"),
+    "falcon_h1": ("lm_head_multiplier", "multiply"),
+    "gemma3": ("final_logit_softcapping", "soft-cap"),
+    "gemma2": ("final_logit_softcapping", "soft-cap"),
+}
 PROBLEMS = [
     ("What is 2 + 3?", "5"),
     (
@@ -50,6 +63,7 @@ def families(tmp_path_factory):
     for name in FAMILIES:
         path = build_family(name, root / name, tokenizer=tok)
         models[name] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        models[name].family = name
     return models, tok
 
 
@@ -66,14 +80,17 @@ def _rows(tok, role: str) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _logit_transform(model, logits_NV: torch.Tensor) -> torch.Tensor:
-    """What the family's forward applies after its lm_head: Granite divides, Gemma soft-caps."""
-    config = model.config
-    if getattr(config, "logits_scaling", None):
-        logits_NV = logits_NV / config.logits_scaling
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits_NV = cap * torch.tanh(logits_NV / cap)
-    return logits_NV
+    """What the family's forward applies after its lm_head (LOGIT_TRANSFORMS): Granite divides, Cohere and
+    Falcon-H1 multiply, Gemma soft-caps."""
+    if model.family not in LOGIT_TRANSFORMS:
+        return logits_NV
+    field, operation = LOGIT_TRANSFORMS[model.family]
+    value = getattr(model.config, field)
+    if operation == "divide":
+        return logits_NV / value
+    if operation == "multiply":
+        return logits_NV * value
+    return value * torch.tanh(logits_NV / value)
 
 
 def _batched_logprobs(
@@ -153,9 +170,10 @@ def test_padded_completion_logprobs_equal_unpadded_rows(families, family, role):
     assert diff <= 1e-5, f"{family} {role}: max |log p diff| = {diff:.2e}"
 
 
-@pytest.mark.parametrize("family", ["gemma3", "granitemoehybrid"])
+@pytest.mark.parametrize("family", sorted(LOGIT_TRANSFORMS))
 def test_the_logit_transform_is_part_of_the_comparison(families, family):
-    """Without Gemma's soft cap or Granite's scaling, the head's raw logits miss the model's own."""
+    """Without Gemma's soft cap, Granite's division or Cohere's and Falcon-H1's multiplier, the head's raw logits
+    miss the model's own."""
     assert _gap_to_unpadded(families, family, transform=False) > 1e-3
 
 
