@@ -426,7 +426,8 @@ class OPSDTrainer(SDFTTrainer):
             and self.model.training
             and self.accelerator.is_main_process
             and self.state.global_step % every == 0
-            and self.micro_batch % self.args.gradient_accumulation_steps == 0
+            # a step's first micro-batch; a loss computed outside `training_step` (probe, tests) counts as one
+            and (self.micro_batch or 0) % self.args.gradient_accumulation_steps == 0
         )
 
     def _log_completions(self, inputs, hidden: CompletionHiddenStates) -> None:

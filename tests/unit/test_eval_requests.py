@@ -19,7 +19,7 @@ from opsd.evaluation.workers import ClaimQueue, write_queue
 SAVED_KEYS = [
     "model", "adapter", "merge_adapter", "dataset", "split", "limit", "n", "k", "temperature", "top_p",
     "top_k", "min_p", "max_tokens", "max_model_len", "thinking", "thinking_switch", "prompt_file", "seed", "engine",
-    "gpu_memory_utilization", "tensor_parallel_size", "num_gpus", "stream", "max_in_flight", "chunk_size",
+    "gpu_memory_utilization", "kv_cache_dtype", "tensor_parallel_size", "num_gpus", "stream", "max_in_flight", "chunk_size",
     "out", "plot", "shard", "model_path", "adapter_path", "adapter_rank", "adapter_mode", "engine_used",
     "dataset_source", "student_template", "max_model_len_used", "step",
 ]  # fmt: skip
