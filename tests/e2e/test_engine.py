@@ -116,11 +116,11 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 
 def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
-    """RolloutSeeds' seeded engine (the trainer's wrapper of the colocated engine) against the engine with one
-    seed."""
+    """The seeded engine (`SeededLLM` drawing `RolloutSeeds`, as OPSD's engine wraps the colocated one) against the
+    engine with one seed."""
     from vllm import SamplingParams
 
-    from opsd.method.engine import RolloutSeeds
+    from opsd.method.engine import RolloutSeeds, SeededLLM
 
     tok = vllm_tiny.llm.get_tokenizer()
     rows = [{"prompt_token_ids": tok("What is 2 + 3?").input_ids}] * 4 + [
@@ -136,12 +136,18 @@ def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
     assert len(set(shared[:4])) == 1
     # Per-row seeds: distinct samples for the repeated prompt.
     seeds = RolloutSeeds(3, step_of=lambda: 5)
-    whole = seeds.seeded(vllm_tiny.llm, lambda n: 0)
+
+    def seeded(
+        first_row,
+    ):  # as OPSDGeneration wraps its engine: row i of a call of n rows from first_row(n) + i
+        return SeededLLM(vllm_tiny.llm, lambda n: seeds.for_rows(first_row(n), n))
+
+    whole = seeded(lambda n: 0)
     got = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
     assert len(set(got[:4])) > 1
     # Two "processes" with contiguous shares draw exactly the rows of the single call.
-    first = seeds.seeded(vllm_tiny.llm, lambda n: 0)
-    second = seeds.seeded(vllm_tiny.llm, lambda n: 3)
+    first = seeded(lambda n: 0)
+    second = seeded(lambda n: 3)
     split = texts(first.generate(rows[:3], sampling_params=sp, use_tqdm=False)) + texts(
         second.generate(rows[3:], sampling_params=sp, use_tqdm=False)
     )
