@@ -6,5 +6,7 @@ tests/ and bench/ alike (no module of the package imports them).
 * `families`: tiny random float32 models of every architecture family the method trains, and random-weight
   models of their released shapes;
 * `reference_loss`: the OPSD loss from full (B, T, V) logits through autograd, the benchmarks' baseline and the
-  materialised path the chunked loss must equal.
+  materialised path the chunked loss must equal;
+* `step_trace`: which repo files one optimizer step visits and where control passes between the repo and TRL
+  (`python -m opsd.testing.step_trace`).
 """
