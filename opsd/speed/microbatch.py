@@ -16,7 +16,6 @@ parses it once (`opsd.configuration.choices.parse_micro_batch_size`) into one of
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -162,19 +161,13 @@ def fixed_plan(problems_per_process: int, micro_batch: int, reason: str) -> Micr
 
 
 def apply(config, plan: MicroBatchPlan):
-    """`config` with the plan's micro-batch and accumulation (TRL's generation window re-derived from them)."""
+    """`config` with the plan's micro-batch and accumulation (the config derives TRL's window from them)."""
     if (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (
         plan.micro_batch,
         plan.accumulation,
     ):
         return config
-    return dataclasses.replace(
-        config,
-        per_device_train_batch_size=plan.micro_batch,
-        gradient_accumulation_steps=plan.accumulation,
-        generation_batch_size=None,
-        steps_per_generation=None,
-    )
+    return config.with_micro_batch(plan.micro_batch, plan.accumulation)
 
 
 def plan_for(

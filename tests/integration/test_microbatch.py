@@ -126,6 +126,10 @@ def test_apply_rederives_the_generation_window(tmp_path):
     assert (out.per_device_train_batch_size, out.gradient_accumulation_steps) == (1, 2)
     assert (out.steps_per_generation, out.generation_batch_size) == (2, 2)
     assert microbatch.apply(config, plan_for(config)) is config
+    # The window follows steps_per_rollout (optimizer steps) through the new accumulation: 2 steps x 4.
+    two = OPSDConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, steps_per_rollout=2, max_steps=4)
+    out = microbatch.apply(two, microbatch.fixed_plan(4, 1, "micro_batch_size"))
+    assert (out.steps_per_rollout, out.steps_per_generation, out.generation_batch_size) == (2, 8, 8)
 
 
 def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
