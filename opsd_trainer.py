@@ -122,7 +122,7 @@ class OPSDTrainer(SDFTTrainer):
     OWN_CALLS = ("_prepare_training_batch", "_get_teacher_context_for_self_distillation")
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prompt_builder: PromptBuilder | None = None, **kwargs):
         config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = config.use_vllm and config.vllm_mode == "colocate"
         model = kwargs.get("model", args[0] if args else None)
@@ -145,7 +145,8 @@ class OPSDTrainer(SDFTTrainer):
         a: OPSDConfig = self.args
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
-        self.prompt_builder = PromptBuilder.from_config(self.processing_class, a)
+        # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
+        self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
         self.loss_settings = a.loss_settings()
         # A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         self.teacher_context_builder = TeacherRows(
