@@ -1,5 +1,6 @@
 """eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
-eval_config.json: the flags but the mode ones, then `Resolved`), and the errors the entry point reports.
+eval_config.json: the flags but the mode ones, then `Resolved`), and the run failures the entry point
+reports (a user's mistake is `opsd.errors.UserError`, as in training).
 The numeric flags' ranges are declared in `opsd.configuration.ranges.EVAL_RANGES`."""
 
 from __future__ import annotations
@@ -10,18 +11,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from opsd import errors
 from opsd.configuration.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
 from opsd.configuration.ranges import EVAL_RANGES, check_table
+from opsd.errors import UserError
 
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
     "false": "false", "no": "false", "n": "false", "f": "false", "0": "false", "off": "false",
 }  # fmt: skip
-
-
-class UserError(errors.UserError):
-    """A mistake in the command or its inputs; the entry point prints it without a traceback (exit 2)."""
 
 
 class RunFailed(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from opsd.evaluation.eval_config import UserError
+from opsd.errors import UserError
 from opsd.evaluation.job import Job
 from opsd.evaluation.requests import Prompts, Request, plan_requests
 from opsd.evaluation.samples import (

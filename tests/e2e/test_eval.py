@@ -230,7 +230,8 @@ def test_merge_adapter_flag_spellings(flags):
 
 
 def test_merge_adapter_bad_values_are_user_errors():
-    from opsd.evaluation.eval_config import UserError, parse_config
+    from opsd.errors import UserError
+    from opsd.evaluation.eval_config import parse_config
 
     with pytest.raises(UserError, match="choose auto, true"):
         parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])

@@ -91,6 +91,22 @@ def test_no_two_modules_share_a_name():
     assert not shared_module_names(["opsd/run/report.py", "tests/report.py"])
 
 
+def test_no_two_exception_classes_share_a_name():
+    """An error caught or raised by name is one class: a second `UserError` in another module would shadow the
+    one `opsd.errors` defines wherever it is imported instead (evaluation once had its own)."""
+    sources = [*ROOT.glob("opsd/**/*.py"), *ROOT.glob("*.py")]
+    defined: dict[str, list[str]] = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(b, ast.Name | ast.Attribute) and ast.unparse(b).endswith(("Error", "Exception"))
+                for b in node.bases
+            ):
+                defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert "UserError" in defined and "RunFailed" in defined
+    assert not {name: where for name, where in defined.items() if len(where) > 1}
+
+
 def test_pointers_to_the_key_lists_name_the_module_that_holds_them():
     """The recipe whitelist and the budget keys (RECIPE_KEYS, OPERATIONAL_KEYS, BUDGET_KEYS) live in
     opsd/configuration/keys.py; a comment, doc or error that sends the reader to another module for them (two
