@@ -499,14 +499,13 @@ class OPSDTrainer(SDFTTrainer):
 class TeacherRows:
     """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
     (`opsd.method.prompts.teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
-    completions alone); `num_truncated` counts the teacher prompts cut to their cap."""
+    completions alone); `num_truncated` counts the teacher prompts cut to their cap. TRL's other builder method,
+    `select_generation_prompts`, is called only with `generate_from_teacher`, which the config refuses
+    (opsd/configuration/trl_options.py): the student's prompts are always the ones sampled."""
 
     def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
         self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
         self.num_truncated = 0
-
-    def select_generation_prompts(self, prompts, privileged_contexts):
-        return prompts
 
     def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
         rows, self.num_truncated = teacher_rows(
