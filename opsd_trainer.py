@@ -50,7 +50,7 @@ from opsd.method.hidden import (
     one_transform,
     resolve_logit_transform,
 )
-from opsd.method.loss import chunked_opsd_loss, loss_metrics
+from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
@@ -147,7 +147,7 @@ class OPSDTrainer(SDFTTrainer):
             own_classes(self.teacher_model)
         # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
-        self.loss_settings = a.loss_settings()
+        self.loss_settings = loss_settings(a)
         # A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         self.teacher_context_builder = TeacherRows(
             self.prompt_builder if self.loss_settings.needs_teacher else None,

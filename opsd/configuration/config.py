@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields, replace
 from trl.experimental.sdft import SDFTConfig
 
 from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
-from opsd.configuration.loss_settings import LossSettings
 from opsd.configuration.ranges import check_ranges
 from opsd.configuration.trl_options import (
     IGNORED_SDFT_OPTIONS,
@@ -414,18 +413,4 @@ class OPSDConfig(SDFTConfig):
             gradient_accumulation_steps=accumulation,
             generation_batch_size=None,
             steps_per_generation=None,
-        )
-
-    def loss_settings(self) -> LossSettings:
-        """The loss's arguments, for every caller of the loss (trainer, probe, completions log, benchmarks)."""
-        return LossSettings(
-            beta=self.beta,
-            temperature=self.loss_temperature or self.temperature,
-            clip=self.divergence_clip,
-            clip_mode=self.clip_mode,
-            teacher_support_k=self.top_k_loss,
-            loss_type=self.loss_type,
-            chunk_size=self.loss_chunk_size,
-            contrast_weight=None if self.teacher_contrast == "none" else self.contrast_weight,
-            fixed_advantage=self.fixed_advantage,
         )
