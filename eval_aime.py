@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     debug, argv = errors.split_debug(sys.argv[1:] if argv is None else argv)  # --debug / OPSD_DEBUG=1
     try:
         lines = run(argv, script=__file__)
-    except errors.UserError as e:  # opsd.evaluation's UserError is one
+    except errors.UserError as e:  # training's and evaluation's mistakes alike
         if debug:
             traceback.print_exception(e)
         print(f"error: {e}", file=sys.stderr)

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     from peft import LoraConfig
 
     from opsd.method import lora_targets
+    from opsd.method.prompts import PromptBuilder
     from opsd.models import (
         load_model,
         load_tokenizer,
@@ -96,8 +97,16 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     model_path = resolve_model_path(config.model_name_or_path)
     choose_rollout_engine(config)
+    tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
+    # One PromptBuilder for the run: it resolves thinking_switch against the template (and warns when the
+    # template has none) once, for the micro-batch plan's prompt lengths and for the trainer.
+    prompt_builder = PromptBuilder.from_config(tokenizer, config)
     config, plan = microbatch.resolve(
-        config, dataset, model_path, colocated_engine=config.use_vllm and config.vllm_mode == "colocate"
+        config,
+        dataset,
+        model_path,
+        colocated_engine=config.use_vllm and config.vllm_mode == "colocate",
+        prompt_builder=prompt_builder,
     )
     logger.info("%s", plan.describe())
     probe_rows = []
@@ -123,7 +132,6 @@ def main(argv: list[str] | None = None) -> Path | None:
             json.dumps(resolved, indent=1, default=str),
         )
 
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
     model = load_model(
         model_path,
         allow_missing_weights=config.allow_missing_weights,
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=peft_config,
+            prompt_builder=prompt_builder,
         )
     if config.use_peft and state.is_main_process:
         lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))

@@ -50,9 +50,9 @@ from opsd.method.hidden import (
     one_transform,
     resolve_logit_transform,
 )
-from opsd.method.loss import chunked_opsd_loss, loss_metrics
+from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
 from opsd.method.pairing import CONTRAST_COLUMN
-from opsd.method.prompts import PromptBuilder, teacher_rows
+from opsd.method.prompts import PromptBuilder, TeacherRows, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
 from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
 from opsd.run.rollout_grades import RolloutGrader
@@ -73,7 +73,8 @@ class OPSDTrainer(SDFTTrainer):
           the weights changed (OPSD's engine, `opsd.method.engine.opsd_engine`: phase `weight_sync`), then the
           engine with one seed per row; or `_generate_transformers` in eval mode;
        c. `_compute_rollout_logps`: skipped (the loss takes no importance ratio);
-       d. `teacher_context_builder.build` (TRL's teacher-context hook): `[teacher prompt ; completion]` rows;
+       d. `teacher_context_builder.build` (TRL's teacher-context hook, `opsd.method.prompts.TeacherRows`):
+          `[teacher prompt ; completion]` rows;
        e. each optimizer step's valid-token count over all processes: its loss denominator.
     2. `compute_loss` (part `score_loss`): `completion_hidden_states` gives both roles' final hidden states of
        the completion tokens (the teacher under `_get_teacher_context_for_self_distillation`, in eval mode),
@@ -82,7 +83,8 @@ class OPSDTrainer(SDFTTrainer):
        non-finite loss or gradient; `InitialisedAdapterEMA` updates an EMA teacher; `StepTimer` logs the
        step's phases (`time/<phase>_s`) and memory.
     4. On a checkpoint `_save` writes the student adapter at its root (and the EMA teacher its state); on
-       resume `_load_optimizer_and_scheduler` restores the EMA teacher too.
+       resume `_load_optimizer_and_scheduler` (first, before any step: it follows `__init__` below) restores
+       the EMA teacher too.
 
     `sample_probe_rollouts`, `completion_hidden_states` and `record_metrics` are what `opsd.run.probe` uses.
     """
@@ -105,7 +107,7 @@ class OPSDTrainer(SDFTTrainer):
     # The TRL methods overridden here that TRL calls; tests/integration/test_trl_hooks.py fails if TRL stops
     # calling one of them by this name.
     TRL_HOOKS = (
-        "_setup_teacher_model",
+        "_load_optimizer_and_scheduler",
         "training_step",
         "_prepare_inputs",
         "_tokenize_prompts",
@@ -114,7 +116,6 @@ class OPSDTrainer(SDFTTrainer):
         "_compute_rollout_logps",
         "compute_loss",
         "_save",
-        "_load_optimizer_and_scheduler",
     )
 
     # TRL methods overridden here that this file calls (TRL too, where OPSD leaves the call to it: the
@@ -122,13 +123,13 @@ class OPSDTrainer(SDFTTrainer):
     OWN_CALLS = ("_prepare_training_batch", "_get_teacher_context_for_self_distillation")
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prompt_builder: PromptBuilder | None = None, **kwargs):
         config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = config.use_vllm and config.vllm_mode == "colocate"
         model = kwargs.get("model", args[0] if args else None)
         if colocated and isinstance(model, torch.nn.Module):  # before the engine starts, which may decorate
             own_classes(model)  # the model's classes in place
-        # Read by the engine TRL creates inside super().__init__ (and by _setup_teacher_model, run there too).
+        # Read by the engine TRL creates inside super().__init__.
         self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         with (
@@ -143,10 +144,14 @@ class OPSDTrainer(SDFTTrainer):
         ):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
+        # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.
+        self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
+        self._own_ema_teacher()
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
-        self.prompt_builder = PromptBuilder.from_config(self.processing_class, a)
-        self.loss_settings = a.loss_settings()
+        # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
+        self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
+        self.loss_settings = loss_settings(a)
         # A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         self.teacher_context_builder = TeacherRows(
             self.prompt_builder if self.loss_settings.needs_teacher else None,
@@ -166,7 +171,6 @@ class OPSDTrainer(SDFTTrainer):
         self.window: list[dict] | None = None
         self.micro_batch: int | None = None
         self.add_callback(StepTimer(self._metrics["train"], self.clock))
-        self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
         self.add_callback(self.nonfinite)
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
         # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
@@ -174,9 +178,13 @@ class OPSDTrainer(SDFTTrainer):
         if a.compile_layers:
             compile_decoder_layers(self.accelerator.unwrap_model(self.model))
 
-    def _setup_teacher_model(self) -> None:
-        super()._setup_teacher_model()
+    def _own_ema_teacher(self) -> None:
+        """TRL's EMA teacher callback (the last one its `__init__` adds, in `_setup_teacher_model`) replaced, at
+        the same place, by OPSD's (`InitialisedAdapterEMA`: starts from the student, saves and restores its state, and
+        skips an optimizer step `NonFiniteGuard` skipped). Here rather than in an override of TRL's
+        `_setup_teacher_model`, which runs inside `super().__init__`, before this trainer's state exists."""
         ema = [cb for cb in self.callback_handler.callbacks if type(cb) is PEFTAdapterEMACallback]
+        nonfinite = self.nonfinite
         for cb in ema:
             self.callback_handler.remove_callback(cb)
             self.add_callback(
@@ -186,10 +194,18 @@ class OPSDTrainer(SDFTTrainer):
                     update_rate=cb.update_rate,
                     sync_steps=cb.sync_steps,
                     accelerator=cb.accelerator,
-                    step_skipped=lambda: self.nonfinite.last_skipped,
+                    step_skipped=lambda: nonfinite.last_skipped,
                     state_file=EMA_TEACHER_FILE,
                 )
             )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called on every resume, on every backend (DeepSpeed included), before training begins.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            for cb in self.callback_handler.callbacks:
+                if isinstance(cb, InitialisedAdapterEMA):
+                    cb.restore(checkpoint)
 
     # -- 1. a micro-batch, and the window's batch at its start ------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -285,6 +301,13 @@ class OPSDTrainer(SDFTTrainer):
         # TRL scores a window of several steps' rollouts under the generating weights, for an importance
         # ratio; OPSD's loss has none (the later steps' staleness is logged instead), so that pass is skipped.
         return None
+
+    def _loss_mask(self, completion_ids, completion_mask):
+        a: OPSDConfig = self.args
+        pad = None if a.fix_position_ids else self.processing_class.pad_token_id
+        return loss_token_mask(
+            completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad
+        )
 
     # -- 2. the loss of a micro-batch --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -411,13 +434,6 @@ class OPSDTrainer(SDFTTrainer):
         ):
             yield
 
-    def _loss_mask(self, completion_ids, completion_mask):
-        a: OPSDConfig = self.args
-        pad = None if a.fix_position_ids else self.processing_class.pad_token_id
-        return loss_token_mask(
-            completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad
-        )
-
     def _completions_due(self) -> bool:
         """The first micro-batch of every `completions_steps`-th optimizer step, on the main process."""
         every = self.args.completions_steps
@@ -468,14 +484,6 @@ class OPSDTrainer(SDFTTrainer):
             self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        # Called on every resume, on every backend (DeepSpeed included), before training begins.
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            for cb in self.callback_handler.callbacks:
-                if isinstance(cb, InitialisedAdapterEMA):
-                    cb.restore(checkpoint)
-
     # -- for the probe -----------------------------------------------------------------------------------------
     def sample_probe_rollouts(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """One completion per prompt from the current student, for the probe (`opsd.run.probe`).
@@ -494,27 +502,3 @@ class OPSDTrainer(SDFTTrainer):
         window = self._metrics["train" if self.model.training else "eval"]
         for key, value in metrics.items():
             window[key].append(value)
-
-
-class TeacherRows:
-    """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
-    (`opsd.method.prompts.teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
-    completions alone); `num_truncated` counts the teacher prompts cut to their cap."""
-
-    def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
-        self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
-        self.num_truncated = 0
-
-    def select_generation_prompts(self, prompts, privileged_contexts):
-        return prompts
-
-    def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
-        rows, self.num_truncated = teacher_rows(
-            self.prompt_builder,
-            prompts,
-            privileged_contexts,
-            completion_ids,
-            completion_mask,
-            self.pad_token_id,
-        )
-        return rows

@@ -44,8 +44,9 @@ MODES = {
 
 def loss_settings(mode: str):
     from opsd.configuration.config import OPSDConfig
+    from opsd.method.loss import loss_settings as published_loss_settings
 
-    return dataclasses.replace(OPSDConfig(report_to="none").loss_settings(), **MODES[mode])
+    return dataclasses.replace(published_loss_settings(OPSDConfig(report_to="none")), **MODES[mode])
 
 
 def teach_think_protocol(model, tok, rows, steps: int, seed: int) -> list[float]:

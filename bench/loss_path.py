@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from opsd.method.hidden import completion_hidden, lm_head_weight
-from opsd.method.loss import LossSettings, chunked_opsd_loss
+from opsd.method.loss import LossSettings, chunked_opsd_loss, loss_settings
 from opsd.testing.reference_loss import opsd_loss_from_logits
 
 SIZES = [(4, 1024), (8, 1024), (4, 2048), (8, 2048), (4, 4096), (16, 2048), (4, 8192)]
@@ -39,7 +39,7 @@ def published_loss() -> LossSettings:
     """The published recipe's loss settings (OPSDConfig's defaults)."""
     from opsd.configuration.config import OPSDConfig
 
-    return OPSDConfig(report_to="none").loss_settings()
+    return loss_settings(OPSDConfig(report_to="none"))
 
 
 def build_model(tiny: bool, device: str):

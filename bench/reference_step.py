@@ -23,7 +23,7 @@ import opsd_train  # first: it sets the engine's environment before vLLM loads
 import opsd_trainer
 from opsd.errors import run_main
 from opsd.method.hidden import positions
-from opsd.method.loss import loss_metrics
+from opsd.method.loss import loss_metrics, loss_settings
 from opsd.testing.reference_loss import opsd_loss_from_logits
 
 
@@ -79,7 +79,7 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             student_BCV,
             teacher_BCV,
             self._loss_mask(completion_ids, completion_mask),
-            settings=a.loss_settings(),
+            settings=loss_settings(a),
             target_ids_BT=completion_ids,
         )
         loss = loss_sum / inputs["num_loss_tokens"][0].clamp(min=1) * self.accelerator.num_processes

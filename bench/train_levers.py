@@ -77,7 +77,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
     from opsd.configuration.config import OPSDConfig
     from opsd.method.hidden import completion_hidden, left_pad, lm_head_weight, right_pad
     from opsd.method.lora_targets import resolve_targets
-    from opsd.method.loss import chunked_opsd_loss
+    from opsd.method.loss import chunked_opsd_loss, loss_settings
 
     work = tempfile.mkdtemp(prefix="liger-check-")
     cfg = OPSDConfig(output_dir=work, model_name_or_path=str(model_dir))
@@ -113,7 +113,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
                     model, t_ids, t_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None
                 )
             w = lm_head_weight(model)
-            settings = dataclasses.replace(cfg.loss_settings(), clip_mode=mode)
+            settings = dataclasses.replace(loss_settings(cfg), clip_mode=mode)
             loss, _ = chunked_opsd_loss(
                 h_s, h_t, w, w.detach(), settings=settings, target_ids_N=c_ids[c_mask.bool()]
             )

@@ -297,6 +297,7 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     from opsd.configuration.config import OPSDConfig
     from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
+    from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer, resolve_attn_implementation
     from opsd.speed import microbatch
 
@@ -311,7 +312,10 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     )  # fmt: skip
     dataset, _ = build_paired_dataset(config)
     if cuda:  # as opsd_train.py decides it before the model loads, beside a colocated engine
-        config, plan = microbatch.resolve(config, dataset, str(model_dir), colocated_engine=True)
+        builder = PromptBuilder.from_config(load_tokenizer(str(model_dir), False), config)
+        config, plan = microbatch.resolve(
+            config, dataset, str(model_dir), colocated_engine=True, prompt_builder=builder
+        )
     else:
         config = microbatch.apply(config, plan := microbatch.plan_for(config))
     attention = resolve_attn_implementation("auto") if cuda else "sdpa"

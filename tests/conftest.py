@@ -146,9 +146,18 @@ def vllm_tiny(tiny_model_dir):
     return VLLMEngine(str(tiny_model_dir), max_model_len=512, dtype="float32")
 
 
-def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj", "v_proj"), **overrides):
+def make_trainer(
+    model_dir,
+    out_dir,
+    *,
+    use_peft: bool = True,
+    targets=("q_proj", "v_proj"),
+    prompt_builder=None,
+    **overrides,
+):
     """An OPSDTrainer on the tiny model with transformers rollouts: 2 problems per step, LoRA r4 on `targets`
-    (q/v; `["auto"]` resolves them on the model as opsd_train.py does)."""
+    (q/v; `["auto"]` resolves them on the model as opsd_train.py does); `prompt_builder` as opsd_train.py
+    passes the run's own."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,7 +187,7 @@ def make_trainer(model_dir, out_dir, *, use_peft: bool = True, targets=("q_proj"
     )
     return OPSDTrainer(
         model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
-        processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft,
+        processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft, prompt_builder=prompt_builder,
     )  # fmt: skip
 
 

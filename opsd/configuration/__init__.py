@@ -2,8 +2,8 @@
 
 * `choices`: the allowed values of every choice switch; `ranges`: the allowed range of every numeric one
   (training's `RANGES`, eval_aime.py's `EVAL_RANGES`);
-* `config`: `OPSDConfig`, the published recipe as defaults (which value source wins: docs/configuration.md),
-  and the loss's settings (`loss_settings`, a `LossSettings` of `loss_settings.py`);
+* `config`: `OPSDConfig`, the published recipe as defaults (which value source wins: docs/configuration.md)
+  (the loss's settings are built from it beside the loss: `opsd.method.loss.loss_settings`);
 * `trl_options`: TRL's SDFT fields OPSD ignores or derives (refused when set otherwise), and its generation
   window, set from `steps_per_rollout`;
 * `aliases`: older names of fields, still accepted (`jsd_token_clip` is `divergence_clip`);

@@ -3,7 +3,7 @@
 `OPSDConfig` validates its fields against these (and hands them to the CLI parser as `choices`), the
 recipe parser checks `recipe.env` / `OPSD_*` values against them, and the data modules validate their own
 arguments with the same tuples. The loss checks nothing again: its settings come from a checked config
-(`OPSDConfig.loss_settings`). `parse_micro_batch_size` reads the one switch that is a choice or a number
+(`opsd.method.loss.loss_settings`). `parse_micro_batch_size` reads the one switch that is a choice or a number
 (`micro_batch_size`: auto, a positive integer or unset). No dependencies, so any module can import it.
 """
 

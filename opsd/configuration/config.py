@@ -9,12 +9,11 @@ switch `OPSD_NAME` (upper case); see `opsd.configuration.recipe`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from trl.experimental.sdft import SDFTConfig
 
 from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
-from opsd.configuration.loss_settings import LossSettings
 from opsd.configuration.ranges import check_ranges
 from opsd.configuration.trl_options import (
     IGNORED_SDFT_OPTIONS,
@@ -398,21 +397,20 @@ class OPSDConfig(SDFTConfig):
             self.bf16 = False
         check_steps_per_rollout(self)
         if self.steps_per_generation is None and self.generation_batch_size is None:
-            # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps.
+            # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps. The one place
+            # steps_per_rollout becomes TRL's window (`with_micro_batch` re-runs it for a new accumulation).
             self.steps_per_generation = self.steps_per_rollout * self.gradient_accumulation_steps
         super().__post_init__()
         check_generation_window(self)
 
-    def loss_settings(self) -> LossSettings:
-        """The loss's arguments, for every caller of the loss (trainer, probe, completions log, benchmarks)."""
-        return LossSettings(
-            beta=self.beta,
-            temperature=self.loss_temperature or self.temperature,
-            clip=self.divergence_clip,
-            clip_mode=self.clip_mode,
-            teacher_support_k=self.top_k_loss,
-            loss_type=self.loss_type,
-            chunk_size=self.loss_chunk_size,
-            contrast_weight=None if self.teacher_contrast == "none" else self.contrast_weight,
-            fixed_advantage=self.fixed_advantage,
+    def with_micro_batch(self, micro_batch: int, accumulation: int) -> OPSDConfig:
+        """This config with `micro_batch` rows per micro-batch and `accumulation` micro-batches per step. TRL's
+        window fields are cleared so that `__post_init__` derives them again from steps_per_rollout: the
+        window, in micro-batches, changes with the accumulation."""
+        return replace(
+            self,
+            per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=accumulation,
+            generation_batch_size=None,
+            steps_per_generation=None,
         )

@@ -70,7 +70,7 @@ PROBABILITY_OPEN_LOW = Range(0, 1, lo_open=True)  # (0, 1]
 SEED_MAX = 2**32 - 1
 
 # OPSDConfig field -> allowed range. Every numeric field of RECIPE_KEYS, OPERATIONAL_KEYS and BUDGET_KEYS
-# (opsd/configuration/recipe.py) is here, with OPSD's own fields and the TRL sampling options; tests walk the table.
+# (opsd/configuration/keys.py) is here, with OPSD's own fields and the TRL sampling options; tests walk the table.
 RANGES: dict[str, Range] = {
     # optimiser and schedule
     # 0 would spend the whole budget without moving a weight; the base model is that control.

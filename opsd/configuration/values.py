@@ -157,7 +157,7 @@ def check_field(field: str, name: str, *, allowed: frozenset[str] | set[str] | N
     if field in BUDGET_KEYS:
         raise Bad(
             f"{name} is fixed by the capped harness (100 steps x 32 problems) and cannot be set in {where}",
-            "remove it; see BUDGET_KEYS in opsd/configuration/recipe.py",
+            "remove it; see BUDGET_KEYS in opsd/configuration/keys.py",
         )
     raise Bad(
         f"{name} is a config field but not tunable in {where}",

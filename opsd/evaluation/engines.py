@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from opsd.evaluation.eval_config import UserError
+from opsd.errors import UserError
 from opsd.evaluation.job import Job
 
 logger = logging.getLogger(__name__)

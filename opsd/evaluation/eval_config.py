@@ -1,5 +1,6 @@
 """eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
-eval_config.json: the flags but the mode ones, then `Resolved`), and the errors the entry point reports.
+eval_config.json: the flags but the mode ones, then `Resolved`), and the run failures the entry point
+reports (a user's mistake is `opsd.errors.UserError`, as in training).
 The numeric flags' ranges are declared in `opsd.configuration.ranges.EVAL_RANGES`."""
 
 from __future__ import annotations
@@ -10,18 +11,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from opsd import errors
 from opsd.configuration.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
 from opsd.configuration.ranges import EVAL_RANGES, check_table
+from opsd.errors import UserError
 
 _MERGE_WORDS = {
     "auto": "auto", "true": "true", "yes": "true", "y": "true", "t": "true", "1": "true", "on": "true",
     "false": "false", "no": "false", "n": "false", "f": "false", "0": "false", "off": "false",
 }  # fmt: skip
-
-
-class UserError(errors.UserError):
-    """A mistake in the command or its inputs; the entry point prints it without a traceback (exit 2)."""
 
 
 class RunFailed(Exception):
@@ -82,12 +79,19 @@ class EvalConfig:
     max_model_len: int = _arg(
         40960, "Prompt + completion tokens; lowered to the model's max_position_embeddings."
     )
-    thinking: bool = _arg(True, "Render prompts with the template's thinking switch on (--no-thinking: off).")
+    thinking: bool = _arg(
+        True,
+        "Render prompts with the template's thinking switch on (--no-thinking: off); also spelled as training's "
+        "--student-thinking / --no-student-thinking.",
+    )
     thinking_switch: str = _arg(
         "auto",
         "The template variable --thinking sets: auto (enable_thinking if the template reads it) | none | a name.",
     )
-    prompt_file: str = _arg("", "Student template file (with {problem}), the same as training's.")
+    prompt_file: str = _arg(
+        "",
+        "Student template file (with {problem}), the same as training's; also spelled --student-prompt-file.",
+    )
     seed: int = _arg(0, "Base seed; each sample's seed derives from (seed, problem, sample index).")
     # Engine and output
     engine: str = _arg("auto", "auto (vLLM if installed, else transformers) | vllm | transformers.")
@@ -174,9 +178,32 @@ class EvalConfig:
         return int(r), int(world)
 
 
+# Training's names for two eval flags (`OPSDConfig.student_thinking`, `student_prompt_file`): the same setting,
+# so a command copied from a training recipe works. The fields keep eval's names, which eval_config.json and
+# its resume check (`opsd.evaluation.samples.RESUME_KEYS`) are written under.
+TRAINING_NAMES = {
+    "thinking": ("student_thinking", "no_student_thinking"),
+    "prompt_file": ("student_prompt_file",),
+}
+
+
+def _refuse_both_names(argv: Sequence[str]) -> None:
+    """One setting given under eval's name and training's is refused, as training refuses an older name given
+    beside the canonical one (`opsd.configuration.aliases.canonical_flags`)."""
+    given = {arg.partition("=")[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+    for dest, training in TRAINING_NAMES.items():
+        ours = {dest, f"no_{dest}"} & given
+        theirs = set(training) & given
+        if ours and theirs:
+            raise UserError(
+                f"command line: --{min(ours)} and --{min(theirs)} are both given (one setting); keep only one"
+            )
+
+
 def parse_config(argv: Sequence[str]) -> EvalConfig:
     """Flags (underscores or dashes) into an `EvalConfig`; invalid values raise `UserError`."""
     from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
 
     parser = HfArgumentParser(
         EvalConfig, description="Score a model or LoRA checkpoint on AIME-style problems."
@@ -186,6 +213,19 @@ def parse_config(argv: Sequence[str]) -> EvalConfig:
         "--no_merge_adapter", "--no-merge-adapter", dest="merge_adapter", action="store_const",
         const="false", default=argparse.SUPPRESS, help="Same as --merge-adapter false.",
     )  # fmt: skip
+    parser.add_argument(
+        "--student_thinking", "--student-thinking", dest="thinking", type=string_to_bool, nargs="?",
+        const=True, default=argparse.SUPPRESS, metavar="BOOL", help="Training's name for --thinking.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no_student_thinking", "--no-student-thinking", dest="thinking", action="store_false",
+        default=argparse.SUPPRESS, help="Training's name for --no-thinking.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--student_prompt_file", "--student-prompt-file", dest="prompt_file", type=str,
+        default=argparse.SUPPRESS, metavar="FILE", help="Training's name for --prompt-file.",
+    )  # fmt: skip
+    _refuse_both_names(argv)
     for action in parser._actions:  # set by --num-gpus for its own workers, not a user flag
         if action.dest == "shard":
             action.help = argparse.SUPPRESS

@@ -7,7 +7,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from opsd.evaluation.eval_config import EvalConfig, RunFailed, UserError, parse_config
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig, RunFailed, parse_config
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import check_paths, resolve
 from opsd.evaluation.plan import missing_requests, report_lines

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def per_problem_accuracy(
+def per_problem_accuracy_plot(
     ids: Sequence[str], accuracy: Sequence[float], se: Sequence[float], path: str | Path, title: str = ""
 ) -> Path:
     """Bar per problem (accuracy in %) with its binomial SE as error bar and the mean as a dashed line."""

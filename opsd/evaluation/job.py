@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.eval_config import EvalConfig, EvalSettings, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig, EvalSettings
 
 logger = logging.getLogger(__name__)
 

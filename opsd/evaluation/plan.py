@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from opsd.evaluation.eval_config import UserError
+from opsd.errors import UserError
 from opsd.evaluation.job import Job
 from opsd.evaluation.requests import Prompts, Request, plan_requests
 from opsd.evaluation.samples import (
@@ -62,12 +62,12 @@ def report_lines(job: Job, timings: dict[str, float], wall_s: float) -> list[str
         f"per-problem: {out / 'per_problem.csv'}",
     ]
     if job.settings.plot:
-        from opsd.evaluation.figures import per_problem_accuracy
+        from opsd.evaluation.figures import per_problem_accuracy_plot
 
         rows = metrics["problems"]
         se = [binomial_se(r["accuracy"], r["n"]) for r in rows]
         title = f"{out.name}: {metrics['labels']['avg']} {metrics['avg']:.2f}"
-        png = per_problem_accuracy([r["id"] for r in rows], [r["accuracy"] for r in rows], se,
+        png = per_problem_accuracy_plot([r["id"] for r in rows], [r["accuracy"] for r in rows], se,
                                    out / "per_problem.png", title=title)  # fmt: skip
         lines.append(f"plot: {png}")
     return lines

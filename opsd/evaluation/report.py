@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.eval_config import EvalConfig, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.samples import SUMMARY_FILE
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from opsd.evaluation.eval_config import UserError
+from opsd.errors import UserError
 from opsd.evaluation.job import Job
 from opsd.evaluation.samples import sample_seed
 

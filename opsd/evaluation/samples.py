@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.eval_config import EvalSettings, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalSettings
 
 logger = logging.getLogger(__name__)
 

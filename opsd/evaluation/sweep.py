@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.eval_config import EvalConfig, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job, resolve, resolve_model
 from opsd.evaluation.plan import missing_requests, report_lines

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from opsd.evaluation.eval_config import EvalConfig, RunFailed, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig, RunFailed
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
 from opsd.evaluation.job import Job
 from opsd.evaluation.requests import PromptOf, Prompts, Request, make_request

@@ -86,12 +86,6 @@ class Interval:
     method: str
     n_seeds: int
 
-    def excludes_zero(self) -> bool:
-        """Whether the interval lies wholly above or wholly below 0; False when a bound is None."""
-        if self.low is None or self.high is None:
-            return False
-        return self.low > 0.0 or self.high < 0.0
-
 
 # --- validation ----------------------------------------------------------------------------------
 

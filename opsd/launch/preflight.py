@@ -135,6 +135,7 @@ def dry_run_report(config: OPSDConfig, extra: argparse.Namespace) -> dict[str, A
         checked.dataset,
         None,
         colocated_engine=config.rollout_engine != "transformers" and config.vllm_mode == "colocate",
+        prompt_builder=None,  # no model path: no plan reads the prompts
     )
     return {
         "config": config.to_dict(),

@@ -19,8 +19,8 @@ Modules, in the order a step uses them:
   (`CompletionHiddenStates`: both roles'), and what turns them into the model's logits (the lm_head, then the
   model's own scale or soft-cap, found against its logits);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
-  arguments: `LossSettings`, built by `OPSDConfig.loss_settings`), the contrastive target and the teacher-free
-  fixed advantage, and its `opsd/*` metrics;
+  arguments: `LossSettings`, built from the config by `loss_settings`), the contrastive target and the
+  teacher-free fixed advantage, and its `opsd/*` metrics;
 * `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;
 * `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
 """

@@ -29,14 +29,61 @@ Two variants replace the teacher (docs/method.md §1.10-1.11):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from opsd.configuration.loss_settings import LossSettings
 from opsd.method.hidden import IDENTITY, LogitTransform
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree", "abs_advantage")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's arguments, built in one place from a checked config (`loss_settings`).
+
+    beta: the divergence's interpolation in [0, 1]; temperature > 0 of both distributions; clip > 0 and
+    clip_mode (opsd.configuration.choices.CLIP_MODES) the clip of the divergence; teacher_support_k: both
+    distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
+    loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time;
+    contrast_weight: None for OPSD's teacher, else lambda >= 0 of the contrastive target (a second teacher
+    forward under a wrong hint, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of
+    loss_type="fixed_advantage" (no teacher). The config checks every value where it enters
+    (opsd/configuration/ranges.py, choices.py); nothing here does again.
+    """
+
+    beta: float
+    temperature: float
+    clip: float
+    clip_mode: str
+    teacher_support_k: int
+    loss_type: str
+    chunk_size: int
+    contrast_weight: float | None = None
+    fixed_advantage: float = -0.25
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss reads a teacher at all (fixed_advantage reads none)."""
+        return self.loss_type != "fixed_advantage"
+
+
+def loss_settings(config) -> LossSettings:
+    """The loss's arguments from an `OPSDConfig`, for every caller of the loss (trainer, probe, completions
+    log, benchmarks). Here rather than on the config: the config sits a floor below the method (its fields
+    checked there), and what the loss reads of them is the loss's business."""
+    return LossSettings(
+        beta=config.beta,
+        temperature=config.loss_temperature or config.temperature,
+        clip=config.divergence_clip,
+        clip_mode=config.clip_mode,
+        teacher_support_k=config.top_k_loss,
+        loss_type=config.loss_type,
+        chunk_size=config.loss_chunk_size,
+        contrast_weight=None if config.teacher_contrast == "none" else config.contrast_weight,
+        fixed_advantage=config.fixed_advantage,
+    )
 
 
 def pointwise_jsd_terms(logp_s_NV: torch.Tensor, logp_t_NV: torch.Tensor, beta: float) -> torch.Tensor:

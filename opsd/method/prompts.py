@@ -11,6 +11,9 @@ reason independently.
 Wording lives in two templates that a file can replace: the student template must contain `{problem}`,
 the teacher template `{problem}` and `{reference}`. Placeholders are substituted literally (no
 `str.format`), so templates may contain braces such as `\\boxed{}`.
+
+A batch's teacher rows, `[teacher prompt ; completion]`, are `teacher_rows`; `TeacherRows` is how TRL's trainer
+asks for them (its teacher-context hook).
 """
 
 from __future__ import annotations
@@ -259,3 +262,26 @@ def teacher_rows(
         "teacher_attention_mask": torch.cat([mask, completion_mask_BC], dim=1),
     }
     return rows, sum(t.truncated for t in built)
+
+
+class TeacherRows:
+    """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
+    (`teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
+    completions alone); `num_truncated` counts the teacher prompts cut to their cap. TRL's other builder method,
+    `select_generation_prompts`, is called only with `generate_from_teacher`, which the config refuses
+    (opsd/configuration/trl_options.py): the student's prompts are always the ones sampled."""
+
+    def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
+        self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
+        self.num_truncated = 0
+
+    def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
+        rows, self.num_truncated = teacher_rows(
+            self.prompt_builder,
+            prompts,
+            privileged_contexts,
+            completion_ids,
+            completion_mask,
+            self.pad_token_id,
+        )
+        return rows

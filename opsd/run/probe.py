@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from opsd.method.hidden import IDENTITY, LogitTransform, eval_mode, head_logits, left_pad, right_pad
-from opsd.method.loss import LossSettings, pointwise_jsd_terms
+from opsd.method.loss import LossSettings, loss_settings, pointwise_jsd_terms
 from opsd.rundir import PROBE_FILE
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class Probe(TrainerCallback):
         pad = t.processing_class.pad_token_id
         unwrapped = acc.unwrap_model(t.model)
         sums_5 = torch.zeros(5, dtype=torch.float32, device=device)
-        settings = a.loss_settings()
+        settings = loss_settings(a)
         batch = a.per_device_train_batch_size
         with torch.no_grad(), eval_mode(unwrapped):
             for start in range(0, len(rows), batch):

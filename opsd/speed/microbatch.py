@@ -16,7 +16,6 @@ parses it once (`opsd.configuration.choices.parse_micro_batch_size`) into one of
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -162,19 +161,13 @@ def fixed_plan(problems_per_process: int, micro_batch: int, reason: str) -> Micr
 
 
 def apply(config, plan: MicroBatchPlan):
-    """`config` with the plan's micro-batch and accumulation (TRL's generation window re-derived from them)."""
+    """`config` with the plan's micro-batch and accumulation (the config derives TRL's window from them)."""
     if (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (
         plan.micro_batch,
         plan.accumulation,
     ):
         return config
-    return dataclasses.replace(
-        config,
-        per_device_train_batch_size=plan.micro_batch,
-        gradient_accumulation_steps=plan.accumulation,
-        generation_batch_size=None,
-        steps_per_generation=None,
-    )
+    return config.with_micro_batch(plan.micro_batch, plan.accumulation)
 
 
 def plan_for(
@@ -221,12 +214,12 @@ def prompt_token_lengths(rows, prompt_builder, sample: int = 256) -> tuple[int, 
     return student, teacher
 
 
-def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
+def resolve(config, rows, model_path: str | None, *, colocated_engine: bool, prompt_builder):
     """(config with the resolved micro-batch, the plan), for `opsd_train.py` before the model loads.
 
     auto reads the GPU's free memory (the minimum over processes, so all agree on the accumulation), the
-    model's config and, with `rows`, the longest prompts of a sample of them; without `rows` (a hub
-    dataset in a dry run) it assumes the teacher prompt cap for both roles. `model_path` None (a dry run,
+    model's config and, with `rows` and the run's `prompt_builder`, the longest prompts of a sample of them;
+    without rows (a hub dataset in a dry run, which passes no builder) it assumes the teacher prompt cap for both roles. `model_path` None (a dry run,
     which reads neither the hub nor the GPU) leaves the choice to the real run.
     """
     import torch
@@ -249,17 +242,31 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         free = int(t.item())
     plan = gpu_plan(
-        config, rows, model_path, free_bytes=free, total_bytes=total, colocated_engine=colocated_engine
+        config,
+        rows,
+        model_path,
+        free_bytes=free,
+        total_bytes=total,
+        colocated_engine=colocated_engine,
+        prompt_builder=prompt_builder,
     )
     return apply(config, plan), plan
 
 
-def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int, colocated_engine: bool):
-    """auto's plan on a GPU with `free_bytes` free of `total_bytes`, before the model and the engine load."""
+def gpu_plan(
+    config,
+    rows,
+    model_path: str,
+    *,
+    free_bytes: int,
+    total_bytes: int,
+    colocated_engine: bool,
+    prompt_builder,
+):
+    """auto's plan on a GPU with `free_bytes` free of `total_bytes`, before the model and the engine load.
+    `prompt_builder` is the run's own (opsd_train.py), not one built here: a second builder would resolve
+    thinking_switch a second time (and warn twice about a template without one)."""
     from transformers import AutoConfig
-
-    from opsd.method.prompts import PromptBuilder
-    from opsd.models import load_tokenizer
 
     shape = ModelShape.from_config(
         AutoConfig.from_pretrained(
@@ -276,9 +283,7 @@ def gpu_plan(config, rows, model_path: str, *, free_bytes: int, total_bytes: int
     cap = config.max_teacher_prompt_length or 4096
     student_p, teacher_p = cap, cap
     if rows is not None and len(rows):
-        tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
-        builder = PromptBuilder.from_config(tokenizer, config)
-        student_p, teacher_p = prompt_token_lengths(rows, builder)
+        student_p, teacher_p = prompt_token_lengths(rows, prompt_builder)
     return plan_for(
         config,
         shape=shape,

@@ -230,12 +230,52 @@ def test_merge_adapter_flag_spellings(flags):
 
 
 def test_merge_adapter_bad_values_are_user_errors():
-    from opsd.evaluation.eval_config import UserError, parse_config
+    from opsd.errors import UserError
+    from opsd.evaluation.eval_config import parse_config
 
     with pytest.raises(UserError, match="choose auto, true"):
         parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])
     with pytest.raises(UserError, match="--merge-adapter needs --adapter"):
         parse_config(["--merge-adapter", "--out", "x"])
+
+
+# Training's names for eval's thinking and prompt-file flags, in both spellings: (flags, thinking, prompt_file).
+TRAINING_NAME_CASES = [
+    ((), True, ""),
+    (("--student-thinking", "false"), False, ""),
+    (("--student_thinking",), True, ""),
+    (("--no-student-thinking",), False, ""),
+    (("--no_student_thinking",), False, ""),
+    (("--student-prompt-file", "p.txt"), True, "p.txt"),
+    (("--student_prompt_file=p.txt",), True, "p.txt"),
+    (("--no-thinking", "--prompt-file", "p.txt"), False, "p.txt"),  # eval's own names still work
+]
+
+
+@pytest.mark.parametrize(("flags", "thinking", "prompt_file"), TRAINING_NAME_CASES)
+def test_eval_takes_trainings_names_for_thinking_and_the_prompt_file(flags, thinking, prompt_file):
+    from opsd.evaluation.eval_config import parse_config
+
+    config = parse_config([*flags, "--n", "3", "--out", "x"])
+    assert (config.thinking, config.prompt_file, config.n) == (thinking, prompt_file, 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (("--thinking", "--student-thinking"), "--thinking and --student_thinking"),
+        (("--no-thinking", "--student_thinking=true"), "--no_thinking and --student_thinking"),
+        (("--student-thinking", "--no-thinking"), "--no_thinking and --student_thinking"),
+        (("--prompt_file", "a", "--student-prompt-file", "b"), "--prompt_file and --student_prompt_file"),
+    ],
+)
+def test_eval_refuses_one_setting_under_both_names(flags, shown):
+    from opsd.errors import UserError
+    from opsd.evaluation.eval_config import parse_config
+
+    with pytest.raises(UserError, match=f"^command line: {shown} are both given") as err:
+        parse_config([*flags, "--out", "x"])
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

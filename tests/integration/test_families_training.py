@@ -12,6 +12,7 @@ import torch
 
 from opsd.method.hidden import IDENTITY, LogitTransform, positions
 from opsd.method.lora_targets import coverage, layer_kinds, log_coverage, resolve_targets
+from opsd.method.loss import loss_settings
 from opsd.testing import reference_loss
 from opsd.testing.families import FAMILIES, build_family
 from opsd.testing.tiny import build_tokenizer
@@ -81,7 +82,7 @@ def test_the_loss_is_the_models_own_divergence_and_two_steps_change_every_layer_
                 c_mask,
             )
     loss_N, _ = reference_loss.token_divergence(
-        student, teacher, settings=trainer.args.loss_settings(), target_ids_N=None
+        student, teacher, settings=loss_settings(trainer.args), target_ids_N=None
     )
     assert loss_N.numel() == int(batch["num_loss_tokens"][0]) > 0
     torch.testing.assert_close(loss, loss_N.mean(), atol=1e-6, rtol=1e-5)

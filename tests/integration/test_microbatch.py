@@ -1,6 +1,7 @@
 """Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.choices), divisibility, the memory
 estimate and auto's choice, against hand-computed values."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +127,12 @@ def test_apply_rederives_the_generation_window(tmp_path):
     assert (out.per_device_train_batch_size, out.gradient_accumulation_steps) == (1, 2)
     assert (out.steps_per_generation, out.generation_batch_size) == (2, 2)
     assert microbatch.apply(config, plan_for(config)) is config
+    # The window follows steps_per_rollout (optimizer steps) through the new accumulation: 2 steps x 4.
+    two = OPSDConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, steps_per_rollout=2, max_steps=4
+    )
+    out = microbatch.apply(two, microbatch.fixed_plan(4, 1, "micro_batch_size"))
+    assert (out.steps_per_rollout, out.steps_per_generation, out.generation_batch_size) == (2, 8, 8)
 
 
 def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
@@ -149,7 +156,13 @@ def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
     total = 80 * GIB
     for free in (80 * GIB, 49 * GIB, 40 * GIB):
         plan = microbatch.gpu_plan(
-            config, rows, str(tiny_model_dir), free_bytes=free, total_bytes=total, colocated_engine=True
+            config,
+            rows,
+            str(tiny_model_dir),
+            free_bytes=free,
+            total_bytes=total,
+            colocated_engine=True,
+            prompt_builder=builder,
         )
         left = int(free - 0.6 * total - shape.params * 4)  # float32 weights: no bf16 without a GPU
         expected = plan_for(
@@ -157,16 +170,64 @@ def test_gpu_plan_reads_free_memory_shape_and_prompts(tiny_model_dir, tmp_path):
         )
         assert plan == expected and plan.reason.startswith("auto:")
     big = microbatch.gpu_plan(
-        config, rows, str(tiny_model_dir), free_bytes=total, total_bytes=total, colocated_engine=True
+        config,
+        rows,
+        str(tiny_model_dir),
+        free_bytes=total,
+        total_bytes=total,
+        colocated_engine=True,
+        prompt_builder=builder,
     )
     assert (big.micro_batch, big.accumulation) == (32, 1)  # a tiny model fits all 32 rows
     # less free memory than the engine's share: the smallest split
     small = microbatch.gpu_plan(
-        config, rows, str(tiny_model_dir), free_bytes=40 * GIB, total_bytes=total, colocated_engine=True
+        config,
+        rows,
+        str(tiny_model_dir),
+        free_bytes=40 * GIB,
+        total_bytes=total,
+        colocated_engine=True,
+        prompt_builder=builder,
     )
     assert (small.micro_batch, small.accumulation) == (1, 32)
     # without an engine on the GPU the same memory holds everything
     alone = microbatch.gpu_plan(
-        config, rows, str(tiny_model_dir), free_bytes=40 * GIB, total_bytes=total, colocated_engine=False
+        config,
+        rows,
+        str(tiny_model_dir),
+        free_bytes=40 * GIB,
+        total_bytes=total,
+        colocated_engine=False,
+        prompt_builder=builder,
     )
     assert alone.micro_batch == 32
+
+
+def test_a_run_resolves_the_thinking_switch_once(tiny_model_dir, tmp_path, caplog):
+    """A run's prompts are rendered by the micro-batch plan (auto, on a GPU) and by the trainer: with a chat
+    template that reads no thinking switch, the run warns once, because both use the one builder
+    opsd_train.py builds (each builder resolves the switch, and warns, when it is made)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from opsd.configuration.config import OPSDConfig
+    from opsd.method.prompts import PromptBuilder
+    from tests.conftest import make_trainer
+
+    model_dir = tmp_path / "no-switch"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(model_dir)
+    config = OPSDConfig(output_dir=str(tmp_path / "run"), report_to="none", micro_batch_size="auto")
+    rows = [{"prompt": "What is 2 + 3?", "privileged_context": "It is 5."}]
+    with caplog.at_level(logging.WARNING, logger="opsd.method.prompts"):
+        builder = PromptBuilder.from_config(AutoTokenizer.from_pretrained(model_dir), config)
+        microbatch.gpu_plan(
+            config, rows, str(model_dir), free_bytes=80 * GIB, total_bytes=80 * GIB, colocated_engine=False,
+            prompt_builder=builder,
+        )  # fmt: skip
+        trainer = make_trainer(model_dir, tmp_path / "run", prompt_builder=builder)
+    assert trainer.prompt_builder is builder
+    assert caplog.text.count("reads no enable_thinking variable") == 1

@@ -12,6 +12,7 @@ import torch
 from opsd.configuration.config import OPSDConfig
 from opsd.configuration.trl_options import IGNORED_SDFT_OPTIONS
 from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
+from opsd.method.loss import loss_settings
 from opsd.testing.reference_loss import token_divergence
 from tests.conftest import make_trainer
 
@@ -160,7 +161,7 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
                     c_mask,
                 )
         w = trainer.model.get_output_embeddings().weight
-        loss_N, stats = token_divergence(h_s @ w.T, h_t @ w.T, settings=a.loss_settings(), target_ids_N=None)
+        loss_N, stats = token_divergence(h_s @ w.T, h_t @ w.T, settings=loss_settings(a), target_ids_N=None)
         keep_N = kept_BC[c_mask.bool()]
         expected = loss_N[keep_N].sum() / keep_N.sum()
         torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)

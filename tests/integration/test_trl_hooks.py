@@ -48,10 +48,13 @@ def test_trl_calls_every_override_in_step_order_and_on_resume(tiny_model_dir, tm
     calls = _record_trl_calls(trainer)
     trainer.train()
     assert _first_calls(calls) == STEP_ORDER
-    # _setup_teacher_model runs inside SDFTTrainer.__init__, before any wrapper: the EMA teacher it installs
-    # is the sign TRL called it.
+    # TRL's EMA teacher callback (its _setup_teacher_model, inside SDFTTrainer.__init__) is replaced by OPSD's
+    # where TRL put it, the last of TRL's, before the step timer and the non-finite guard: a TRL that renamed
+    # or stopped adding it would leave the EMA teacher without OPSD's start, state file and skipped steps.
     ema = make_trainer(tiny_model_dir, tmp_path / "ema", teacher_mode="ema", max_steps=1)
-    assert any(type(cb).__name__ == "InitialisedAdapterEMA" for cb in ema.callback_handler.callbacks)
+    names = [type(cb).__name__ for cb in ema.callback_handler.callbacks]
+    assert names[-3:] == ["InitialisedAdapterEMA", "StepTimer", "NonFiniteGuard"], names
+    assert "PEFTAdapterEMACallback" not in names
 
     resumed = make_trainer(tiny_model_dir, tmp_path / "run", **{**save, "max_steps": 2})
     calls = _record_trl_calls(resumed)
@@ -78,4 +81,4 @@ def test_every_listed_hook_is_overridden_and_still_defined_by_trl():
         if inspect.isfunction(member) and name != "__init__" and hasattr(SDFTTrainer, name)
     }
     assert overrides == set(OPSDTrainer.TRL_HOOKS) | set(OPSDTrainer.OWN_CALLS)
-    assert set(STEP_ORDER + RESUME_ORDER) | {"_setup_teacher_model"} == set(OPSDTrainer.TRL_HOOKS)
+    assert set(STEP_ORDER + RESUME_ORDER) == set(OPSDTrainer.TRL_HOOKS)

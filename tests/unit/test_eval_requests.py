@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from opsd.evaluation.eval_config import EvalConfig, EvalSettings, UserError
+from opsd.errors import UserError
+from opsd.evaluation.eval_config import EvalConfig, EvalSettings
 from opsd.evaluation.plan import missing_requests
 from opsd.evaluation.requests import Prompts, plan_requests
 from opsd.evaluation.samples import CONFIG_FILE, RESUME_KEYS, check_resume, sample_seed

@@ -80,7 +80,7 @@ def oracle(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The code under test, called with the loss's settings (OPSDConfig.loss_settings builds them in training; here a
+# The code under test, called with the loss's settings (opsd.method.loss.loss_settings builds them in training; here a
 # test names the values it needs and the rest keep the published recipe's). top_k is the teacher support.
 # --------------------------------------------------------------------------------------------------------------
 def settings(

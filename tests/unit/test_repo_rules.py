@@ -91,6 +91,46 @@ def test_no_two_modules_share_a_name():
     assert not shared_module_names(["opsd/run/report.py", "tests/report.py"])
 
 
+def test_no_two_exception_classes_share_a_name():
+    """An error caught or raised by name is one class: a second `UserError` in another module would shadow the
+    one `opsd.errors` defines wherever it is imported instead (evaluation once had its own)."""
+    sources = [*ROOT.glob("opsd/**/*.py"), *ROOT.glob("*.py")]
+    defined: dict[str, list[str]] = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(b, ast.Name | ast.Attribute) and ast.unparse(b).endswith(("Error", "Exception"))
+                for b in node.bases
+            ):
+                defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert "UserError" in defined and "RunFailed" in defined
+    assert not {name: where for name, where in defined.items() if len(where) > 1}
+
+
+def test_pointers_to_the_key_lists_name_the_module_that_holds_them():
+    """The recipe whitelist and the budget keys (RECIPE_KEYS, OPERATIONAL_KEYS, BUDGET_KEYS) live in
+    opsd/configuration/keys.py; a comment, doc or error that sends the reader to another module for them (two
+    lines at a time: a pointer may wrap) sends them to the wrong file."""
+    from opsd.configuration import keys
+
+    names = [n for n in vars(keys) if n.endswith("_KEYS")]
+    mention = re.compile(r"\b(" + "|".join(names) + r")\b|whitelist in")
+    module = re.compile(r"opsd/configuration/(\w+)\.py")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    wrong = []
+    for name in files.split():
+        if name.startswith("tests/") or not name.endswith((".py", ".md", ".sh", ".env")):
+            continue
+        lines = (ROOT / name).read_text(encoding="utf-8", errors="replace").splitlines()
+        for n, pair in enumerate(zip(lines, [*lines[1:], ""], strict=True), 1):
+            text = " ".join(pair)
+            if mention.search(text) and any(m != "keys" for m in module.findall(text)):
+                # a line that names keys.py and another module (a table of the modules) points at keys.py too
+                if "opsd/configuration/keys.py" not in text:
+                    wrong.append(f"{name}:{n}: {pair[0].strip()}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_method_doc_has_every_section_the_code_cites():
     method = (ROOT / "docs" / "method.md").read_text()
     headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)[ .]", method, flags=re.M))

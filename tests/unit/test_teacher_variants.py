@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.loss_settings import LossSettings
 from opsd.errors import InvalidValue
 from opsd.method import loss
 from opsd.method.contrast import contrast_references, wrong_reference, wrong_value
+from opsd.method.loss import LossSettings, loss_settings
 from opsd.method.prompts import PromptBuilder, reference_text
 
 CLIP_MODES = ("element", "token", "rescale", "none")
@@ -313,10 +313,10 @@ def test_the_published_defaults_are_unchanged_and_the_settings_carry_the_switche
         "none",
         "jsd",
     )
-    assert c.loss_settings().contrast_weight is None and c.loss_settings().needs_teacher
+    assert loss_settings(c).contrast_weight is None and loss_settings(c).needs_teacher
     c = OPSDConfig(report_to="none", teacher_contrast="wrong_answer", contrast_weight=0.5)
-    assert c.loss_settings().contrast_weight == 0.5
-    assert not OPSDConfig(report_to="none", loss_type="fixed_advantage").loss_settings().needs_teacher
+    assert loss_settings(c).contrast_weight == 0.5
+    assert not loss_settings(OPSDConfig(report_to="none", loss_type="fixed_advantage")).needs_teacher
 
 
 @pytest.fixture(scope="module")
