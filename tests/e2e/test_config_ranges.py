@@ -60,6 +60,9 @@ CASES: dict[str, tuple[object, object, object]] = {
     "ema_decay": (0.99, 0.999999, 1.0),
     "teacher_sync_steps": (2, 1, 0),
     "teacher_ref_max_chars": (100, 0, -1),
+    "teacher_ref_fraction": (0.5, 1.0, 0.0),
+    "contrast_weight": (0.5, 0.0, -0.5),
+    "fixed_advantage": (-0.5, -1e-6, 0.0),  # zero would be no control at all, a positive one its opposite
     "max_teacher_prompt_length": (2048, 0, -1),
     "wavg_last": (3, 0, -1),
     "probe_steps": (5, 0, -1),
@@ -125,7 +128,14 @@ PATHS = ("cli", "yaml", "recipe", "env", "dry-run")
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    row = {"problem": "p", "solution": "s", "Answer": "1", "COT_Reason": "c", "generated_token_count": 3000}
+    # A solution that states its answer, so that teacher_contrast=wrong_answer can replace it.
+    row = {
+        "problem": "p",
+        "solution": "s = \\boxed{1}",
+        "Answer": "1",
+        "COT_Reason": "c",
+        "generated_token_count": 3000,
+    }
     path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "problem": "q"}) + "\n")
     return path
 

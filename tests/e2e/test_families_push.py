@@ -44,18 +44,15 @@ def _engine_gap(engine, model, prompts) -> float:
     return gap
 
 
-@pytest.mark.parametrize("family", PUSHED)
-def test_pushed_weights_are_what_the_engine_samples_from(family, family_dirs):
+def measure(family: str, model_dir: str) -> dict[str, float]:
     """A running engine (the CPU backend, in this process) takes new weights through `push_weights`, as the
-    trainer's sync does: afterwards its samples' log-probs are transformers' for the new weights (and far from
-    those of the old). Tied heads (qwen3's lm_head shares the embedding; gemma2 and cohere have none in vLLM),
-    MoE experts (packed again for the CPU kernel) and MLA (deepseek_v3) all take the push."""
+    trainer's sync does: the gaps of its samples' log-probs to transformers' for the old weights before the push,
+    and for the new and the old weights after it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd.evaluation.sampling import VLLMEngine
     from opsd.method.engine import merged_named_weights, push_weights
 
-    model_dir = family_dirs[family]
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(text)["input_ids"] for text in ("What is 2 + 3? Say it twice.", "Add 5 and 9, then 7.")]
     old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -75,14 +72,57 @@ def test_pushed_weights_are_what_the_engine_samples_from(family, family_dirs):
                     attention.self_attn.sliding_window = m.config.sliding_window
     engine = VLLMEngine(str(model_dir), max_model_len=256, dtype="float32")
     try:
-        assert _engine_gap(engine, old, prompts) <= 1e-4  # the engine runs the family as transformers does
+        before = _engine_gap(engine, old, prompts)
         push_weights(
             engine.llm,
             merged_named_weights(new),
             tie_word_embeddings=new.config.get_text_config().tie_word_embeddings,
         )
-        assert _engine_gap(engine, new, prompts) <= 1e-4
-        assert _engine_gap(engine, old, prompts) > 1e-2  # the push changed what it samples from
+        return {
+            "before": before,
+            "new": _engine_gap(engine, new, prompts),
+            "old": _engine_gap(engine, old, prompts),
+        }
     finally:
         del engine
         gc.collect()
+
+
+@pytest.fixture(scope="module")
+def gaps(family_dirs) -> dict[str, dict[str, float]]:
+    """`measure` of every family, in a process of its own: tearing an in-process engine down destroys vLLM's
+    distributed state, which the session's other in-process engines (tests/conftest.py's `vllm_tiny`) need."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ENV
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import json, sys\n"
+        "from tests.e2e.test_families_push import measure\n"
+        "dirs = json.loads(sys.argv[1])\n"
+        "print('GAPS ' + json.dumps({f: measure(f, d) for f, d in dirs.items()}))\n"
+    )
+    dirs = json.dumps({f: str(d) for f, d in family_dirs.items()})
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", code, dirs], cwd=root, env={**os.environ, **ENV},
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("GAPS "))
+    return json.loads(line.removeprefix("GAPS "))
+
+
+@pytest.mark.parametrize("family", PUSHED)
+def test_pushed_weights_are_what_the_engine_samples_from(family, gaps):
+    """After `push_weights` the engine's samples' log-probs are transformers' for the new weights (and far from
+    those of the old); before it, the engine runs the family as transformers does. Tied heads (qwen3's lm_head
+    shares the embedding; gemma2 and cohere have none in vLLM), MoE experts (packed again for the CPU kernel)
+    and MLA (deepseek_v3) all take the push."""
+    got = gaps[family]
+    assert got["before"] <= 1e-4  # the engine runs the family as transformers does
+    assert got["new"] <= 1e-4
+    assert got["old"] > 1e-2  # the push changed what it samples from
