@@ -148,13 +148,11 @@ def log_prob_at(
     return scaled_logits_NV.gather(-1, ids_N[:, None]).squeeze(-1) - support_NK.logsumexp(-1)
 
 
-def contrastive_target(
-    x_NV: torch.Tensor, xt_NV: torch.Tensor, xw_NV: torch.Tensor, weight: float
-) -> torch.Tensor:
-    """log q up to a constant per row, q = softmax(log p_S + lambda (log p_T(.|c) - log p_T(.|c~))), from
-    temperature-scaled logits (N, V): student x, teacher under the reference xt, teacher under the wrong hint xw.
+def contrastive_target(x_NV: torch.Tensor, log_ratio_NV: torch.Tensor, weight: float) -> torch.Tensor:
+    """log q up to a constant per row, q = softmax(log p_S + lambda (log p_T(.|c) - log p_T(.|c~))), from the
+    student's temperature-scaled logits x (N, V) and the teacher's log-ratio log p_T(.|c) - log p_T(.|c~) (N, V).
     The student's part is treated as a constant (q is a target; no gradient flows through it)."""
-    return F.log_softmax(x_NV, -1).add_(F.log_softmax(xt_NV, -1).sub_(F.log_softmax(xw_NV, -1)).mul_(weight))
+    return F.log_softmax(x_NV, -1).add_(log_ratio_NV, alpha=weight)
 
 
 def token_divergence_with_grad(
@@ -212,12 +210,15 @@ def token_divergence_with_grad(
         advantage_N = None
         if settings.contrast_weight is not None:
             xw_NV = contrast_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
+            # Each teacher's log-softmax once: the sampled-token advantage and the target both read the ratio.
+            log_ratio_NV = F.log_softmax(xt_NV, -1).sub_(F.log_softmax(xw_NV, -1))
+            del xw_NV
             if target_ids_N is not None:
                 advantage_N = (
-                    log_prob_at(xt_NV, xt_NV, target_ids_N) - log_prob_at(xw_NV, xw_NV, target_ids_N)
-                ) * settings.contrast_weight
-            xt_NV = contrastive_target(x_NV, xt_NV, xw_NV, settings.contrast_weight)
-            del xw_NV
+                    log_ratio_NV.gather(-1, target_ids_N[:, None]).squeeze(-1) * settings.contrast_weight
+                )
+            xt_NV = contrastive_target(x_NV, log_ratio_NV, settings.contrast_weight)
+            del log_ratio_NV
         x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
         logp_s_NK = F.log_softmax(x_NK, -1)
         logp_t_NK = F.log_softmax(xt_NK, -1)
@@ -266,13 +267,13 @@ def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, ne
         raise ValueError("loss_type='fixed_advantage' needs the sampled token ids")
     with torch.no_grad():
         x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(settings.temperature)
-        advantage_N = torch.full_like(x_NV[:, 0], settings.fixed_advantage)
-        loss_N = -advantage_N * log_prob_at(x_NV, x_NV, target_ids_N)
+        logp_NV = F.log_softmax(x_NV, -1)  # once: the loss reads it at y, the gradient everywhere
+        del x_NV
+        advantage_N = torch.full_like(logp_NV[:, 0], settings.fixed_advantage)
+        loss_N = -advantage_N * logp_NV.gather(-1, target_ids_N[:, None]).squeeze(-1)
         zeros_N = torch.zeros_like(loss_N)
         grad_NV = None
         if need_grad:
-            logp_NV = F.log_softmax(x_NV, -1)
-            del x_NV
             grad_NV = _policy_gradient(logp_NV, advantage_N, None, None, target_ids_N, settings.temperature)
     stats = {
         "divergence": zeros_N,
