@@ -34,7 +34,7 @@ from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib, training
 training_process_env()
 
 from opsd.configuration.config import OPSDConfig  # noqa: E402
-from opsd.errors import run_main  # noqa: E402
+from opsd.errors import exit_now, run_main  # noqa: E402
 from opsd.launch import preflight  # noqa: E402
 
 logger = logging.getLogger("opsd")
@@ -205,4 +205,4 @@ def main(argv: list[str] | None = None) -> Path | None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, "opsd_train.py"))
+    exit_now(run_main(main, "opsd_train.py"))

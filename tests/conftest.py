@@ -54,7 +54,8 @@ ENV = {
 }
 
 
-EVAL_SCRIPT = Path(__file__).resolve().parents[1] / "eval_aime.py"
+ROOT = Path(__file__).resolve().parents[1]
+EVAL_SCRIPT = ROOT / "eval_aime.py"
 # For eval_aime.py subprocesses. One thread per process: on a small CPU machine, OpenMP threads of parallel
 # processes spin against each other and slow everything down by orders of magnitude.
 EVAL_ENV = {
@@ -104,6 +105,74 @@ def kill_eval_at(
             time.sleep(poll)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# The entry points `in_process` runs: script -> (module, how its `__main__` calls `main`).
+def _opsd_train(args):
+    import opsd_train
+    from opsd.errors import run_main
+
+    return run_main(opsd_train.main, "opsd_train.py", args)
+
+
+def _eval_aime(args):
+    import eval_aime
+
+    return eval_aime.main(args)
+
+
+def _train_capped(args):
+    from opsd.launch import capped
+
+    return capped.main(["--root", str(ROOT), *args])  # as train_capped.sh execs it
+
+
+IN_PROCESS = {"opsd_train.py": _opsd_train, "eval_aime.py": _eval_aime, "train_capped.sh": _train_capped}
+
+
+def in_process(script: str, args, *, env: dict, cwd: Path | str) -> subprocess.CompletedProcess:
+    """`script ARGS` (opsd_train.py, eval_aime.py or train_capped.sh) run in this process as its command line
+    runs it, with exactly the environment `env` and the working directory `cwd`, its output and exit status
+    captured as `subprocess.run` captures them; os.environ, the working directory, sys.argv and the root
+    logger's handlers are restored afterwards.
+
+    For the refusals and dry runs, whose subject is the checks before any model loads: a fresh interpreter
+    would add ~7 s of imports to each. Log records go to pytest's capture, not to the captured stderr. What
+    depends on the interpreter itself (settings read at import such as HF_HUB_CACHE, a launcher, a real
+    run) runs the script as a subprocess instead."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+
+    args = [str(a) for a in args]
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    root_logger = logging.getLogger()
+    saved_handlers = list(root_logger.handlers)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update({**env, "TRL_EXPERIMENTAL_SILENCE": "1"} if script == "train_capped.sh" else env)
+        os.chdir(cwd)
+        sys.argv = [script, *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = IN_PROCESS[script](args)
+            except SystemExit as stop:  # argparse's usage errors, as the interpreter would exit
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if not isinstance(stop.code, int | None):
+                    print(stop.code, file=sys.stderr)
+            except Exception:  # an uncaught exception: the interpreter's traceback and status 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        for handler in set(root_logger.handlers) - set(saved_handlers):
+            root_logger.removeHandler(handler)
+    return subprocess.CompletedProcess([script, *args], code or 0, out.getvalue(), err.getvalue())
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

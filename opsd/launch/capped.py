@@ -39,7 +39,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opsd.errors import UserError, report, split_debug
+from opsd.errors import UserError, exit_now, report, split_debug
 from opsd.paths import ACCELERATE_CONFIG, check_file, check_output_dir
 
 STEPS = 100
@@ -301,4 +301,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -11,7 +11,7 @@ import pytest
 
 from opsd.data.loading import DataError, load_eval_dataset, load_table, load_train_dataset
 from opsd.errors import UserError, split_debug
-from tests.conftest import ENV
+from tests.conftest import ENV, in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,10 +194,20 @@ def test_split_debug(argv, env, debug, rest):
 
 
 def run(
-    script: str, args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 300
+    script: str,
+    args: list[str],
+    tmp_path: Path,
+    env: dict | None = None,
+    timeout: int = 300,
+    *,
+    own_process: bool = False,
 ) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in `tmp_path`; in this process (`tests.conftest.in_process`: these refusals come
+    before any model loads) unless `own_process`, for what a fresh interpreter reads at import."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
     full.update(ENV, **(env or {}))
+    if not own_process:
+        return in_process(script, args, env=full, cwd=tmp_path)
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=tmp_path, env=full, capture_output=True, text=True, timeout=timeout,
@@ -265,7 +275,8 @@ def test_train_internal_errors_keep_their_traceback(tmp_path):
 def test_eval_bad_data_is_one_line_and_debug_shows_the_traceback(tmp_path):
     data = jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": None}])
     args = ["--dataset", str(data), "--out", str(tmp_path / "e")]
-    one_line(run("eval_aime.py", args, tmp_path), "error:", "row 1 has None", str(data))
+    # As a user runs it, in a process of its own (the other evaluation refusals run in the test's process).
+    one_line(run("eval_aime.py", args, tmp_path, own_process=True), "error:", "row 1 has None", str(data))
     res = run("eval_aime.py", [*args, "--debug"], tmp_path)
     assert res.returncode == 2 and "Traceback" in res.stderr and "row 1 has None" in res.stderr
 
@@ -273,9 +284,11 @@ def test_eval_bad_data_is_one_line_and_debug_shows_the_traceback(tmp_path):
 # -- no traceback for a user's mistake: paths, malformed data, hub ids offline, incomplete model dirs -----------
 
 
-def _train_refused(tmp_path: Path, args: list[str], *needles: str, env: dict | None = None) -> str:
+def _train_refused(
+    tmp_path: Path, args: list[str], *needles: str, env: dict | None = None, own_process: bool = False
+) -> str:
     out = tmp_path / "o"
-    res = run("opsd_train.py", ["--output_dir", str(out), *args], tmp_path, env)
+    res = run("opsd_train.py", ["--output_dir", str(out), *args], tmp_path, env, own_process=own_process)
     one_line(res, "opsd_train.py: error:", *needles)
     assert not out.exists()  # refused before anything is written to the output directory
     return res.stderr.strip().splitlines()[-1]
@@ -323,8 +336,10 @@ def test_malformed_data_files_are_one_line(tmp_path, name, content, needle):
 def test_hub_model_id_offline_names_the_cache_and_the_way_out(tmp_path):
     cache = tmp_path / "hub-cache"
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    # In a process of its own: huggingface_hub reads HF_HUB_CACHE when it is imported.
     line = _train_refused(tmp_path, ["--model_name_or_path", "someorg/some-model"], "'someorg/some-model'",
-                          "HF_HUB_OFFLINE", str(cache), "--model_name_or_path /path/to/model", env=env)  # fmt: skip
+                          "HF_HUB_OFFLINE", str(cache), "--model_name_or_path /path/to/model", env=env,
+                          own_process=True)  # fmt: skip
     assert "is not in the Hugging Face cache" in line
     # A dry run plans for any machine: it leaves hub ids unchecked, as it leaves hub datasets unloaded.
     res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--model_name_or_path", "someorg/some-model",

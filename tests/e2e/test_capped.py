@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, free_port, make_trainer
+from tests.conftest import ENV, free_port, in_process, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,11 +36,17 @@ def finish(proc, timeout=900):
     return proc.returncode, out, err
 
 
+def dry(*args, env=None):
+    """(exit status, stdout, stderr) of `train_capped.sh ARGS` for a dry run or a refusal, run in this process
+    (`tests.conftest.in_process`: neither loads a model) with the environment `harness` gives."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
+    res = in_process("train_capped.sh", args, env={**full_env, **ENV, **(env or {})}, cwd=ROOT)
+    return res.returncode, res.stdout, res.stderr
+
+
 @pytest.mark.parametrize(("gpus", "batch", "accum"), [(1, 4, 8), (2, 4, 4), (4, 4, 2), (8, 4, 1)])
 def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
-    rc, out, err = finish(
-        harness("--dry-run", "--num-gpus", str(gpus), "--name", "x", "--runs-dir", str(tmp_path))
-    )
+    rc, out, err = dry("--dry-run", "--num-gpus", str(gpus), "--name", "x", "--runs-dir", str(tmp_path))
     assert rc == 0, err
     plan = json.loads(out)
     assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (batch, accum)
@@ -52,32 +58,32 @@ def test_dry_run_budget_arithmetic(gpus, batch, accum, tmp_path):
 
 def test_dry_run_prints_the_resolved_micro_batch(tmp_path):
     args = ("--dry-run", "--profile", "smoke", "--runs-dir", str(tmp_path))
-    rc, out, err = finish(harness(*args))
+    rc, out, err = dry(*args)
     assert rc == 0, err
     plan = json.loads(out)
     assert plan["resolved"]["micro_batch_size"] == "auto"
     assert (plan["micro_batch"]["micro_batch"], plan["micro_batch"]["accumulation"]) == (2, 1)
     assert "2 per micro-batch x 1 accumulation" in plan["budget"] and "no GPU" in plan["budget"]
     for how in ({"env": {"OPSD_MICRO_BATCH_SIZE": "1"}}, {"tail": ("--", "--micro_batch_size", "1")}):
-        rc, out, err = finish(harness(*args, *how.get("tail", ()), env=how.get("env")))
+        rc, out, err = dry(*args, *how.get("tail", ()), env=how.get("env"))
         assert rc == 0, err
         assert json.loads(out)["micro_batch"]["micro_batch"] == 1
         assert "1 per micro-batch x 2 accumulation" in json.loads(out)["budget"]
-    rc, _, err = finish(harness(*args, env={"OPSD_MICRO_BATCH_SIZE": "3"}))
+    rc, _, err = dry(*args, env={"OPSD_MICRO_BATCH_SIZE": "3"})
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "micro_batch_size=3 does not divide the 2 problems per process" in err
 
 
 def test_dry_run_refusals(tmp_path):
-    rc, _, err = finish(harness("--dry-run", "--num-gpus", "3"))
+    rc, _, err = dry("--dry-run", "--num-gpus", "3")
     assert rc == 2 and "cannot be split over 3 processes" in err
     bad = tmp_path / "bad.env"
     bad.write_text("BETA=0.5\nPER_DEVICE_TRAIN_BATCH_SIZE=8\n")
-    rc, _, err = finish(harness("--dry-run", "--recipe", str(bad)))
+    rc, _, err = dry("--dry-run", "--recipe", str(bad))
     assert rc == 2 and "bad.env:2" in err and "fixed by the capped harness" in err
-    rc, _, err = finish(harness("--dry-run", env={"OPSD_MAX_STEPS": "50"}))
+    rc, _, err = dry("--dry-run", env={"OPSD_MAX_STEPS": "50"})
     assert rc == 2 and "OPSD_MAX_STEPS" in err
-    rc, _, err = finish(harness("--dry-run", env={"OPSD_STEPS_PER_ROLLOUT": "3"}))
+    rc, _, err = dry("--dry-run", env={"OPSD_STEPS_PER_ROLLOUT": "3"})
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "steps_per_rollout=3 does not divide max_steps=100" in err and "OPSD_STEPS_PER_ROLLOUT" in err
 

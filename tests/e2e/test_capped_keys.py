@@ -13,7 +13,7 @@ from opsd.configuration.recipe import (
     flag_overrides,
     parse_recipe,
 )
-from tests.e2e.test_capped import finish, harness
+from tests.e2e.test_capped import dry, finish, harness
 
 # One value per operational key the harness used to refuse; each is checked in the resolved config.
 OPERATIONAL = {
@@ -25,13 +25,16 @@ OPERATIONAL = {
 }
 
 
-def dry_run(*args, env=None, recipe_text=None, tmp_path):
+def dry_run(*args, env=None, recipe_text=None, tmp_path, own_process=False):
+    """(exit status, stdout, stderr) of `train_capped.sh --dry-run ARGS`: in this process (`dry`), or through
+    bash with `own_process`."""
     extra = []
     if recipe_text is not None:
         recipe = tmp_path / "recipe.env"
         recipe.write_text(recipe_text)
         extra = ["--recipe", str(recipe)]
-    return finish(harness("--dry-run", "--runs-dir", str(tmp_path), *extra, *args, env=env))
+    args = ["--dry-run", "--runs-dir", str(tmp_path), *extra, *args]
+    return finish(harness(*args, env=env)) if own_process else dry(*args, env=env)
 
 
 def one_error_line(err: str) -> str:
@@ -151,7 +154,8 @@ def test_explicit_num_gpus_plans_gpu_processes_without_a_gpu(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    rc, _, err = dry_run("--debug", env={"OPSD_BETA": "2"}, tmp_path=tmp_path)
+    # Through bash, as a user runs it.
+    rc, _, err = dry_run("--debug", env={"OPSD_BETA": "2"}, tmp_path=tmp_path, own_process=True)
     assert rc == 2 and "Traceback" in err
     assert (
         err.strip().splitlines()[-1]

@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 
 from tests import conftest
-from tests.conftest import BOXER_PROBLEMS, EVAL_ENV, PNG_SIGNATURE, kill_eval_at, ok, train_boxer
+from tests.conftest import (
+    BOXER_PROBLEMS,
+    EVAL_ENV,
+    EVAL_SCRIPT,
+    PNG_SIGNATURE,
+    in_process,
+    kill_eval_at,
+    ok,
+    train_boxer,
+)
 
 PROBLEMS = BOXER_PROBLEMS
 STEPS = (10, 200)
@@ -278,8 +287,9 @@ def test_sweep_argument_errors_are_one_line(run_dir, tmp_path):
         ): "--adapter and --checkpoints are separate",
         ("--checkpoints", run, "--num-gpus", 2): "a sweep runs one engine",
     }
-    for args, message in cases.items():
-        proc = run_eval("--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o")
+    for args, message in cases.items():  # refused before any model loads: in this process (in_process)
+        argv = ["--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o"]
+        proc = in_process("eval_aime.py", argv, env=EVAL_ENV, cwd=EVAL_SCRIPT.parent)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert message in proc.stderr
 

@@ -10,16 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ENV, free_port, make_trainer
+from tests.conftest import ENV, free_port, in_process, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_train(args, tmp_path, extra_env=None, timeout=900):
+def run_train(args, tmp_path, extra_env=None, timeout=900, *, own_process=True):
+    """`python opsd_train.py ARGS` in `tmp_path`; a refusal before any model loads can run in this process
+    (`own_process=False`, `tests.conftest.in_process`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
     env.update(ENV, OPSD_CACHE_DIR=os.environ.get("OPSD_CACHE_DIR", str(Path.home() / ".cache" / "opsd")))
     env["MASTER_PORT"] = str(free_port())
     env.update(extra_env or {})
+    if not own_process:
+        return in_process("opsd_train.py", args, env=env, cwd=tmp_path)
     return subprocess.run(
         [sys.executable, str(ROOT / "opsd_train.py"), *args],
         cwd=tmp_path,
@@ -142,7 +146,7 @@ def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     ],
 )
 def test_cli_refuses_bad_input_before_loading(tmp_path, args, env, message):
-    res = run_train(["--output_dir", str(tmp_path / "o"), *args], tmp_path, env, timeout=300)
+    res = run_train(["--output_dir", str(tmp_path / "o"), *args], tmp_path, env, own_process=False)
     assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
@@ -150,7 +154,9 @@ def test_cli_refuses_bad_input_before_loading(tmp_path, args, env, message):
 def test_bad_recipe_line_is_named(tmp_path):
     recipe = tmp_path / "recipe.env"
     recipe.write_text("LEARNING_RATE=1e-5\nMAX_STEPS=5\n")
-    res = run_train(["--output_dir", str(tmp_path / "o"), "--recipe", str(recipe)], tmp_path, timeout=300)
+    res = run_train(
+        ["--output_dir", str(tmp_path / "o"), "--recipe", str(recipe)], tmp_path, own_process=False
+    )
     assert res.returncode != 0 and "recipe.env:2" in res.stderr
 
 
