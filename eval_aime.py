@@ -52,14 +52,14 @@ import sys
 import traceback
 
 from opsd import errors
-from opsd.evaluation.evaluate import RunFailed, run
+from opsd.evaluation.evaluate import RunFailed, run_evaluation
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     debug, argv = errors.split_debug(sys.argv[1:] if argv is None else argv)  # --debug / OPSD_DEBUG=1
     try:
-        lines = run(argv, script=__file__)
+        lines = run_evaluation(argv, script=__file__)
     except errors.UserError as e:  # training's and evaluation's mistakes alike
         if debug:
             traceback.print_exception(e)

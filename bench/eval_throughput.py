@@ -39,7 +39,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 from common import machine, write
-from opsd.configuration.choices import KV_CACHE_DTYPES
+from opsd.configuration.checks.choices import KV_CACHE_DTYPES
 from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params
 from opsd.evaluation.requests import ListSource, plan_requests

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from common import machine, write
 from learning_figures import plot
-from opsd.configuration.choices import CLIP_MODES, TEACHER_REF_PAIRINGS
+from opsd.configuration.checks.choices import CLIP_MODES, TEACHER_REF_PAIRINGS
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
 from opsd.experiment import stats

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opsd.configuration.choices import TEACHER_REF_PAIRINGS
+from opsd.configuration.checks.choices import TEACHER_REF_PAIRINGS
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:

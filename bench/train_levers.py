@@ -73,7 +73,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.integrations.liger import apply_liger_kernel
 
-    from opsd.configuration.choices import CLIP_MODES
+    from opsd.configuration.checks.choices import CLIP_MODES
     from opsd.configuration.config import OPSDConfig
     from opsd.method.hidden import completion_hidden, left_pad, lm_head_weight, right_pad
     from opsd.method.lora_targets import resolve_targets

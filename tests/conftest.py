@@ -34,11 +34,36 @@ import pytest  # noqa: E402
 TIERS = ("unit", "integration", "e2e")
 
 
+# The test files that run longest, longest first (their times: docs/results.md). `scripts/test.sh` keeps this
+# order (`--no-loadscope-reorder`: pytest-xdist would otherwise start the files with the most tests first), so
+# its two workers, which each take whole files, start on these and end together on the many short files instead
+# of one of them running a long file alone at the end.
+SLOWEST_FIRST = (
+    "e2e/test_experiment_cli.py",
+    "e2e/test_multiprocess.py",
+    "e2e/test_eval.py",
+    "e2e/test_bench_controls.py",
+    "e2e/test_families_vllm.py",
+    "e2e/test_train_cli.py",
+    "e2e/test_sweep.py",
+    "e2e/test_capped.py",
+    "e2e/test_resume_config.py",
+    "e2e/test_families_push.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    missing = [name for name in SLOWEST_FIRST if not (tests / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOWEST_FIRST names files that do not exist: {missing}")
+    rank = {name: n for n, name in enumerate(SLOWEST_FIRST)}
     for item in items:
         tier = Path(str(item.fspath)).parent.name
         if tier in TIERS:
             item.add_marker(tier)
+    # A stable sort: the other files, and the tests inside each file, keep their order.
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).relative_to(tests).as_posix(), len(rank)))
 
 
 ENV = {

@@ -3,7 +3,7 @@
 It extends TRL's `SDFTConfig` (itself a `TrainingArguments`), so every TRL/transformers training argument
 is available too. Which source wins when several set a field: docs/configuration.md (Running and
 precedence). Every field `name` is also the CLI flag `--name` and the environment
-switch `OPSD_NAME` (upper case); see `opsd.configuration.recipe`.
+switch `OPSD_NAME` (upper case); see `opsd.configuration.sources.recipe`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 
 from trl.experimental.sdft import SDFTConfig
 
-from opsd.configuration.choices import CHOICES, check_choice, parse_micro_batch_size
-from opsd.configuration.ranges import check_ranges
-from opsd.configuration.trl_options import (
+from opsd.configuration.checks.choices import CHOICES, check_choice, parse_micro_batch_size
+from opsd.configuration.checks.ranges import check_ranges
+from opsd.configuration.checks.trl_options import (
     IGNORED_SDFT_OPTIONS,
     TEACHER_KIND,
     check_generation_window,
@@ -31,7 +31,8 @@ def _help(text: str) -> dict:
 
 
 def _choice(name: str, text: str) -> dict:
-    """Metadata of a choice field: its help and its allowed values (opsd.configuration.choices), which the CLI enforces too."""
+    """Metadata of a choice field: its help and its allowed values (opsd.configuration.checks.choices), which
+    the CLI enforces too."""
     return {"help": text, "choices": CHOICES[name]}
 
 
@@ -367,7 +368,9 @@ class OPSDConfig(SDFTConfig):
         self.lora_target_modules = _module_list(self.lora_target_modules)
         for name in CHOICES:
             check_choice(name, getattr(self, name))
-        check_ranges(self)  # every numeric field's range, declared once in opsd/configuration/ranges.py
+        check_ranges(
+            self
+        )  # every numeric field's range, declared once in opsd/configuration/checks/ranges.py
         self.micro_batch_size = parse_micro_batch_size(self.micro_batch_size)
         bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}

@@ -26,9 +26,9 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     """The markdown table, one row per field."""
+    from opsd.configuration.checks.ranges import RANGES
     from opsd.configuration.config import OPSDConfig
-    from opsd.configuration.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
-    from opsd.configuration.ranges import RANGES
+    from opsd.configuration.sources.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 
     def role(name: str) -> str:
         if name in RECIPE_KEYS:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opsd.configuration.choices import DATA_FILTERS, REFERENCE_COLUMNS, check_choice
+from opsd.configuration.checks.choices import DATA_FILTERS, REFERENCE_COLUMNS, check_choice
 from opsd.data.builtin import BUILTIN, BUILTIN_SETS
 from opsd.errors import InvalidValue, MissingPath
 from opsd.paths import DATA_FILE, MIB, check_file, read_bytes, size_text

@@ -7,12 +7,14 @@ training uses too):
 * `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
   one builder of vLLM `SamplingParams`;
-* `eval_config`: `EvalConfig` (eval_aime.py's flags; their ranges: `opsd.configuration.ranges.EVAL_RANGES`),
-  `parse_config`, `EvalSettings` (one evaluation's resolved settings, generated from `EvalConfig`'s fields and
-  `Resolved`'s, saved as eval_config.json), the errors the entry point reports;
+* `eval_config`: `EvalConfig` (eval_aime.py's flags; their ranges:
+  `opsd.configuration.checks.ranges.EVAL_RANGES`), `parse_eval_args`, `EvalSettings` (one evaluation's
+  resolved settings, generated from `EvalConfig`'s fields and `Resolved`'s, saved as eval_config.json), the
+  errors the entry point reports;
 * `samples`: the result directory's files: samples.jsonl (read, repaired, appended), shard merging,
   eval_config.json and the resume check, per-sample seeds;
-* `job`: the inputs checked before any engine starts (`resolve` → `Job`, which holds the `EvalSettings`);
+* `job`: the inputs checked before any engine starts (`resolve_job` → `EvalJob`, which holds the
+  `EvalSettings`);
 * `engines`: the vLLM or transformers engine, the adapter served, merged or loaded with peft;
 * `requests`: requests built whole (seed, prompt, token cap), those of the missing samples, and where an engine
   loop takes them from;
@@ -21,7 +23,8 @@ training uses too):
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
 * `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;
 * `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start;
-* `evaluate`: one run start to finish, or a sweep or a report mode (eval_aime.py calls `evaluate.run`).
+* `evaluate`: one run start to finish, or a sweep or a report mode (eval_aime.py calls
+  `evaluate.run_evaluation`).
 
 Output directory (`--out DIR`):
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from opsd.errors import UserError
-from opsd.evaluation.job import Job
+from opsd.evaluation.job import EvalJob
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _merge(model_path: str, adapter_path: str):
     return PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
 
 
-def build_engine(job: Job, scratch: Path):
+def build_engine(job: EvalJob, scratch: Path):
     """(engine, lora_path for generate); the adapter is served, merged or loaded as `job.settings` says."""
     settings, tokenizer = job.settings, job.tokenizer
     model_path, adapter_path = settings.model_path, settings.adapter_path

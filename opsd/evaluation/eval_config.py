@@ -1,7 +1,7 @@
 """eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
 eval_config.json: the flags but the mode ones, then `Resolved`), and the run failures the entry point
 reports (a user's mistake is `opsd.errors.UserError`, as in training).
-The numeric flags' ranges are declared in `opsd.configuration.ranges.EVAL_RANGES`."""
+The numeric flags' ranges are declared in `opsd.configuration.checks.ranges.EVAL_RANGES`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from opsd.configuration.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
-from opsd.configuration.ranges import EVAL_RANGES, check_table
+from opsd.configuration.checks.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
+from opsd.configuration.checks.ranges import EVAL_RANGES, check_table
 from opsd.errors import UserError
 
 _MERGE_WORDS = {
@@ -126,7 +126,9 @@ class EvalConfig:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        check_table(self, EVAL_RANGES, verdict="is invalid")  # declared in opsd/configuration/ranges.py
+        check_table(
+            self, EVAL_RANGES, verdict="is invalid"
+        )  # declared in opsd/configuration/checks/ranges.py
         if self.k is not None and not 1 <= self.k <= self.n:
             raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
         if self.engine not in ROLLOUT_ENGINES:
@@ -189,7 +191,7 @@ TRAINING_NAMES = {
 
 def _refuse_both_names(argv: Sequence[str]) -> None:
     """One setting given under eval's name and training's is refused, as training refuses an older name given
-    beside the canonical one (`opsd.configuration.aliases.canonical_flags`)."""
+    beside the canonical one (`opsd.configuration.sources.aliases.canonical_flags`)."""
     given = {arg.partition("=")[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
     for dest, training in TRAINING_NAMES.items():
         ours = {dest, f"no_{dest}"} & given
@@ -200,7 +202,7 @@ def _refuse_both_names(argv: Sequence[str]) -> None:
             )
 
 
-def parse_config(argv: Sequence[str]) -> EvalConfig:
+def parse_eval_args(argv: Sequence[str]) -> EvalConfig:
     """Flags (underscores or dashes) into an `EvalConfig`; invalid values raise `UserError`."""
     from transformers import HfArgumentParser
     from transformers.hf_argparser import string_to_bool
@@ -242,7 +244,7 @@ MODE_FIELDS = ("compare", "aggregate", "plot_steps", "checkpoints", "base")
 
 @dataclass(frozen=True)
 class Resolved:
-    """What `opsd.evaluation.job.resolve` found from the flags: the last fields of `EvalSettings`."""
+    """What `opsd.evaluation.job.resolve_job` found from the flags: the last fields of `EvalSettings`."""
 
     model_path: str  # a local model directory made absolute, or what `opsd.models.resolve_model_path` gave
     adapter_path: str  # the adapter directory, absolute; "" without an adapter

@@ -8,23 +8,23 @@ import time
 from collections.abc import Sequence
 
 from opsd.errors import UserError
-from opsd.evaluation.eval_config import EvalConfig, RunFailed, parse_config
+from opsd.evaluation.eval_config import EvalConfig, RunFailed, parse_eval_args
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
-from opsd.evaluation.job import check_paths, resolve
+from opsd.evaluation.job import check_paths, resolve_job
 from opsd.evaluation.plan import missing_requests, report_lines
 from opsd.evaluation.requests import ListSource
 from opsd.evaluation.samples import SAMPLES_FILE
 from opsd.evaluation.sweep import run_sweep
 from opsd.evaluation.workers import run_shard, run_workers
 
-__all__ = ["RunFailed", "UserError", "run", "run_eval"]
+__all__ = ["RunFailed", "UserError", "run_eval", "run_evaluation"]
 
 logger = logging.getLogger(__name__)
 
 
 def run_eval(config: EvalConfig, argv: Sequence[str], script: str) -> list[str]:
     t0 = time.perf_counter()
-    job = resolve(config)
+    job = resolve_job(config)
     if config.shard_rank is not None:
         run_shard(job, *config.shard_rank)
         return []
@@ -44,9 +44,9 @@ def run_eval(config: EvalConfig, argv: Sequence[str], script: str) -> list[str]:
     return report_lines(job, timings, time.perf_counter() - t0)
 
 
-def run(argv: Sequence[str], script: str) -> list[str]:
+def run_evaluation(argv: Sequence[str], script: str) -> list[str]:
     """Parse `argv` and run the chosen mode; returns the report lines. `script` is re-run by workers."""
-    config = parse_config(argv)
+    config = parse_eval_args(argv)
     check_paths(config)  # before anything loads or is written
     if config.mode == "eval":
         return run_eval(config, argv, script)

@@ -36,7 +36,7 @@ from typing import Any
 
 from opsd.evaluation.engines import build_engine
 from opsd.evaluation.eval_config import EngineDied, EvalConfig, EvalSettings
-from opsd.evaluation.job import Job, cuda_available
+from opsd.evaluation.job import EvalJob, cuda_available
 from opsd.evaluation.requests import ListSource, Request, Source
 from opsd.evaluation.samples import ENGINE_ERROR_LOG, append_samples, read_samples
 
@@ -135,7 +135,7 @@ def stream_chunked(
 # --- records ----------------------------------------------------------------------------------------------
 
 
-def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence[int], truncated: bool):
+def sample_record(job: EvalJob, r: Request, idx: int, text: str, token_ids: Sequence[int], truncated: bool):
     """One line of samples.jsonl, graded."""
     from opsd.grading import grade
 
@@ -158,7 +158,7 @@ def sample_record(job: Job, r: Request, idx: int, text: str, token_ids: Sequence
     }
 
 
-def window_size(job: Job, llm, requests: Sequence[Request]) -> int:
+def window_size(job: EvalJob, llm, requests: Sequence[Request]) -> int:
     if job.settings.max_in_flight:
         return job.settings.max_in_flight
     longest = max((len(r.prompt_ids) for r in requests), default=1)
@@ -167,8 +167,8 @@ def window_size(job: Job, llm, requests: Sequence[Request]) -> int:
     return window
 
 
-class Progress:
-    """Progress of one generation: samples finished of `total`, generated tokens/s and the ETA.
+class SampleProgress:
+    """SampleProgress of one generation: samples finished of `total`, generated tokens/s and the ETA.
 
     Shown on a tqdm bar advanced per finished sample (tokens/s in its postfix), logged every `log_every_s`
     seconds (for logs that are not a terminal) and once more by `close` as the final line,
@@ -222,7 +222,7 @@ class Progress:
 
 
 def generate_missing(
-    job: Job,
+    job: EvalJob,
     requests: list[Request],
     source: Source,
     samples_path: Path,
@@ -249,7 +249,7 @@ def generate_missing(
     start_s = time.perf_counter() - t0
     totals = {"new_samples": 0, "new_tokens": 0}
     total = sum(r.count for r in requests) if isinstance(source, ListSource) else None  # a worker: unknown
-    progress = Progress(total, position=position)
+    progress = SampleProgress(total, position=position)
 
     def save(records: list[dict[str, Any]]) -> None:
         append_samples(samples_path, records)
@@ -303,7 +303,7 @@ def _describe(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _engine_died_message(job: Job, e: Exception, samples_path: Path) -> str:
+def _engine_died_message(job: EvalJob, e: Exception, samples_path: Path) -> str:
     """One line: what vLLM raised (and its root cause), what is kept, how to go on; traceback to a log."""
     cause, seen = e, {id(e)}
     while True:

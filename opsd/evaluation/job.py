@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Job:
+class EvalJob:
     """Everything a run needs once its inputs are checked (`resolve`)."""
 
     settings: EvalSettings  # saved as eval_config.json
@@ -114,7 +114,7 @@ def read_adapter(path: str) -> tuple[str, dict[str, Any]]:
     return str(p.resolve()), json.loads(cfg_file.read_text())
 
 
-def checkpoint_step(*paths: str) -> int | None:
+def adapter_step(*paths: str) -> int | None:
     """N of the last `checkpoint-N` path component among `paths` (first path that has one)."""
     from opsd.rundir import step_in_path
 
@@ -171,7 +171,7 @@ def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cud
     return "vllm-lora" if engine == "vllm" else "peft"
 
 
-def resolve(config: EvalConfig) -> Job:
+def resolve_job(config: EvalConfig) -> EvalJob:
     """Check every input before any engine starts."""
     from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer
@@ -227,6 +227,6 @@ def resolve(config: EvalConfig) -> Job:
         dataset_source=dataset,
         student_template=builder.student_template,
         max_model_len_used=effective_max_len(model_path, config.max_model_len),
-        step=checkpoint_step(config.adapter, config.model),
+        step=adapter_step(config.adapter, config.model),
     )
-    return Job(settings, problems, tokenizer, builder, Path(config.out).expanduser())
+    return EvalJob(settings, problems, tokenizer, builder, Path(config.out).expanduser())

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 
 from opsd.errors import UserError
-from opsd.evaluation.job import Job
+from opsd.evaluation.job import EvalJob
 from opsd.evaluation.requests import Prompts, Request, plan_requests
 from opsd.evaluation.samples import (
     SAMPLES_FILE,
     SUMMARY_FILE,
-    check_resume,
+    check_eval_resume,
     index_samples,
     merge_shards,
     read_samples,
@@ -21,11 +21,11 @@ from opsd.evaluation.summary import binomial_se, write_summary
 logger = logging.getLogger(__name__)
 
 
-def missing_requests(job: Job) -> list[Request]:
-    """Check `job.out` against the saved settings (`check_resume`) and plan the samples it lacks, each
+def missing_requests(job: EvalJob) -> list[Request]:
+    """Check `job.out` against the saved settings (`check_eval_resume`) and plan the samples it lacks, each
     request with its prompt and token cap (`Prompts`)."""
     settings, out = job.settings, job.out
-    check_resume(out, settings)
+    check_eval_resume(out, settings)
     merge_shards(out)  # leftovers of a killed --num-gpus run
     records = index_samples(read_samples(out / SAMPLES_FILE))
     gold = {p["id"]: p["answer"] for p in job.problems}
@@ -46,7 +46,7 @@ def missing_requests(job: Job) -> list[Request]:
     return requests
 
 
-def report_lines(job: Job, timings: dict[str, float], wall_s: float) -> list[str]:
+def report_lines(job: EvalJob, timings: dict[str, float], wall_s: float) -> list[str]:
     """Write summary.json and per_problem.csv (and per_problem.png with --plot); the lines to print."""
     out = job.out
     summary = write_summary(job, timings, wall_s)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opsd.errors import UserError
-from opsd.evaluation.job import Job
+from opsd.evaluation.job import EvalJob
 from opsd.evaluation.samples import sample_seed
 
 
@@ -43,7 +43,7 @@ class Prompts:
     """A job's prompt of each problem, rendered once, and its token cap: --max-tokens, cut to fit under
     max_model_len with the prompt (a `UserError` where the prompt leaves no room). A `PromptOf`."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: EvalJob):
         self.builder = job.builder
         self.max_tokens, self.max_len = job.settings.max_tokens, job.settings.max_model_len_used
         self._rendered: dict[str, tuple[list[int], int]] = {}

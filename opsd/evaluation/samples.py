@@ -102,7 +102,7 @@ def merge_shards(out: Path) -> int:
     return len(new)
 
 
-def check_resume(out: Path, settings: EvalSettings) -> None:
+def check_eval_resume(out: Path, settings: EvalSettings) -> None:
     """Refuse a DIR whose saved config differs in a `RESUME_KEYS` setting; write the config if new."""
     from opsd.paths import check_output_dir
 

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from opsd.evaluation.eval_config import RunFailed
-from opsd.evaluation.job import Job
+from opsd.evaluation.job import EvalJob
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE, index_samples, read_samples
 from opsd.run.provenance import package_versions
 
@@ -41,7 +41,7 @@ def grading_counts(per_problem: dict[str, list[dict[str, Any]]]) -> dict[str, An
     return {"max_verify_chars": MAX_VERIFY_CHARS, "string_fallback_long_answers": long}
 
 
-def write_summary(job: Job, timings: dict[str, float], wall_s: float) -> dict[str, Any]:
+def write_summary(job: EvalJob, timings: dict[str, float], wall_s: float) -> dict[str, Any]:
     """Summarize the in-scope problems from `samples.jsonl` into summary.json and per_problem.csv."""
     from opsd.evaluation.metrics import summarize
 

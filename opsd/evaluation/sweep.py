@@ -53,7 +53,7 @@ from typing import Any
 from opsd.errors import UserError
 from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
-from opsd.evaluation.job import Job, resolve, resolve_model
+from opsd.evaluation.job import EvalJob, resolve_job, resolve_model
 from opsd.evaluation.plan import missing_requests, report_lines
 from opsd.evaluation.requests import ListSource, Request
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
@@ -165,7 +165,7 @@ def child_config(config: EvalConfig, entry: Entry) -> EvalConfig:
     return dataclasses.replace(config, **changes)
 
 
-def _check_full_fine_tune(job: Job, base_path: str) -> None:
+def _check_full_fine_tune(job: EvalJob, base_path: str) -> None:
     from transformers import AutoConfig
 
     base = AutoConfig.from_pretrained(base_path).to_dict()
@@ -182,7 +182,7 @@ class SweepEngine:
     """One vLLM engine, started on the base model when first needed, holding one evaluation's weights at
     a time (module docstring); counts its starts and weight loads."""
 
-    def __init__(self, config: EvalConfig, base_path: str, jobs: list[Job]):
+    def __init__(self, config: EvalConfig, base_path: str, jobs: list[EvalJob]):
         """`jobs`: the evaluations that will be served, which fix the engine's LoRA settings."""
         self.config, self.base_path = config, base_path
         ranks = [int(j.settings.adapter_rank or 0) for j in jobs if j.settings.adapter_mode == "vllm-lora"]
@@ -223,7 +223,7 @@ class SweepEngine:
             self._hf_base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype="auto")
         return self._hf_base
 
-    def serve(self, job: Job):
+    def serve(self, job: EvalJob):
         """Start the engine if needed and put `job`'s weights in it; returns (engine, LoRARequest or None)."""
         from opsd.method.engine import merged_named_weights, push_weights
 
@@ -321,7 +321,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
     out = Path(config.out).expanduser()
     entries = expand(config.checkpoints, config.base)
     # Every input is checked, and every result directory's settings, before the engine starts.
-    jobs = [resolve(child_config(config, e)) for e in entries]
+    jobs = [resolve_job(child_config(config, e)) for e in entries]
     base_path = resolve_model(config.model)
     for entry, job in zip(entries, jobs, strict=True):
         if entry.kind == "full":

@@ -32,7 +32,7 @@ from typing import Any
 from opsd.errors import UserError
 from opsd.evaluation.eval_config import EvalConfig, RunFailed
 from opsd.evaluation.generate import NO_TIMINGS, generate_missing
-from opsd.evaluation.job import Job
+from opsd.evaluation.job import EvalJob
 from opsd.evaluation.requests import PromptOf, Prompts, Request, make_request
 from opsd.evaluation.samples import SAMPLES_FILE, SHARD_DIR, merge_shards
 
@@ -166,7 +166,7 @@ def run_workers(
     return totals
 
 
-def run_shard(job: Job, rank: int, world: int) -> None:
+def run_shard(job: EvalJob, rank: int, world: int) -> None:
     """Worker `rank` of `world` (--num-gpus): sample what it claims into its own file and leave its timings
     for the parent."""
     shard_dir = job.out / SHARD_DIR

@@ -2,9 +2,9 @@
 
 An arm is `NAME=FILE` (a recipe file, e.g. configs/recipes/published.env) or `NAME=KEY=VALUE[,KEY=VALUE]`
 (overrides on top of `--recipe`, recipe.env by default). Either way the arm's whole recipe is written to
-`DIR/recipes/NAME.env` (`Arm.recipe_text`) and every cell of the arm trains from that copy. Arms are compared by
-their parsed settings (`opsd.configuration.recipe.parse_recipe`), not by file text: comments and key order do not
-matter.
+`DIR/recipes/NAME.env` (`Arm.recipe_text`) and every cell of the arm trains from that copy. Arms are compared
+by their parsed settings (`opsd.configuration.sources.recipe.parse_recipe`), not by file text: comments and
+key order do not matter.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def overrides_to_recipe(overrides) -> dict[str, str]:
 def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
     """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`, None: the defaults) into an Arm;
     UserError if bad, a missing `base_recipe` included."""
-    from opsd.configuration.recipe import RecipeError, parse_recipe
+    from opsd.configuration.sources.recipe import RecipeError, parse_recipe
 
     name, sep, rest = text.partition("=")
     name = name.strip()

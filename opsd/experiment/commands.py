@@ -158,9 +158,9 @@ def visible_gpus(requested: str | None) -> list[str]:
 
 def refuse_method_env(environ=os.environ) -> None:
     """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
-    from opsd.configuration.aliases import ALIASES
-    from opsd.configuration.keys import CAPPED_KEYS
-    from opsd.configuration.recipe import ENV_PREFIX, RESERVED_ENV
+    from opsd.configuration.sources.aliases import ALIASES
+    from opsd.configuration.sources.keys import CAPPED_KEYS
+    from opsd.configuration.sources.recipe import ENV_PREFIX, RESERVED_ENV
 
     found = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if found:
@@ -247,7 +247,7 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
     )  # fmt: skip
 
 
-def dry_run(spec: S.Spec, arms: list[str]) -> None:
+def dry_run_arms(spec: S.Spec, arms: list[str]) -> None:
     """`train_capped.sh --dry-run` of each new arm: its recipe is checked exactly as a real run will check it,
     before the experiment directory is written."""
     import tempfile
@@ -301,7 +301,7 @@ def run(a: argparse.Namespace) -> int:
     check_baseline(a.baseline, spec, directory)
     # The checks its jobs would make, so that no name they cannot use is recorded; a plan printed for another
     # machine does not depend on this one's model cache.
-    S.check_inputs(spec, fetch=not a.print_commands)
+    S.check_spec_inputs(spec, fetch=not a.print_commands)
     if old is not None:
         C.check_directory(
             directory, spec
@@ -310,7 +310,7 @@ def run(a: argparse.Namespace) -> int:
         C.check_links(directory, spec)  # an existing --out may hold links already
     S.recordable(directory, spec)  # before the dry runs, which take seconds an arm
     fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
-    dry_run(spec, fresh)
+    dry_run_arms(spec, fresh)
     S.save(directory, spec)
     if a.print_commands:
         print_commands(directory, spec, a.every_checkpoint)

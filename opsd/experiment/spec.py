@@ -10,9 +10,9 @@ one line; new arms and new seeds are added and recorded under `history`. It is c
 accepts: at most `MAX_SEEDS` seeds and `MAX_ARMS` arms, every text one line of at most `MAX_TEXT_CHARS`, the file
 within its 16 MiB cap.
 
-Before anything is written, `check_inputs` checks the model, the training data and the evaluation's flags with the
-checks its jobs make (`opsd.models.check_model_source`, the data loaders' own names and files), so that a name no job
-could use is refused at once rather than in every cell.
+Before anything is written, `check_spec_inputs` checks the model, the training data and the evaluation's flags
+with the checks its jobs make (`opsd.models.check_model_source`, the data loaders' own names and files), so
+that a name no job could use is refused at once rather than in every cell.
 
 Sampling seeds. Every evaluation of training seed s (each arm's cell, and the base model scored for that seed)
 runs `eval_aime.py --seed s` (`sampling_seed`): within a seed the arms and the base draw sample i of problem p
@@ -159,13 +159,13 @@ def _parse_eval_flags(flags: list[str]) -> EvalConfig:
     import contextlib
     import io
 
-    from opsd.evaluation.eval_config import EvalConfig, parse_config
+    from opsd.evaluation.eval_config import EvalConfig, parse_eval_args
 
     placeholder = "(the experiment's)"
     usage = io.StringIO()
     try:
         with contextlib.redirect_stderr(usage):
-            config = parse_config(["--out", placeholder, *flags])
+            config = parse_eval_args(["--out", placeholder, *flags])
     except (UserError, ValueError) as err:
         raise UserError(f"--eval-flags: {err}") from None
     except SystemExit:  # argparse's own refusal (a value of the wrong type, an unknown flag): its last line
@@ -199,7 +199,7 @@ def _check_hub_id(name: str, what: str) -> None:
         ) from None
 
 
-def check_inputs(spec: Spec, *, fetch: bool) -> None:
+def check_spec_inputs(spec: Spec, *, fetch: bool) -> None:
     """The model, the training data and the evaluation's data and prompt file, checked as the jobs will check
     them, before anything is written; UserError otherwise.
 
@@ -284,7 +284,7 @@ _REWRITE = "it was edited or damaged: restore it, or run the experiment again in
 
 def _check_data(data: dict) -> str | None:
     """What is wrong with experiment.json's content, in words; None when every field is as a run writes it."""
-    from opsd.configuration.recipe import RecipeError, parse_recipe
+    from opsd.configuration.sources.recipe import RecipeError, parse_recipe
     from opsd.launch.capped import PROFILES
 
     names = [f.name for f in fields(Spec)]
@@ -367,7 +367,7 @@ def save(directory: Path, spec: Spec) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     write_atomically(directory / EXPERIMENT_FILE, text.encode())
     (directory / RECIPES).mkdir(exist_ok=True)
-    from opsd.configuration.recipe import parse_recipe
+    from opsd.configuration.sources.recipe import parse_recipe
 
     for name, recipe in recipes.items():
         path = recipe_path(directory, name)

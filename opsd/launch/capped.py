@@ -6,7 +6,7 @@ number of processes. How each process splits its share into micro-batches is mem
 (`opsd.speed.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine
 on a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
 `-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
-which `opsd_train.py --capped` checks against the whitelist in `opsd.configuration.recipe`.
+which `opsd_train.py --capped` checks against the whitelist in `opsd.configuration.sources.recipe`.
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
             accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
         )  # fmt: skip
-        from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS
-        from opsd.configuration.recipe import (
+        from opsd.configuration.sources.keys import BUDGET_KEYS, CAPPED_KEYS
+        from opsd.configuration.sources.recipe import (
             flag_overrides,
             replaced_message,
             resolve_with_replaced,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.configuration.cli import parse_config
 from opsd.configuration.config import OPSDConfig
+from opsd.configuration.sources.cli import parse_config
 from opsd.paths import check_output_dir
 
 logger = logging.getLogger("opsd")

@@ -44,13 +44,13 @@ class LossSettings:
     """The loss's arguments, built in one place from a checked config (`loss_settings`).
 
     beta: the divergence's interpolation in [0, 1]; temperature > 0 of both distributions; clip > 0 and
-    clip_mode (opsd.configuration.choices.CLIP_MODES) the clip of the divergence; teacher_support_k: both
-    distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
+    clip_mode (opsd.configuration.checks.choices.CLIP_MODES) the clip of the divergence; teacher_support_k:
+    both distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
     loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time;
     contrast_weight: None for OPSD's teacher, else lambda >= 0 of the contrastive target (a second teacher
     forward under a wrong hint, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of
     loss_type="fixed_advantage" (no teacher). The config checks every value where it enters
-    (opsd/configuration/ranges.py, choices.py); nothing here does again.
+    (opsd/configuration/checks/ranges.py, choices.py); nothing here does again.
     """
 
     beta: float

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from opsd.configuration.choices import check_choice
+from opsd.configuration.checks.choices import check_choice
 from opsd.errors import InvalidValue
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.configuration.choices import REFERENCE_COLUMNS
+from opsd.configuration.checks.choices import REFERENCE_COLUMNS
 from opsd.errors import InvalidValue, UnsupportedModel
 from opsd.paths import PROMPT_FILE, read_text
 
@@ -269,7 +269,7 @@ class TeacherRows:
     (`teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
     completions alone); `num_truncated` counts the teacher prompts cut to their cap. TRL's other builder method,
     `select_generation_prompts`, is called only with `generate_from_teacher`, which the config refuses
-    (opsd/configuration/trl_options.py): the student's prompts are always the ones sampled."""
+    (opsd/configuration/checks/trl_options.py): the student's prompts are always the ones sampled."""
 
     def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
         self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from opsd.configuration.aliases import canonical_keys
-from opsd.configuration.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
+from opsd.configuration.sources.aliases import canonical_keys
+from opsd.configuration.sources.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import InvalidValue
 from opsd.rundir import ALLOW_FLAG, CONFIG_FILE, PAIRING_FILE, latest_complete_checkpoint
 
@@ -106,7 +106,7 @@ def check_resume(
 
     `saved` is the run's opsd_config.json, `current` the resolved settings of this command (JSON values),
     `where` the output directory, `at_step` the step of the checkpoint being resumed. A setting saved under
-    an older name (`opsd.configuration.aliases`) is compared under its canonical one.
+    an older name (`opsd.configuration.sources.aliases`) is compared under its canonical one.
     """
     saved = canonical_keys(saved, source=where, quiet=True)
     history = list(saved.get(HISTORY_KEY) or [])

@@ -1,5 +1,5 @@
-"""The range table (opsd/configuration/ranges.py) through every entry path, TRL options OPSD derives itself, YAMLs written
-for transformers 4 / open-r1, and the hints of unknown keys."""
+"""The range table (opsd/configuration/checks/ranges.py) through every entry path, TRL options OPSD derives
+itself, YAMLs written for transformers 4 / open-r1, and the hints of unknown keys."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import math
 import pytest
 import yaml
 
-from opsd.configuration.choices import CHOICES
-from opsd.configuration.keys import CAPPED_KEYS
-from opsd.configuration.ranges import RANGES, range_error
-from opsd.configuration.recipe import RecipeError, parse_recipe
+from opsd.configuration.checks.choices import CHOICES
+from opsd.configuration.checks.ranges import RANGES, range_error
+from opsd.configuration.sources.keys import CAPPED_KEYS
+from opsd.configuration.sources.recipe import RecipeError, parse_recipe
 from opsd.errors import InvalidValue, UserError
 
 # field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:
@@ -73,7 +73,8 @@ CASES: dict[str, tuple[object, object, object]] = {
 }
 
 
-# Refusals that come from a rule between fields (opsd.configuration.ranges.check_cross_fields), with max_steps=100.
+# Refusals that come from a rule between fields (opsd.configuration.checks.ranges.check_cross_fields), with
+# max_steps=100.
 CROSS = {
     "warmup_steps": "warmup_steps=100.0 is out of range: must be below max_steps=100 (the whole run would be "
     "warm-up); lower it, or give a fraction of the run below 1"
@@ -101,7 +102,7 @@ def _text(value: object) -> str:
 
 def _via(path: str, name: str, value: object, tmp_path, data):
     """Parse `name=value` through one entry path; returns the config (the dry run: its printed config)."""
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
     from opsd_train import main
 
     out = ["--output_dir", str(tmp_path / "run")]
@@ -192,7 +193,7 @@ def test_every_choice_through_every_entry_path(name, tmp_path, tiny_data, capsys
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     with pytest.raises(
         InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and > 0"
@@ -201,13 +202,13 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
 
 
 def test_warmup_over_half_is_a_note(tmp_path, caplog):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks.ranges"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
     assert "warmup_steps=60.0 is over half of max_steps=100" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks.ranges"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "0.1"], environ={})
     assert "over half" not in caplog.text
 
@@ -224,7 +225,7 @@ def test_warmup_over_half_is_a_note(tmp_path, caplog):
     ],
 )
 def test_trl_teacher_options_are_refused(args, message, tmp_path):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     with pytest.raises(InvalidValue, match=message) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -232,7 +233,7 @@ def test_trl_teacher_options_are_refused(args, message, tmp_path):
 
 
 def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     out = ["--output_dir", str(tmp_path)]
     cfg, _ = parse_config([*out, "--teacher_mode", "dynamic", "--teacher_model_kind", "live"], environ={})
@@ -300,11 +301,11 @@ warmup_ratio: 0.1
 
 
 def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     cfg_path = tmp_path / "config_opsd.yaml"
     cfg_path.write_text(OPEN_R1_YAML)
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.legacy"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.sources.legacy"):
         cfg, _ = parse_config(["--config", str(cfg_path)], environ={})
     assert cfg.warmup_steps == 0.1 and cfg.get_warmup_steps(cfg.max_steps) == 20  # the fraction form
     assert cfg.lr_scheduler_type.value == "cosine" and cfg.learning_rate == 2e-5 and cfg.max_steps == 200
@@ -312,7 +313,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and cfg.lora_dropout == 0.05
     assert cfg.report_to == []  # transformers reads a list holding "none" as no tracker
     assert cfg.push_to_hub is False and cfg.eval_strategy.value == "no" and cfg.do_eval is False
-    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.legacy"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.sources.legacy"]
     assert len(notes) == 5, notes  # one per translated or ignored key
     for key in ("warmup_ratio", "overwrite_output_dir", "evaluation_strategy", "eval_strategy", "do_eval"):
         assert any(f"note: {key}=" in n for n in notes), key
@@ -331,7 +332,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     ],
 )
 def test_yaml_mistakes_are_one_line(text, message, tmp_path):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(text)
@@ -416,7 +417,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
     ],
 )
 def test_cli_mistakes_get_the_hint(args, message, tmp_path):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     with pytest.raises(InvalidValue) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -440,7 +441,7 @@ def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
     and never cuts one, so a recipe's value is named as ignored instead of passing silently."""
     import logging
 
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
         cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})

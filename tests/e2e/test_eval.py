@@ -225,20 +225,20 @@ FLAG_SPELLINGS = {
 
 @pytest.mark.parametrize("flags", list(FLAG_SPELLINGS), ids=lambda f: " ".join(f) or "none")
 def test_merge_adapter_flag_spellings(flags):
-    from opsd.evaluation.eval_config import parse_config
+    from opsd.evaluation.eval_config import parse_eval_args
 
-    config = parse_config(["--adapter", "ckpt", *flags, "--n", "3", "--out", "x"])
+    config = parse_eval_args(["--adapter", "ckpt", *flags, "--n", "3", "--out", "x"])
     assert config.merge_adapter == FLAG_SPELLINGS[flags] and config.n == 3  # a bare flag takes no value
 
 
 def test_merge_adapter_bad_values_are_user_errors():
     from opsd.errors import UserError
-    from opsd.evaluation.eval_config import parse_config
+    from opsd.evaluation.eval_config import parse_eval_args
 
     with pytest.raises(UserError, match="choose auto, true"):
-        parse_config(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])
+        parse_eval_args(["--adapter", "ckpt", "--merge-adapter", "maybe", "--out", "x"])
     with pytest.raises(UserError, match="--merge-adapter needs --adapter"):
-        parse_config(["--merge-adapter", "--out", "x"])
+        parse_eval_args(["--merge-adapter", "--out", "x"])
 
 
 # Training's names for eval's thinking and prompt-file flags, in both spellings: (flags, thinking, prompt_file).
@@ -256,9 +256,9 @@ TRAINING_NAME_CASES = [
 
 @pytest.mark.parametrize(("flags", "thinking", "prompt_file"), TRAINING_NAME_CASES)
 def test_eval_takes_trainings_names_for_thinking_and_the_prompt_file(flags, thinking, prompt_file):
-    from opsd.evaluation.eval_config import parse_config
+    from opsd.evaluation.eval_config import parse_eval_args
 
-    config = parse_config([*flags, "--n", "3", "--out", "x"])
+    config = parse_eval_args([*flags, "--n", "3", "--out", "x"])
     assert (config.thinking, config.prompt_file, config.n) == (thinking, prompt_file, 3)
 
 
@@ -273,10 +273,10 @@ def test_eval_takes_trainings_names_for_thinking_and_the_prompt_file(flags, thin
 )
 def test_eval_refuses_one_setting_under_both_names(flags, shown):
     from opsd.errors import UserError
-    from opsd.evaluation.eval_config import parse_config
+    from opsd.evaluation.eval_config import parse_eval_args
 
     with pytest.raises(UserError, match=f"^command line: {shown} are both given") as err:
-        parse_config([*flags, "--out", "x"])
+        parse_eval_args([*flags, "--out", "x"])
     assert "\n" not in str(err.value)
 
 

@@ -250,10 +250,10 @@ def test_hub_adapter_id_resolves_to_the_cached_snapshot(run_dir, tmp_path):
 
 
 def test_progress_counts_tokens_per_second_and_eta_on_a_fake_clock():
-    from opsd.evaluation.generate import Progress
+    from opsd.evaluation.generate import SampleProgress
 
     now = [100.0]
-    progress = Progress(40, clock=lambda: now[0], log_every_s=1e9, bar=False)
+    progress = SampleProgress(40, clock=lambda: now[0], log_every_s=1e9, bar=False)
     assert progress.eta_s is None and progress.tokens_per_s == 0.0
     now[0] = 110.0
     progress.update(4, 1000)
@@ -266,7 +266,7 @@ def test_progress_counts_tokens_per_second_and_eta_on_a_fake_clock():
     progress.update(30, 0)
     assert progress.eta_s == 0 and progress.line().startswith("40/40 samples")
     assert "ETA" not in progress.line()
-    worker = Progress(None, clock=lambda: now[0], bar=False)  # a --num-gpus worker: no total, no ETA
+    worker = SampleProgress(None, clock=lambda: now[0], bar=False)  # a --num-gpus worker: no total, no ETA
     worker.update(3, 30)
     assert worker.eta_s is None and worker.line().startswith("3 samples,")
 

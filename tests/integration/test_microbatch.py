@@ -1,12 +1,12 @@
-"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.choices), divisibility, the memory
-estimate and auto's choice, against hand-computed values."""
+"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.checks.choices), divisibility, the
+memory estimate and auto's choice, against hand-computed values."""
 
 import logging
 from types import SimpleNamespace
 
 import pytest
 
-from opsd.configuration.choices import AUTO, parse_micro_batch_size
+from opsd.configuration.checks.choices import AUTO, parse_micro_batch_size
 from opsd.errors import InvalidValue
 from opsd.speed import microbatch
 from opsd.speed.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opsd.configuration.checks.trl_options import IGNORED_SDFT_OPTIONS
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.trl_options import IGNORED_SDFT_OPTIONS
 from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from opsd.method.loss import loss_settings
 from opsd.testing.reference_loss import token_divergence

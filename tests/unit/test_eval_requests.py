@@ -12,7 +12,7 @@ from opsd.errors import UserError
 from opsd.evaluation.eval_config import EvalConfig, EvalSettings
 from opsd.evaluation.plan import missing_requests
 from opsd.evaluation.requests import Prompts, plan_requests
-from opsd.evaluation.samples import CONFIG_FILE, RESUME_KEYS, check_resume, sample_seed
+from opsd.evaluation.samples import CONFIG_FILE, RESUME_KEYS, check_eval_resume, sample_seed
 from opsd.evaluation.workers import ClaimQueue, write_queue
 
 # eval_config.json's keys in the order every run has written them: the flags but the mode ones, then the
@@ -45,7 +45,7 @@ def test_settings_are_the_saved_config_key_for_key():
 
 
 def test_every_eval_range_refuses_with_the_flag_the_value_and_the_range():
-    from opsd.configuration.ranges import EVAL_RANGES
+    from opsd.configuration.checks.ranges import EVAL_RANGES
 
     assert set(EVAL_RANGES) <= {f.name for f in dataclasses.fields(EvalConfig)}
     for name, allowed in EVAL_RANGES.items():
@@ -61,16 +61,16 @@ def test_every_eval_range_refuses_with_the_flag_the_value_and_the_range():
 
 def test_resume_check_writes_accepts_and_refuses(tmp_path):
     s = settings(tmp_path)
-    check_resume(tmp_path, s)
+    check_eval_resume(tmp_path, s)
     saved = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert saved == s.to_json()
-    check_resume(tmp_path, dataclasses.replace(s, num_gpus=2, limit=5))  # not resume keys
+    check_eval_resume(tmp_path, dataclasses.replace(s, num_gpus=2, limit=5))  # not resume keys
     with pytest.raises(UserError, match=r"temperature: saved 0.5, now 1.0"):
-        check_resume(tmp_path, dataclasses.replace(s, temperature=1.0))
+        check_eval_resume(tmp_path, dataclasses.replace(s, temperature=1.0))
     merged = dataclasses.replace(s, adapter_path="/a", adapter_mode="merged")
     (tmp_path / CONFIG_FILE).write_text(json.dumps(merged.to_json()))
     with pytest.raises(UserError, match="--merge-adapter resumes it"):
-        check_resume(tmp_path, dataclasses.replace(merged, adapter_mode="vllm-lora"))
+        check_eval_resume(tmp_path, dataclasses.replace(merged, adapter_mode="vllm-lora"))
 
 
 def test_resume_of_a_run_saved_before_the_kv_cache_flag(tmp_path):
@@ -78,9 +78,9 @@ def test_resume_of_a_run_saved_before_the_kv_cache_flag(tmp_path):
     old = s.to_json()
     del old["kv_cache_dtype"]  # eval_config.json as written before the flag existed: it ran at auto
     (tmp_path / CONFIG_FILE).write_text(json.dumps(old))
-    check_resume(tmp_path, s)
+    check_eval_resume(tmp_path, s)
     with pytest.raises(UserError, match=r"kv_cache_dtype: saved 'auto', now 'fp8'"):
-        check_resume(tmp_path, dataclasses.replace(s, kv_cache_dtype="fp8"))
+        check_eval_resume(tmp_path, dataclasses.replace(s, kv_cache_dtype="fp8"))
 
 
 class Builder:

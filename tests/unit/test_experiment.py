@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib
-from opsd.configuration.recipe import env_overrides, parse_recipe
+from opsd.configuration.sources.recipe import env_overrides, parse_recipe
 from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C

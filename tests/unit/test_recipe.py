@@ -1,4 +1,5 @@
-"""Tests for opsd.configuration.recipe: recipe.env parsing, OPSD_* environment overrides and their argv round trip."""
+"""Tests for opsd.configuration.sources.recipe: recipe.env parsing, OPSD_* environment overrides and their
+argv round trip."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
-from opsd.configuration.aliases import canonical_flags, canonical_keys
+from opsd.configuration.checks.values import MAX_COMPLETION_CAP, field_specs
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS, RECIPE_KEYS
-from opsd.configuration.recipe import (
+from opsd.configuration.sources.aliases import canonical_flags, canonical_keys
+from opsd.configuration.sources.keys import BUDGET_KEYS, CAPPED_KEYS, RECIPE_KEYS
+from opsd.configuration.sources.recipe import (
     MAX_FILE_BYTES,
     Override,
     RecipeError,
@@ -23,7 +25,6 @@ from opsd.configuration.recipe import (
     resolve_overrides,
     to_argv,
 )
-from opsd.configuration.values import MAX_COMPLETION_CAP, field_specs
 from opsd.errors import InvalidValue
 
 BUDGET_MESSAGE = "fixed by the capped harness"
@@ -391,7 +392,7 @@ def test_env_list_field_points_to_yaml():
 # ------------------------------------------------------------------------------------------------------------
 def test_env_beats_recipe(tmp_path, caplog):
     path = write(tmp_path, "BETA=0.5\nLORA_R=8\n")
-    with caplog.at_level(logging.INFO, logger="opsd.configuration.recipe"):
+    with caplog.at_level(logging.INFO, logger="opsd.configuration.sources.recipe"):
         got = resolve_overrides(path, {"OPSD_BETA": "1"}, capped=True)
     assert got == [Override("lora_r", "8", f"{path}:2"), Override("beta", "1.0", "env OPSD_BETA")]
     assert f"override lora_r=8 ({path}:2)" in caplog.text

@@ -107,15 +107,45 @@ def test_no_two_exception_classes_share_a_name():
     assert not {name: where for name, where in defined.items() if len(where) > 1}
 
 
+def shared_top_level_names(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Public functions and classes defined at the top of more than one module (`main`, each script's entry,
+    aside), from {path: source}."""
+    defined: dict[str, list[str]] = {}
+    for path, text in sources.items():
+        for node in ast.parse(text).body:
+            public = not node.name.startswith("_") if hasattr(node, "name") else False
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and public and node.name != "main":
+                defined.setdefault(node.name, []).append(path)
+    return {name: where for name, where in defined.items() if len(where) > 1}
+
+
+def test_no_two_public_functions_or_classes_share_a_name():
+    """One name, one thing: a reader who meets `check_resume`, `Job` or `resolve` knows which it is
+    (training's resume check and evaluation's, an experiment's job and an evaluation's, were once
+    namesakes)."""
+    sources = {
+        str(p.relative_to(ROOT)): p.read_text() for p in [*ROOT.glob("opsd/**/*.py"), *ROOT.glob("*.py")]
+    }
+    assert "opsd/evaluation/job.py" in sources
+    assert not shared_top_level_names(sources)
+    # The check finds a clash; private helpers and entry points may share names.
+    assert shared_top_level_names({"a.py": "class Job: ...", "b.py": "def Job(): ..."}) == {
+        "Job": ["a.py", "b.py"]
+    }
+    assert not shared_top_level_names(
+        {"a.py": "def _x(): ...\ndef main(): ...", "b.py": "def _x(): ...\ndef main(): ..."}
+    )
+
+
 def test_pointers_to_the_key_lists_name_the_module_that_holds_them():
     """The recipe whitelist and the budget keys (RECIPE_KEYS, OPERATIONAL_KEYS, BUDGET_KEYS) live in
-    opsd/configuration/keys.py; a comment, doc or error that sends the reader to another module for them (two
-    lines at a time: a pointer may wrap) sends them to the wrong file."""
-    from opsd.configuration import keys
+    opsd/configuration/sources/keys.py; a comment, doc or error that sends the reader to another module for
+    them (two lines at a time: a pointer may wrap) sends them to the wrong file."""
+    from opsd.configuration.sources import keys
 
     names = [n for n in vars(keys) if n.endswith("_KEYS")]
     mention = re.compile(r"\b(" + "|".join(names) + r")\b|whitelist in")
-    module = re.compile(r"opsd/configuration/(\w+)\.py")
+    module = re.compile(r"opsd/configuration/(?:\w+/)?(\w+)\.py")
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     wrong = []
     for name in files.split():
@@ -126,7 +156,7 @@ def test_pointers_to_the_key_lists_name_the_module_that_holds_them():
             text = " ".join(pair)
             if mention.search(text) and any(m != "keys" for m in module.findall(text)):
                 # a line that names keys.py and another module (a table of the modules) points at keys.py too
-                if "opsd/configuration/keys.py" not in text:
+                if "opsd/configuration/sources/keys.py" not in text:
                     wrong.append(f"{name}:{n}: {pair[0].strip()}")
     assert not wrong, "\n".join(wrong)
 
@@ -149,7 +179,7 @@ def test_method_doc_has_every_section_the_code_cites():
 
 
 def _parse(argv, environ=None):
-    from opsd.configuration.cli import parse_config
+    from opsd.configuration.sources.cli import parse_config
 
     return parse_config(argv, environ=environ or {})[0]
 
@@ -192,9 +222,9 @@ def test_bad_model_settings_are_refused_before_loading(tmp_path):
 
 
 def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
-    from opsd.configuration.choices import CHOICES
+    from opsd.configuration.checks.choices import CHOICES
     from opsd.configuration.config import OPSDConfig
-    from opsd.configuration.recipe import RecipeError, env_overrides
+    from opsd.configuration.sources.recipe import RecipeError, env_overrides
 
     for name, allowed in CHOICES.items():
         for value in allowed:  # every allowed value passes config and recipe validation
@@ -203,8 +233,9 @@ def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
             OPSDConfig(output_dir=str(tmp_path), **{name: "bogus"})
         with pytest.raises(RecipeError, match="bogus"):
             env_overrides({f"OPSD_{name.upper()}": "bogus"})
-    # No module restates a set of choices, in any spelling: the values live only in opsd/configuration/choices.py.
-    home = ROOT / "opsd" / "configuration" / "choices.py"
+    # No module restates a set of choices, in any spelling: the values live only in
+    # opsd/configuration/checks/choices.py.
+    home = ROOT / "opsd" / "configuration" / "checks" / "choices.py"
     modules = [*(ROOT / "opsd").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]
     assert home in modules and ROOT / "opsd_train.py" in modules  # subpackages and the entry points
     restated = {}
@@ -212,13 +243,13 @@ def test_every_choice_is_declared_once_and_enforced_everywhere(tmp_path):
         found = restated_choices(path.read_text()) if path != home else []
         if found:
             restated[str(path.relative_to(ROOT))] = found
-    assert not restated, f"import these from opsd.configuration.choices instead: {restated}"
+    assert not restated, f"import these from opsd.configuration.checks.choices instead: {restated}"
 
 
 def restated_choices(source: str) -> list[str]:
     """Each tuple, list or set literal of two or more strings in `source` whose values, as a set, are the
     allowed values of a choice switch (`CHOICES`), as "line N: switch"."""
-    from opsd.configuration.choices import CHOICES
+    from opsd.configuration.checks.choices import CHOICES
 
     switch_of = {frozenset(allowed): name for name, allowed in CHOICES.items()}
     found = []
@@ -247,7 +278,9 @@ def test_the_restatement_check_finds_any_spelling(snippet):
 
 
 def test_the_restatement_check_passes_what_is_not_a_choice_set():
-    assert restated_choices("from opsd.configuration.choices import CLIP_MODES\nmodes = CLIP_MODES") == []
+    assert (
+        restated_choices("from opsd.configuration.checks.choices import CLIP_MODES\nmodes = CLIP_MODES") == []
+    )
     assert restated_choices("modes = ('element', 'token')") == []  # a part of a choice set is not it
     assert restated_choices("modes = ('element', 'token', 'rescale', 'none', 'other')") == []
 

@@ -2,8 +2,9 @@
 checked against the field's type and choices, and rewritten in the form argparse parses back exactly.
 
 The type and the allowed values come from the field itself (its annotation, and the `choices` in its metadata
-from `opsd.configuration.choices`); ranges are checked once, by `OPSDConfig.__post_init__`. A problem is a
-`Bad`: why the value is wrong and how to fix it; `opsd.configuration.recipe` collects them into one error.
+from `opsd.configuration.checks.choices`); ranges are checked once, by `OPSDConfig.__post_init__`. A problem
+is a `Bad`: why the value is wrong and how to fix it; `opsd.configuration.sources.recipe` collects them into
+one error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from transformers.trainer_utils import SchedulerType
 
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.keys import BUDGET_KEYS
+from opsd.configuration.sources.keys import BUDGET_KEYS
 from opsd.errors import closest
 
 MAX_COMPLETION_CAP = 4096
@@ -32,7 +33,7 @@ RENAMED_KEYS = {
 }
 
 # Inherited choice fields typed plain `str` upstream; OPSD's own choice fields carry their allowed values in
-# their metadata (opsd.configuration.choices).
+# their metadata (opsd.configuration.checks.choices).
 INHERITED_CHOICES: dict[str, tuple[str, ...]] = {
     # The enum holds the names the trainer accepts.
     "lr_scheduler_type": tuple(s.value for s in SchedulerType),
@@ -44,7 +45,7 @@ _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
 @dataclass(frozen=True)
-class Spec:
+class FieldSpec:
     kind: str  # "bool" | "int" | "float" | "str" | "unsupported"
     choices: tuple[str, ...] | None = None
 
@@ -58,7 +59,7 @@ class Bad(Exception):
 
 
 @functools.cache
-def field_specs() -> dict[str, Spec]:
+def field_specs() -> dict[str, FieldSpec]:
     """How each `OPSDConfig` field (inherited ones too) is typed, mirroring what HfArgumentParser accepts."""
     hints = typing.get_type_hints(OPSDConfig)
     specs = {}
@@ -70,25 +71,25 @@ def field_specs() -> dict[str, Spec]:
         literals = [v for a in args if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
         choices = f.metadata.get("choices")
         if f.name in INHERITED_CHOICES:
-            specs[f.name] = Spec("str", INHERITED_CHOICES[f.name])
+            specs[f.name] = FieldSpec("str", INHERITED_CHOICES[f.name])
         elif f.name == "lora_target_modules":  # a list, written comma-separated on one line
-            specs[f.name] = Spec("str")
+            specs[f.name] = FieldSpec("str")
         elif any(typing.get_origin(a) is list or a is list for a in args):  # argparse nargs='+'
-            specs[f.name] = Spec("unsupported")
+            specs[f.name] = FieldSpec("unsupported")
         elif bool in args:  # HfArgumentParser parses `str | bool` as a bool too
-            specs[f.name] = Spec("bool")
+            specs[f.name] = FieldSpec("bool")
         elif args in ([int], [float]):
-            specs[f.name] = Spec(args[0].__name__)
+            specs[f.name] = FieldSpec(args[0].__name__)
         elif str in args or enums or literals:
             # A Literal beside a plain `str` (trackio_static_space_id) is one option among any string.
             allowed = choices or [m.value for e in enums for m in e] or (None if str in args else literals)
-            specs[f.name] = Spec("str", tuple(str(c) for c in allowed) if allowed else None)
+            specs[f.name] = FieldSpec("str", tuple(str(c) for c in allowed) if allowed else None)
         else:
-            specs[f.name] = Spec("unsupported")
+            specs[f.name] = FieldSpec("unsupported")
     return specs
 
 
-def shown(text: str) -> str:
+def quoted(text: str) -> str:
     """`text` quoted and cut for an error message, so a hostile 100 kB line cannot flood the terminal."""
     return repr(text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "...")
 
@@ -115,11 +116,11 @@ def normalise(field: str, raw: str, *, capped: bool) -> str:
     if spec.kind == "bool":
         if raw.lower() in _TRUE | _FALSE:
             return "true" if raw.lower() in _TRUE else "false"
-        raise Bad(f"{field} expects true or false, got {shown(raw)}", "write true or false (or 1/0, yes/no)")
+        raise Bad(f"{field} expects true or false, got {quoted(raw)}", "write true or false (or 1/0, yes/no)")
     if spec.kind == "int":
         # A regex, not just int(): int() also takes fullwidth and other Unicode digits.
         if not _INT.fullmatch(raw):
-            raise Bad(f"{field} expects an integer, got {shown(raw)}", "write a plain ASCII integer like 64")
+            raise Bad(f"{field} expects an integer, got {quoted(raw)}", "write a plain ASCII integer like 64")
         value = int(raw)
         if field == "max_completion_length" and capped and not 1 <= value <= MAX_COMPLETION_CAP:
             raise Bad(
@@ -130,7 +131,7 @@ def normalise(field: str, raw: str, *, capped: bool) -> str:
     if spec.kind == "float":
         # The pattern already excludes nan/inf; the isfinite check catches overflow such as 1e999.
         if not _FLOAT.fullmatch(raw) or not math.isfinite(float(raw)):
-            raise Bad(f"{field} expects a finite number, got {shown(raw)}", "write a plain number like 1e-5")
+            raise Bad(f"{field} expects a finite number, got {quoted(raw)}", "write a plain number like 1e-5")
         return repr(float(raw))
     if spec.kind == "str":
         if spec.choices is not None:
@@ -139,7 +140,7 @@ def normalise(field: str, raw: str, *, capped: bool) -> str:
             near = nearest(raw, spec.choices)
             hint = f"did you mean {near}? " if near else ""
             raise Bad(
-                f"{field} does not accept {shown(raw)}", f"{hint}choose one of {', '.join(spec.choices)}"
+                f"{field} does not accept {quoted(raw)}", f"{hint}choose one of {', '.join(spec.choices)}"
             )
         if "$" in raw or "`" in raw:
             # Nothing here expands variables, so `$HOME/p.txt` would silently name a literal `$HOME` folder.
@@ -157,7 +158,7 @@ def check_field(field: str, name: str, *, allowed: frozenset[str] | set[str] | N
     if field in BUDGET_KEYS:
         raise Bad(
             f"{name} is fixed by the capped harness (100 steps x 32 problems) and cannot be set in {where}",
-            "remove it; see BUDGET_KEYS in opsd/configuration/keys.py",
+            "remove it; see BUDGET_KEYS in opsd/configuration/sources/keys.py",
         )
     raise Bad(
         f"{name} is a config field but not tunable in {where}",

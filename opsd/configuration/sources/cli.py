@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from opsd.configuration.aliases import canonical_flags, canonical_keys
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.recipe import name_source, resolve_overrides, to_argv
+from opsd.configuration.sources.aliases import canonical_flags, canonical_keys
+from opsd.configuration.sources.recipe import name_source, resolve_overrides, to_argv
 from opsd.errors import InvalidValue, MissingPath, UserError
 from opsd.paths import DEEPSPEED_CONFIG, YAML_CONFIG, check_file
 
@@ -38,7 +38,7 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
 
         def set_defaults_with_config(self, **kwargs) -> list[str]:
             # Keys transformers 5 removed are translated or ignored with a note; unknown keys get a hint.
-            from opsd.configuration.legacy import translate_yaml
+            from opsd.configuration.sources.legacy import translate_yaml
 
             known = {a.dest for a in self._actions}
             kwargs = canonical_keys(kwargs, source=self.yaml_source)
@@ -116,7 +116,7 @@ def check_deepspeed_file(value) -> None:
 def unknown_flag_hints(argv: list[str], known: set[str]) -> str:
     """`(--learnin_rate: did you mean --learning_rate?)` for the unknown flags of `argv`, by edit distance
     over the config's fields; removed transformers keys say what replaced them."""
-    from opsd.configuration.legacy import IGNORED, RENAMED
+    from opsd.configuration.sources.legacy import IGNORED, RENAMED
     from opsd.errors import closest
 
     hints = []
@@ -140,7 +140,7 @@ def opsd_help(pre: argparse.ArgumentParser) -> str:
     ranges; the ~200 inherited TRL/transformers arguments follow it."""
     import dataclasses
 
-    from opsd.configuration.ranges import RANGES
+    from opsd.configuration.checks.ranges import RANGES
 
     lines = [
         "usage: python opsd_train.py [--config FILE.yaml] [--recipe recipe.env] [--dry-run] [--debug]",

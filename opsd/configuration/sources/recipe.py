@@ -18,10 +18,11 @@ so a bad recipe fails with one message naming every bad line instead of a traceb
   value is refused, as are control characters anywhere and lines over `MAX_LINE_CHARS`.
 - Booleans accept true/false/1/0/yes/no (any case) and become `true`/`false`; numbers must be plain ASCII
   decimals (no nan/inf); choice fields must name one of their choices exactly.
-- An older name of a field (`opsd.configuration.aliases`: `JSD_TOKEN_CLIP`) is read as its canonical name
-  (`DIVERGENCE_CLIP`), with a note.
+- An older name of a field (`opsd.configuration.sources.aliases`: `JSD_TOKEN_CLIP`) is read as its canonical
+  name (`DIVERGENCE_CLIP`), with a note.
 
-Which keys each source may set is `opsd.configuration.keys`; how one value is checked, `opsd.configuration.values`.
+Which keys each source may set is `opsd.configuration.sources.keys`; how one value is checked,
+`opsd.configuration.checks.values`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.configuration.aliases import canonical
-from opsd.configuration.engine_env import KV_CACHE_ENV
-from opsd.configuration.keys import BUDGET_KEYS, CAPPED_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
-from opsd.configuration.values import (
+from opsd.configuration.checks.values import (
     SHOWN_CHARS,
     Bad,
     bad_char,
@@ -44,9 +42,12 @@ from opsd.configuration.values import (
     field_specs,
     nearest,
     normalise,
-    shown,
+    quoted,
     unknown_field,
 )
+from opsd.configuration.engine_env import KV_CACHE_ENV
+from opsd.configuration.sources.aliases import canonical
+from opsd.configuration.sources.keys import BUDGET_KEYS, CAPPED_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
 from opsd.errors import DEBUG_ENV, InvalidValue, UserError
 from opsd.paths import RECIPE_FILE, read_bytes
 
@@ -89,7 +90,7 @@ def _unquote(text: str) -> str:
         rest = body[end + 1 :].strip()
         if rest and not rest.startswith("#"):
             raise Bad(
-                f"text {shown(rest)} follows the closing quote", "put the whole value inside the quotes"
+                f"text {quoted(rest)} follows the closing quote", "put the whole value inside the quotes"
             )
         return body[1:end]
     comment = _COMMENT.search(text)
@@ -136,11 +137,11 @@ def _parse_line(
         upper = key.upper()
         named = upper.removeprefix(ENV_PREFIX).lower()
         if _KEY.fullmatch(upper) and named in field_specs():  # a field name in the wrong case: name the field
-            raise Bad(f"{shown(key)} is not a valid key", _case_fix(named))
+            raise Bad(f"{quoted(key)} is not a valid key", _case_fix(named))
         near = nearest(named, CAPPED_KEYS)
         hint = f"did you mean {near.upper()}? " if near else ""
         raise Bad(
-            f"{shown(key)} is not a valid key", f"{hint}keys are upper-case ASCII letters, digits and _"
+            f"{quoted(key)} is not a valid key", f"{hint}keys are upper-case ASCII letters, digits and _"
         )
     if field not in field_specs():
         raise unknown_field(field, key, CAPPED_KEYS, "")
@@ -188,7 +189,7 @@ def parse_recipe(path: str | Path) -> list[Override]:
         if len(raw) > MAX_LINE_CHARS:
             head = raw[:SHOWN_CHARS].decode("utf-8", errors="replace")
             why = f"line is {len(raw)} bytes long (limit {MAX_LINE_CHARS})"
-            problems.append(f"{source}: {shown(head)}: {why}; fix: shorten it")
+            problems.append(f"{source}: {quoted(head)}: {why}; fix: shorten it")
             continue
         try:
             line = raw.removesuffix(b"\r").decode("utf-8")
@@ -200,7 +201,7 @@ def parse_recipe(path: str | Path) -> list[Override]:
         try:
             parsed = _parse_line(line, seen=seen, lineno=lineno, source=source)
         except Bad as bad:
-            problems.append(f"{source}: {shown(line.strip())}: {bad.why}; fix: {bad.fix}")
+            problems.append(f"{source}: {quoted(line.strip())}: {bad.why}; fix: {bad.fix}")
             continue
         if parsed:
             overrides.append(Override(*parsed, source=source))
@@ -244,7 +245,7 @@ def env_overrides(
             # Spaces and tabs only: a newline stays in and is refused like any control character.
             value = normalise(field, environ[name].strip(" \t"), capped=allowed is not None)
         except Bad as bad:
-            problems.append(f"{source}: {bad.why} (value {shown(environ[name])}); fix: {bad.fix}")
+            problems.append(f"{source}: {bad.why} (value {quoted(environ[name])}); fix: {bad.fix}")
             continue
         overrides.append(Override(field, value, source))
     _raise_all(problems, "OPSD_* environment")
@@ -269,7 +270,7 @@ def flag_overrides(args: typing.Sequence[str]) -> list[Override]:
         arg = args[i]
         i += 1
         if not arg.startswith("--") or arg == "--":
-            problems.append(f"{shown(arg)}: not a --flag; fix: write --key value or --key=value")
+            problems.append(f"{quoted(arg)}: not a --flag; fix: write --key value or --key=value")
             continue
         name, has_value, value = arg[2:].partition("=")
         field = canonical(name.replace("-", "_"), source=f"flag --{name}")

@@ -1,8 +1,9 @@
 """Which `OPSDConfig` fields each source may set under the capped budget (docs/method.md §3).
 
 `RECIPE_KEYS` (the method) and `OPERATIONAL_KEYS` (logging and memory) may be set in `recipe.env` and `OPSD_*`
-under the harness; `BUDGET_KEYS` are fixed by it. Read by the recipe parser (`opsd.configuration.recipe`), the
-resume check (`opsd.run.resume`), the harness (`opsd.launch.capped`) and docs/configuration.md's table.
+under the harness; `BUDGET_KEYS` are fixed by it. Read by the recipe parser
+(`opsd.configuration.sources.recipe`), the resume check (`opsd.run.resume`), the harness
+(`opsd.launch.capped`) and docs/configuration.md's table.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The allowed range of every numeric field a user sets, declared once: `RANGES` for `OPSDConfig` (training),
-`EVAL_RANGES` for `EvalConfig` (eval_aime.py). Choices: `opsd.configuration.choices`.
+`EVAL_RANGES` for `EvalConfig` (eval_aime.py). Choices: `opsd.configuration.checks.choices`.
 
 `OPSDConfig.__post_init__` checks every field of `RANGES` with `check_ranges`, so the CLI, a YAML config,
 `recipe.env`, `OPSD_*` variables and both dry runs (`opsd_train.py --dry-run`, `train_capped.sh --dry-run`)
@@ -70,7 +70,8 @@ PROBABILITY_OPEN_LOW = Range(0, 1, lo_open=True)  # (0, 1]
 SEED_MAX = 2**32 - 1
 
 # OPSDConfig field -> allowed range. Every numeric field of RECIPE_KEYS, OPERATIONAL_KEYS and BUDGET_KEYS
-# (opsd/configuration/keys.py) is here, with OPSD's own fields and the TRL sampling options; tests walk the table.
+# (opsd/configuration/sources/keys.py) is here, with OPSD's own fields and the TRL sampling options; tests
+# walk the table.
 RANGES: dict[str, Range] = {
     # optimiser and schedule
     # 0 would spend the whole budget without moving a weight; the base model is that control.
