@@ -152,8 +152,13 @@ def baselines(arms: list[Arm]) -> list[str]:
     return list(dict.fromkeys([arms[0].name, *matched]))
 
 
+def report_args(directory: Path, baseline: str) -> list[str]:
+    """`python -m opsd.experiment`'s arguments for the report against `baseline`."""
+    return ["report", str(directory), "--baseline", baseline]
+
+
 def report_argv(directory: Path, baseline: str) -> list[str]:
-    return [sys.executable, "-m", "opsd.experiment", "report", str(directory), "--baseline", baseline]
+    return [sys.executable, "-m", "opsd.experiment", *report_args(directory, baseline)]
 
 
 def reports(directory: Path, names: list[str], written: bool = False) -> dict[str, dict]:
@@ -164,7 +169,7 @@ def reports(directory: Path, names: list[str], written: bool = False) -> dict[st
     for b in sorted(names, key=lambda name: name != have):
         # `report_argv`, run in this process: the report's imports (TRL's config, for the arms' recipes) are
         # already loaded here, where a new interpreter spent ~10 s on them.
-        rc = experiment_main(report_argv(directory, b)[3:]) if b != have else 0
+        rc = experiment_main(report_args(directory, b)) if b != have else 0
         if rc:
             raise SystemExit(f"{shlex.join(report_argv(directory, b))} failed (exit {rc})")
         shutil.copyfile(directory / R.REPORT_FILE, directory / f"report-vs-{b}.md")

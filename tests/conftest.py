@@ -132,7 +132,7 @@ def kill_eval_at(
         proc.wait()
 
 
-# The entry points `in_process` runs: script -> (module, how its `__main__` calls `main`).
+# The entry points `in_process` runs: script -> a call of its `main` as the script's command line makes it.
 def _opsd_train(args):
     import opsd_train
     from opsd.errors import run_main
@@ -149,7 +149,8 @@ def _eval_aime(args):
 def _train_capped(args):
     from opsd.launch import capped
 
-    return capped.main(["--root", str(ROOT), *args])  # as train_capped.sh execs it
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # as train_capped.sh exports it and execs the module
+    return capped.main(["--root", str(ROOT), *args])
 
 
 IN_PROCESS = {"opsd_train.py": _opsd_train, "eval_aime.py": _eval_aime, "train_capped.sh": _train_capped}
@@ -177,7 +178,7 @@ def in_process(script: str, args, *, env: dict, cwd: Path | str) -> subprocess.C
     out, err = io.StringIO(), io.StringIO()
     try:
         os.environ.clear()
-        os.environ.update({**env, "TRL_EXPERIMENTAL_SILENCE": "1"} if script == "train_capped.sh" else env)
+        os.environ.update(env)
         os.chdir(cwd)
         sys.argv = [script, *args]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -198,6 +199,12 @@ def in_process(script: str, args, *, env: dict, cwd: Path | str) -> subprocess.C
         for handler in set(root_logger.handlers) - set(saved_handlers):
             root_logger.removeHandler(handler)
     return subprocess.CompletedProcess([script, *args], code or 0, out.getvalue(), err.getvalue())
+
+
+def eval_in_process(*args) -> subprocess.CompletedProcess:
+    """`run_eval(*args)` in this process (`in_process`), for evaluation refusals that come before any model
+    loads."""
+    return in_process("eval_aime.py", args, env=EVAL_ENV, cwd=EVAL_SCRIPT.parent)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

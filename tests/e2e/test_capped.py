@@ -18,12 +18,16 @@ from tests.conftest import ENV, free_port, in_process, make_trainer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def harness(*args, env=None, **kw):
+def harness_env(env=None) -> dict:
+    """The environment of a harness run: this one without the user's OPSD_* settings, the tests' ENV, `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
-    full_env.update(ENV, MASTER_PORT=str(free_port()), **(env or {}))
+    return {**full_env, **ENV, **(env or {})}
+
+
+def harness(*args, env=None, **kw):
     return subprocess.Popen(
         ["bash", str(ROOT / "train_capped.sh"), *args],
-        env=full_env,
+        env=harness_env({"MASTER_PORT": str(free_port()), **(env or {})}),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -39,8 +43,7 @@ def finish(proc, timeout=900):
 def dry(*args, env=None):
     """(exit status, stdout, stderr) of `train_capped.sh ARGS` for a dry run or a refusal, run in this process
     (`tests.conftest.in_process`: neither loads a model) with the environment `harness` gives."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_") or k == "OPSD_CACHE_DIR"}
-    res = in_process("train_capped.sh", args, env={**full_env, **ENV, **(env or {})}, cwd=ROOT)
+    res = in_process("train_capped.sh", args, env=harness_env(env), cwd=ROOT)
     return res.returncode, res.stdout, res.stderr
 
 

@@ -26,10 +26,9 @@ import pytest
 from opsd.evaluation.samples import sample_seed
 from tests.conftest import (
     BOXER_PROBLEMS,
-    EVAL_ENV,
     EVAL_SCRIPT,
     PNG_SIGNATURE,
-    in_process,
+    eval_in_process,
     kill_eval_at,
     ok,
     run_eval,
@@ -475,8 +474,8 @@ def test_user_errors_exit_2_without_traceback(case, error_inputs, tiny_model_dir
     paths = {"missing": tmp_path / "missing", **{k: str(v) for k, v in error_inputs.items()}}
     args = [a.format(**paths) for a in args]
     base = ["--model", tiny_model_dir, "--dataset", error_inputs["good"], "--n", 4, "--out", tmp_path / "out"]
-    # In this process (tests.conftest.in_process): each is refused before any model loads.
-    proc = in_process("eval_aime.py", [*base, *args], env=EVAL_ENV, cwd=EVAL_SCRIPT.parent)  # later flags win
+    # In this process (eval_in_process): each is refused before any model loads.
+    proc = eval_in_process(*base, *args)  # later flags win
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message.format(**paths) in errors[0], proc.stderr[-2000:]

@@ -25,9 +25,8 @@ from tests import conftest
 from tests.conftest import (
     BOXER_PROBLEMS,
     EVAL_ENV,
-    EVAL_SCRIPT,
     PNG_SIGNATURE,
-    in_process,
+    eval_in_process,
     kill_eval_at,
     ok,
     train_boxer,
@@ -288,8 +287,7 @@ def test_sweep_argument_errors_are_one_line(run_dir, tmp_path):
         ("--checkpoints", run, "--num-gpus", 2): "a sweep runs one engine",
     }
     for args, message in cases.items():  # refused before any model loads: in this process (in_process)
-        argv = ["--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o"]
-        proc = in_process("eval_aime.py", argv, env=EVAL_ENV, cwd=EVAL_SCRIPT.parent)
+        proc = eval_in_process("--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert message in proc.stderr
 
