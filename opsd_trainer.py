@@ -5,14 +5,16 @@
     trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
 
 Every TRL method OPSD overrides is in this file, in the order one optimizer step calls them; what they compute is in
-pure functions of `opsd.method` that take what they need as arguments. What differs from `SDFTTrainer` (vLLM
-colocate/server/sleep/TP rollouts, the teacher kinds and the buffered generation window are TRL's): OPSD's prompts
+pure functions of `opsd.method` that take what they need as arguments. The trainer builds each generation's batch
+itself (prompts, rollouts, teacher rows, its split into micro-batches); TRL's trainer runs the steps around it, and
+TRL's engine (vLLM colocate/server/sleep/TP) and teacher kinds are used as they are. What differs from
+`SDFTTrainer`: OPSD's prompts
 with their own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped
 divergence computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`),
 per-row rollout seeds and merged weights pushed into the engine out of place (`opsd.method.engine`, whose
 engine TRL creates),
 the EMA teacher started from the initial adapter and checkpointed
-(`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.callbacks`), several
+(`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.step_watch`), several
 steps per generation (`steps_per_rollout`, docs/method.md §1.9), and phase timing and OPSD metrics. For other
 families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked against its logits
 on each model's first forward (`opsd.method.hidden`), and with a colocated engine the model's classes are its own,
@@ -30,10 +32,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model
 from peft import PeftModel
 from transformers.trainer import TRAINING_ARGS_NAME
 from trl.experimental.sdft import SDFTTrainer
-from trl.experimental.sdft.sdft_trainer import split_tensor_dict
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
@@ -45,17 +47,18 @@ from opsd.method.hidden import (
     CompletionHiddenStates,
     completion_hidden,
     eval_mode,
+    left_pad,
     lm_head_weight,
     loss_token_mask,
     one_transform,
     resolve_logit_transform,
+    right_pad,
 )
 from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
 from opsd.method.pairing import CONTRAST_COLUMN
-from opsd.method.prompts import PromptBuilder, TeacherRows, teacher_rows
+from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
-from opsd.run.callbacks import NonFiniteGuard, PhaseClock, StepTimer
-from opsd.run.rollout_grades import RolloutGrader
+from opsd.run.step_watch import NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
@@ -67,15 +70,14 @@ class OPSDTrainer(SDFTTrainer):
 
     1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from
        `_prepare_inputs`, which at the start of a generation window (every step, or every `steps_per_rollout`
-       steps) builds the window's batch: `_prepare_training_batch` -> TRL's `sample_rollouts`:
-       a. `_tokenize_prompts`: the student prompt of each problem (`opsd.method.prompts`);
-       b. `_generate` (phase `rollout`) -> TRL's `_generate_vllm`, which calls the engine's `sync_weights` when
-          the weights changed (OPSD's engine, `opsd.method.engine.opsd_engine`: phase `weight_sync`), then the
-          engine with one seed per row; or `_generate_transformers` in eval mode;
-       c. `_compute_rollout_logps`: skipped (the loss takes no importance ratio);
-       d. `teacher_context_builder.build` (TRL's teacher-context hook, `opsd.method.prompts.TeacherRows`):
-          `[teacher prompt ; completion]` rows;
-       e. each optimizer step's valid-token count over all processes: its loss denominator.
+       steps) builds the window's batch, `_prepare_training_batch`:
+       a. the student prompt of each problem (`opsd.method.prompts`);
+       b. `_generate` (phase `rollout`): TRL's engine, OPSD's (`opsd.method.engine.opsd_engine`), with the
+          merged weights pushed into it when they changed (`sync_weights`: phase `weight_sync`) and one seed per
+          row; or transformers' `generate` in eval mode (`_generate_transformers`);
+       c. the `[teacher prompt ; completion]` rows (`opsd.method.prompts.teacher_rows`), and the rollouts handed
+          to the grader (`opsd.run.step_watch.RolloutGrader`);
+       d. each optimizer step's valid-token count over all processes: its loss denominator.
     2. `compute_loss` (part `score_loss`): `completion_hidden_states` gives both roles' final hidden states of
        the completion tokens (the teacher under `_get_teacher_context_for_self_distillation`, in eval mode),
        `chunked_opsd_loss` their clipped divergence; then the `opsd/*` metrics and the completions log.
@@ -106,21 +108,16 @@ class OPSDTrainer(SDFTTrainer):
     }
     # The TRL methods overridden here that TRL calls; tests/integration/test_trl_hooks.py fails if TRL stops
     # calling one of them by this name.
-    TRL_HOOKS = (
-        "_load_optimizer_and_scheduler",
-        "training_step",
-        "_prepare_inputs",
-        "_tokenize_prompts",
+    TRL_HOOKS = ("_load_optimizer_and_scheduler", "training_step", "_prepare_inputs", "compute_loss", "_save")
+
+    # TRL methods overridden here that this file calls. They replace TRL's, so that a TRL path that still
+    # called one would get OPSD's batch, rollouts and teacher weights, never SDFT's.
+    OWN_CALLS = (
+        "_prepare_training_batch",
         "_generate",
         "_generate_transformers",
-        "_compute_rollout_logps",
-        "compute_loss",
-        "_save",
+        "_get_teacher_context_for_self_distillation",
     )
-
-    # TRL methods overridden here that this file calls (TRL too, where OPSD leaves the call to it: the
-    # evaluation batch; no teacher forward of OPSD's goes through TRL's).
-    OWN_CALLS = ("_prepare_training_batch", "_get_teacher_context_for_self_distillation")
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def __init__(self, *args, prompt_builder: PromptBuilder | None = None, **kwargs):
@@ -146,23 +143,25 @@ class OPSDTrainer(SDFTTrainer):
         a: OPSDConfig = self.args
         # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.
         self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
-        self._own_ema_teacher()
+        self.teacher_adapter = self._own_ema_teacher()
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
         # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
         self.loss_settings = loss_settings(a)
-        # A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
-        self.teacher_context_builder = TeacherRows(
-            self.prompt_builder if self.loss_settings.needs_teacher else None,
-            self.processing_class.pad_token_id,
-        )
+        # The teacher's weights in its forwards, TRL's routing decided once: a LoRA student's fixed teacher is its
+        # base (adapters off); an EMA teacher kept as a second adapter is that adapter (`teacher_adapter`,
+        # above); any other teacher (a model of its own, or the student itself) runs as it is.
+        self.teacher_base = a.teacher_model_kind == "base" and is_peft_model(self.model)
         tok = self.processing_class
         self.rollout_grader = RolloutGrader(
             decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
             reduce=functools.partial(self.accelerator.reduce, reduction="sum"),
         )
         self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
+        # The global step whose weights the vLLM engine holds (-1: the model as loaded, pushed before the first
+        # generation, as TRL does).
+        self.engine_step = -1
         # The loss's logit transform (opsd.method.hidden), picked and checked on each model's first forward.
         self.logit_transform = None
         self.logits_checked: set[int] = set()
@@ -170,7 +169,8 @@ class OPSDTrainer(SDFTTrainer):
         # the first micro-batch of a `train()` call, fresh or resumed.
         self.window: list[dict] | None = None
         self.micro_batch: int | None = None
-        self.add_callback(StepTimer(self._metrics["train"], self.clock))
+        self.step_timer = StepTimer(self._metrics["train"], self.clock)
+        self.add_callback(self.step_timer)
         self.add_callback(self.nonfinite)
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
         # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
@@ -178,11 +178,12 @@ class OPSDTrainer(SDFTTrainer):
         if a.compile_layers:
             compile_decoder_layers(self.accelerator.unwrap_model(self.model))
 
-    def _own_ema_teacher(self) -> None:
+    def _own_ema_teacher(self) -> str | None:
         """TRL's EMA teacher callback (the last one its `__init__` adds, in `_setup_teacher_model`) replaced, at
         the same place, by OPSD's (`InitialisedAdapterEMA`: starts from the student, saves and restores its state, and
         skips an optimizer step `NonFiniteGuard` skipped). Here rather than in an override of TRL's
-        `_setup_teacher_model`, which runs inside `super().__init__`, before this trainer's state exists."""
+        `_setup_teacher_model`, which runs inside `super().__init__`, before this trainer's state exists.
+        Returns the EMA teacher's adapter name (None without one)."""
         ema = [cb for cb in self.callback_handler.callbacks if type(cb) is PEFTAdapterEMACallback]
         nonfinite = self.nonfinite
         for cb in ema:
@@ -198,6 +199,7 @@ class OPSDTrainer(SDFTTrainer):
                     state_file=EMA_TEACHER_FILE,
                 )
             )
+        return ema[0].teacher_adapter_name if ema else None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume, on every backend (DeepSpeed included), before training begins.
@@ -209,98 +211,158 @@ class OPSDTrainer(SDFTTrainer):
 
     # -- 1. a micro-batch, and the window's batch at its start ------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if (
-            self.micro_batch is None
-        ):  # a run resumed inside a window of steps_per_rollout steps takes its share
-            self.micro_batch = self.state.global_step * self.args.gradient_accumulation_steps
+        per_step = self.args.gradient_accumulation_steps
+        # A run resumed inside a window of steps_per_rollout steps takes its step's share of the window.
+        if self.micro_batch is None:
+            self.micro_batch = self.state.global_step * per_step
+        if self.micro_batch % per_step == 0:  # the optimizer step's first micro-batch
+            self.step_timer.step_begins()
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
         self.micro_batch += 1
-        if (
-            self.micro_batch % self.args.gradient_accumulation_steps == 0
-        ):  # the optimizer step's last micro-batch
-            # The rollouts of this step's generation were graded meanwhile (opsd.run.rollout_grades); what the
+        self.nonfinite.note_loss(out)
+        if self.args.compile_layers:
+            self.record_metrics({"compile/graphs": compiled_graphs()})
+        if self.micro_batch % per_step == 0:  # the optimizer step's last micro-batch
+            # The rollouts of this step's generation were graded meanwhile (opsd.run.step_watch); what the
             # step still waits for them is time/grade_wait_s.
             with self.clock.phase("grade_wait"):
                 grades = self.rollout_grader.collect(self.accelerator.device)
             if grades:
                 self.record_metrics(grades)
-        self.nonfinite.note_loss(out)
-        if self.args.compile_layers:
-            self.record_metrics({"compile/graphs": compiled_graphs()})
+            self.step_timer.optimizer_begins()
         return out
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's, with the window's micro-batch picked by `micro_batch`: TRL's own counter starts at 0 in every
-        process, so a run resumed inside a window would take the window's first share, not its step's."""
+        """The micro-batch `micro_batch` of the current window, whose batch is built at the window's start (TRL's
+        own counter starts at 0 in every process, so a run resumed inside a window would take the window's first
+        share, not its step's). In evaluation, the batch of the rows given."""
         if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
+            return self._prepare_training_batch(generation_batch)
         per_window = self.args.steps_per_generation
-        generate_every = per_window * self.num_iterations
-        if self.micro_batch % generate_every == 0 or self.window is None:
-            self.window = split_tensor_dict(self._prepare_training_batch(generation_batch), per_window)
-            self._dispatch_self_distillation_callback(
-                "on_generation_batch_built", generate_every=generate_every, steps_per_generation=per_window
-            )
+        if self.micro_batch % (per_window * self.num_iterations) == 0 or self.window is None:
+            self.window = split_rows(self._prepare_training_batch(generation_batch), per_window)
         return self.window[self.micro_batch % per_window]
 
     def _prepare_training_batch(self, inputs):
-        batch = super()._prepare_training_batch(inputs)
-        # The batch holds steps_per_rollout optimizer steps of rows, in order (TRL cuts it into micro-batches
-        # in order). Each step's valid-token count over all processes is known before its first backward:
-        # it is that step's loss denominator, carried by each of its rows.
-        steps = self.args.steps_per_rollout if self.model.training else 1
-        local_S = (
-            self._loss_mask(batch["completion_ids"], batch["completion_mask"]).sum(1).view(steps, -1).sum(1)
+        """The batch of one generation: in training, a window of `steps_per_rollout` optimizer steps' rows, in
+        order. Student prompts, their rollouts, the teacher's (and a contrastive teacher's) rows and each step's
+        loss denominator; TRL's self-distillation callback events are sent as TRL sends them."""
+        a: OPSDConfig = self.args
+        training = self.model.training
+        problems = [row["prompt"] for row in inputs]
+        references = [row.get("privileged_context") for row in inputs]
+        pad_id = self.processing_class.pad_token_id
+        device = self.accelerator.device
+        # 1a. The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
+        # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
+        student_ids = [self.prompt_builder.student_ids(p) for p in problems]
+        self._dispatch_self_distillation_callback(
+            "on_generation_prompts_selected", generation_prompts=problems, generation_prompt_text=None
         )
-        total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
-        batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
-        self.rollout_step = self.state.global_step
-        if self.model.training:
-            self.rollout_grader.submit(
-                self._get_completion_ids_list(batch), [r.get("answer", "") for r in inputs]
-            )
+        # 1b. One rollout per prompt; prompts are left-padded, completions right-padded.
+        _, rollouts = self._generate(student_ids)
+        rollouts = [list(r) for r in rollouts]
+        prompt_ids, prompt_mask = left_pad(student_ids, pad_id, device)
+        completion_ids, completion_mask = right_pad(rollouts, pad_id, device)
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+        }
+        self.record_metrics(self._completion_metrics(rollouts))
+        # 1c. A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
+        teacher, truncated = teacher_rows(
+            self.prompt_builder if self.loss_settings.needs_teacher else None,
+            problems, references, completion_ids, completion_mask, pad_id,
+        )  # fmt: skip
+        batch.update(teacher)
+        self.record_metrics({"prompts/teacher_truncated": float(truncated)})
         if self.loss_settings.contrast_weight is not None:
             # The contrastive teacher's rows: the same completions after the wrong hint (opsd.method.contrast).
             contrast, _ = teacher_rows(
-                self.prompt_builder,
-                [row["prompt"] for row in inputs],
-                [row[CONTRAST_COLUMN] for row in inputs],
-                batch["completion_ids"],
-                batch["completion_mask"],
-                self.processing_class.pad_token_id,
-            )
+                self.prompt_builder, problems, [row[CONTRAST_COLUMN] for row in inputs],
+                completion_ids, completion_mask, pad_id,
+            )  # fmt: skip
             batch["contrast_input_ids"] = contrast["teacher_input_ids"]
             batch["contrast_attention_mask"] = contrast["teacher_attention_mask"]
-        # Lists are sliced into micro-batches with the tensors (TRL's split_tensor_dict).
-        batch["problems"] = [row["prompt"] for row in inputs]
-        batch["references"] = [row.get("privileged_context") for row in inputs]
-        self._metrics["train"]["prompts/teacher_truncated"].append(
-            float(self.teacher_context_builder.num_truncated)
+        if training:
+            self.rollout_grader.submit(rollouts, [row.get("answer", "") for row in inputs])
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=None,  # OPSD's loss takes no importance ratio
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            teacher_input_ids=batch["teacher_input_ids"],
+            teacher_attention_mask=batch["teacher_attention_mask"],
         )
+        # 1d. Each optimizer step's valid-token count over all processes is known before its first backward: it
+        # is that step's loss denominator, carried by each of its rows.
+        steps = a.steps_per_rollout if training else 1
+        local_S = self._loss_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
+        total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
+        batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
+        # Lists are cut into micro-batches with the tensors (`split_rows`).
+        batch["problems"] = problems
+        batch["references"] = references
+        self.rollout_step = self.state.global_step
+        if training:
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built",
+                generate_every=a.steps_per_generation * self.num_iterations,
+                steps_per_generation=a.steps_per_generation,
+            )
         return batch
 
-    def _tokenize_prompts(self, prompts):
-        # The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
-        # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
-        return [self.prompt_builder.student_ids(p) for p in prompts]
-
     def _generate(self, prompt_ids):
+        """(prompt ids, completion ids): one rollout per prompt (phase `rollout`, and `rollout/tokens_per_s`)."""
         with self.clock.phase("rollout") as timed:
-            out = super()._generate(prompt_ids)
+            out = self._sample(prompt_ids)
         n_tokens = sum(len(c) for c in out[1])
-        self._metrics["train"]["rollout/tokens_per_s"].append(n_tokens / max(timed.seconds, 1e-9))
+        self.record_metrics({"rollout/tokens_per_s": n_tokens / max(timed.seconds, 1e-9)})
         return out
+
+    def _sample(self, prompt_ids):
+        """TRL's vLLM engine (OPSD's, `opsd.method.engine`), given the current weights first when they changed
+        since its last generation; or transformers' generate."""
+        if not self.use_vllm:
+            return self._generate_transformers(prompt_ids)
+        if self.engine_step != self.state.global_step:
+            self.vllm_generation.sync_weights()
+            self.engine_step = self.state.global_step
+        per_prompt = self.num_generations if self.model.training else self.num_generations_eval
+        prompt_ids, completion_ids, _, _ = self.vllm_generation.generate(
+            prompts=prompt_ids, images=None, num_generations=per_prompt
+        )
+        return prompt_ids, completion_ids
 
     def _generate_transformers(self, prompt_ids):
         # Rollouts come from the policy without dropout, as the vLLM engine's do.
         with eval_mode(self.accelerator.unwrap_model(self.model)):
             return super()._generate_transformers(prompt_ids)
 
-    def _compute_rollout_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        # TRL scores a window of several steps' rollouts under the generating weights, for an importance
-        # ratio; OPSD's loss has none (the later steps' staleness is logged instead), so that pass is skipped.
-        return None
+    def _completion_metrics(self, rollouts: list[list[int]]) -> dict[str, float]:
+        """TRL's `completions/*` metrics of a generation, over all processes: lengths, the share clipped (the last
+        token neither an end of sequence nor padding), and the lengths of the others."""
+        device = self.accelerator.device
+        lengths = self.accelerator.gather(torch.tensor([len(r) for r in rollouts], device=device)).float()
+        ends = {*self.eos_token_ids, self.processing_class.pad_token_id}
+        clipped = self.accelerator.gather(
+            torch.tensor([bool(r) and r[-1] not in ends for r in rollouts], device=device)
+        )
+        ended = lengths[~clipped]
+        if len(ended) == 0:
+            ended = torch.zeros(1, device=device)
+        return {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": clipped.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item(),
+        }
 
     def _loss_mask(self, completion_ids, completion_mask):
         a: OPSDConfig = self.args
@@ -425,14 +487,24 @@ class OPSDTrainer(SDFTTrainer):
 
     @contextmanager
     def _get_teacher_context_for_self_distillation(self):
-        # The teacher must be a deterministic function of its weights: in training mode LoRA dropout would
-        # make the EMA adapter and the dynamic teacher (the student itself) score the same tokens differently
-        # on every call. So every teacher forward (loss, probe) runs in eval mode.
-        with (
-            eval_mode(self.accelerator.unwrap_model(self.teacher_model)),
-            super()._get_teacher_context_for_self_distillation(),
-        ):
-            yield
+        """Every teacher forward (loss, probe): the teacher's weights (`teacher_base`: the adapters off;
+        `teacher_adapter`: that adapter active), in eval mode. The teacher must be a deterministic function of its
+        weights: in training mode LoRA dropout would make the EMA adapter and the dynamic teacher (the student
+        itself) score the same tokens differently on every call."""
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        with eval_mode(teacher):
+            if self.teacher_base:
+                with teacher.disable_adapter():
+                    yield
+            elif self.teacher_adapter is not None:
+                student_adapter = teacher.active_adapter
+                teacher.set_adapter(self.teacher_adapter)
+                try:
+                    yield
+                finally:
+                    teacher.set_adapter(student_adapter)
+            else:
+                yield
 
     def _completions_due(self) -> bool:
         """The first micro-batch of every `completions_steps`-th optimizer step, on the main process."""
@@ -494,7 +566,7 @@ class OPSDTrainer(SDFTTrainer):
         """
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with self.seeds.probe(), torch.random.fork_rng(devices=devices):
-            _, completions_ = super()._generate(prompt_ids)
+            _, completions_ = self._sample(prompt_ids)
         return [list(c) for c in completions_]
 
     def record_metrics(self, metrics: dict[str, float]) -> None:
@@ -502,3 +574,9 @@ class OPSDTrainer(SDFTTrainer):
         window = self._metrics["train" if self.model.training else "eval"]
         for key, value in metrics.items():
             window[key].append(value)
+
+
+def split_rows(batch: dict, parts: int) -> list[dict]:
+    """`batch` (tensors and lists of one row per entry, in order) cut into `parts` consecutive micro-batches."""
+    size = len(batch["completion_ids"]) // parts
+    return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(parts)]

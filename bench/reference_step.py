@@ -37,14 +37,14 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             gen.generation_kwargs = {k: v for k, v in gen.generation_kwargs.items() if k != "detokenize"}
             gen.llm = getattr(gen.llm, "llm", gen.llm)  # the reference samples with TRL's one seed per engine
 
-    def _generate_vllm(self, prompt_ids):
+    def _sample(self, prompt_ids):
         from trl.generation.vllm_generation import VLLMGeneration
 
-        if self.state.global_step != self._last_loaded_step:
+        if self.use_vllm and self.state.global_step != self.engine_step:
             with self.clock.phase("weight_sync"):
                 VLLMGeneration.sync_weights(self.vllm_generation)  # TRL's push, not OPSDGeneration's
-            self._last_loaded_step = self.state.global_step
-        return opsd_trainer.SDFTTrainer._generate_vllm(self, prompt_ids)
+            self.engine_step = self.state.global_step  # so the trainer's own push is skipped
+        return super()._sample(prompt_ids)
 
     def _role_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
         width = prompt_ids.size(1)

@@ -7,7 +7,7 @@ no rollout engine (docs/performance.md c: 2.65-2.73 s at 32 x 1024 on one H200).
 Per LENGTH the step is `opsd_train.py`'s with the published recipe (random-weight Qwen3-1.7B, bf16, LoRA r64
 on q,k,v,o,gate,up,down, fixed teacher, beta 0, per-entry clip 0.05, gradient checkpointing, 32 problems split
 as `micro_batch_size=auto` splits them beside vLLM at 0.6 of the GPU, or `--micro N`) but for the rollout:
-`FixedRolloutTrainer._generate_transformers` (TRL's `_generate` calls it with vLLM off) returns LENGTH random
+`FixedRolloutTrainer._generate_transformers` (the trainer's `_generate` calls it with vLLM off) returns LENGTH random
 non-special token ids per problem. A warm-up step, `--steps` steps timed by CUDA events, one profiled step:
 - phases (medians): student forward, teacher forward, loss (the rest of `compute_loss`), backward (student
   recompute and backward); their sum is the training half (`time/train_micro_s` without the rollout);

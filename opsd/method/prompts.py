@@ -12,8 +12,7 @@ Wording lives in two templates that a file can replace: the student template mus
 the teacher template `{problem}` and `{reference}`. Placeholders are substituted literally (no
 `str.format`), so templates may contain braces such as `\\boxed{}`.
 
-A batch's teacher rows, `[teacher prompt ; completion]`, are `teacher_rows`; `TeacherRows` is how TRL's trainer
-asks for them (its teacher-context hook).
+A batch's teacher rows, `[teacher prompt ; completion]`, are `teacher_rows`.
 """
 
 from __future__ import annotations
@@ -245,7 +244,7 @@ def teacher_rows(
     builder: PromptBuilder | None, problems, references, completion_ids_BC, completion_mask_BC, pad_id: int
 ):
     """The `[teacher prompt ; completion]` rows of a batch (left-padded teacher prompts, then the completions as
-    they are) and how many teacher prompts were cut to their cap: (rows dict in TRL's teacher keys, cut).
+    they are) and how many teacher prompts were cut to their cap: (rows dict in TRL's batch keys, cut).
 
     Without a builder (a loss that reads no teacher: `loss_type=fixed_advantage`) no teacher prompt is rendered:
     the rows are the completions alone, which nothing scores."""
@@ -262,26 +261,3 @@ def teacher_rows(
         "teacher_attention_mask": torch.cat([mask, completion_mask_BC], dim=1),
     }
     return rows, sum(t.truncated for t in built)
-
-
-class TeacherRows:
-    """TRL's teacher-context hook (`teacher_context_builder`): the `[teacher prompt ; completion]` rows of a batch
-    (`teacher_rows`; without a prompt builder, for a loss that reads no teacher, the
-    completions alone); `num_truncated` counts the teacher prompts cut to their cap. TRL's other builder method,
-    `select_generation_prompts`, is called only with `generate_from_teacher`, which the config refuses
-    (opsd/configuration/checks/trl_options.py): the student's prompts are always the ones sampled."""
-
-    def __init__(self, prompt_builder: PromptBuilder | None, pad_token_id: int):
-        self.prompt_builder, self.pad_token_id = prompt_builder, pad_token_id
-        self.num_truncated = 0
-
-    def build(self, prompts, privileged_contexts, completion_ids, completion_mask):
-        rows, self.num_truncated = teacher_rows(
-            self.prompt_builder,
-            prompts,
-            privileged_contexts,
-            completion_ids,
-            completion_mask,
-            self.pad_token_id,
-        )
-        return rows

@@ -3,9 +3,10 @@
 
 * `provenance`: package versions and the git revision saved beside the checkpoints;
 * `resume`: a run directory belongs to one configuration; resuming checks it;
-* `callbacks`: metrics.jsonl, step timing, tail weight averaging, non-finite steps;
+* `step_watch`: what watches each optimizer step: its phase times, its non-finite loss or gradients (skipped),
+  and its rollouts graded like the evaluation, in the background (`rollout/correct`, `rollout/boxed`,
+  `rollout/length`);
+* `callbacks`: metrics.jsonl, checkpoint marks, tail weight averaging;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
-* `rollout_grades`: every generation's rollouts graded like the evaluation, in the background
-  (`rollout/correct`, `rollout/boxed`, `rollout/length`);
 * `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).
 """

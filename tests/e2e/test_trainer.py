@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from opsd.method.hidden import lm_head_weight, positions
+from opsd.method.prompts import teacher_rows
 from tests.conftest import free_port
 
 
@@ -75,14 +76,14 @@ def trained(tiny_model_dir, tmp_path_factory):
     lora_init = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     batch = _scoring_batch(trainer, tok)
     teacher_before = _teacher_hidden(trainer, batch)
-    generate, trainer.engine_calls = trainer._generate_vllm, []
+    generate, trainer.engine_calls = trainer._sample, []
 
     def recorded(prompt_ids):
         out = generate(prompt_ids)
         trainer.engine_calls.append((trainer.state.global_step, len(prompt_ids), len(out[1])))
         return out
 
-    trainer._generate_vllm = recorded
+    trainer._sample = recorded
     trainer.train()
     return trainer, tok, initial, lora_init, batch, teacher_before
 
@@ -95,7 +96,7 @@ def _scoring_batch(trainer, tok):
         "What is 2 + 3?",
         "A rectangle is 4 units wide and 7 units tall. What is its perimeter plus area?",
     ]
-    prompt_ids = trainer._tokenize_prompts(problems)
+    prompt_ids = [trainer.prompt_builder.student_ids(p) for p in problems]
     completions = [
         tok("I add them: 5.", add_special_tokens=False)["input_ids"],
         tok("The answer is 50", add_special_tokens=False)["input_ids"],
@@ -107,7 +108,7 @@ def _scoring_batch(trainer, tok):
     for i, c in enumerate(completions):
         c_ids[i, : len(c)] = torch.tensor(c)
         c_mask[i, : len(c)] = 1
-    teacher = trainer.teacher_context_builder.build(problems, ["5", "50"], c_ids, c_mask)
+    teacher, _ = teacher_rows(trainer.prompt_builder, problems, ["5", "50"], c_ids, c_mask, tok.pad_token_id)
     return dict(
         prompt_ids=p_ids,
         prompt_mask=p_mask,
@@ -228,7 +229,7 @@ def test_student_prompt_keeps_chat_template_tokens(trained):
         add_generation_prompt=True,
         enable_thinking=False,
     )
-    ids = trainer._tokenize_prompts(["What is 2 + 3?"])[0]
+    ids = trainer.prompt_builder.student_ids("What is 2 + 3?")
     assert ids == tok(rendered, add_special_tokens=False)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -144,7 +144,7 @@ def test_transformers_rollouts_ignore_lora_dropout(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, lora_dropout=0.5, max_steps=1)
     trainer.train()
     trainer.model.train()
-    prompts = trainer._tokenize_prompts(["What is 2 + 3?", "What is 7 * 6?"])
+    prompts = [trainer.prompt_builder.student_ids(p) for p in ["What is 2 + 3?", "What is 7 * 6?"]]
     torch.manual_seed(0)
     with_dropout = trainer._generate_transformers(prompts)[1]
     for module in trainer.model.modules():

@@ -5,7 +5,7 @@ import torch
 
 from opsd.data.loading import load_train_dataset
 from opsd.method.pairing import answer_groups, derangement
-from opsd.method.prompts import TEACHER_TEMPLATE
+from opsd.method.prompts import TEACHER_TEMPLATE, teacher_rows
 from tests.conftest import make_trainer
 
 
@@ -31,9 +31,10 @@ def test_empty_teacher_rows_are_the_template_rendered_by_hand(tiny_model_dir, tm
     chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
                                    enable_thinking=True)  # fmt: skip
     completion = torch.tensor([[5, 6, 7]])
-    built = trainer.teacher_context_builder.build(
-        [row["prompt"]], [row["privileged_context"]], completion, torch.ones_like(completion)
-    )
+    built, _ = teacher_rows(
+        trainer.prompt_builder, [row["prompt"]], [row["privileged_context"]], completion,
+        torch.ones_like(completion), tok.pad_token_id,
+    )  # fmt: skip
     expected = tok(chat, add_special_tokens=False)["input_ids"] + [5, 6, 7]
     assert built["teacher_input_ids"][0].tolist() == expected
     assert "=== BEGIN REFERENCE ===\n\n=== END REFERENCE ===" in tok.decode(built["teacher_input_ids"][0])

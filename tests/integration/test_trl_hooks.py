@@ -9,16 +9,7 @@ from tests.conftest import make_trainer
 
 # One generating optimizer step with transformers rollouts, as TRL calls the hooks (first call of each), then a
 # checkpoint; a resume restores it before training.
-STEP_ORDER = [
-    "training_step",
-    "_prepare_inputs",
-    "_tokenize_prompts",
-    "_generate",
-    "_generate_transformers",
-    "_compute_rollout_logps",
-    "compute_loss",
-    "_save",
-]
+STEP_ORDER = ["training_step", "_prepare_inputs", "compute_loss", "_save"]
 RESUME_ORDER = ["_load_optimizer_and_scheduler", "training_step"]
 
 

@@ -1,9 +1,9 @@
-"""Rollout correctness (`opsd.run.rollout_grades`) against rows graded by hand, and the curves that draw it."""
+"""Rollout correctness (`opsd.run.step_watch`) against rows graded by hand, and the curves that draw it."""
 
 import pytest
 import torch
 
-from opsd.run.rollout_grades import RolloutGrader, grade_sums, metrics
+from opsd.run.step_watch import RolloutGrader, grade_sums, metrics
 
 # (completion text, gold answer, correct, boxed), each verdict decided by hand.
 HAND_GRADED = [

@@ -1,0 +1,243 @@
+"""What watches each optimizer step: the time of its phases (`PhaseClock`, `StepTimer`), its non-finite loss or
+gradients (`NonFiniteGuard`), and whether its rollouts are correct (`RolloutGrader`).
+
+Rollout correctness: `rollout/correct`, `rollout/boxed`, `rollout/length` at every generation. Each rollout is
+graded against its problem's `answer` with the grader `eval_aime.py` scores samples with (`opsd.grading.grade`:
+the last complete box of the answer region, math-verify then the string fallback), in a background thread, so the
+step's GPU work goes on meanwhile: the grades are collected at the end of the optimizer step whose generation
+produced them and reduced over processes there.
+
+- `rollout/correct`: share of graded rollouts whose answer is correct (rows with an empty answer are not graded;
+  without any graded row the metric is left out);
+- `rollout/boxed`: share of rollouts with a complete, non-empty box in their answer region (the format criterion
+  of the evaluation);
+- `rollout/length`: mean completion length in tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from transformers import TrainerCallback
+
+from opsd.grading import extract_boxed, grade
+from opsd.rundir import latest_complete_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+# -- the time of a step's phases ---------------------------------------------------------------------------
+class _Timed:
+    seconds = 0.0
+
+
+class PhaseClock:
+    """Seconds per phase of the current optimizer step, for `StepTimer`.
+
+    `phase(name)` times a block exclusively: a phase opened inside it is booked under its own name and left out
+    of the outer one (the rollout inside a micro-batch, the weight push that opens a rollout). `part(name)`
+    times a block inside a phase without taking it out (scoring + loss inside a micro-batch).
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # per open phase: seconds of the phases opened inside it
+
+    @contextmanager
+    def phase(self, name: str):
+        """Yields a record whose `seconds` is the block's own time once it has ended."""
+        timed = _Timed()
+        t0 = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield timed
+        finally:
+            elapsed = time.perf_counter() - t0
+            timed.seconds = elapsed - self._inner.pop()
+            self.seconds[name] += timed.seconds
+            if self._inner:
+                self._inner[-1] += elapsed
+
+    @contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The step's totals, clearing them for the next step."""
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
+
+
+class StepTimer(TrainerCallback):
+    """Per optimizer step: wall time, optimizer time, memory, and the trainer's phase totals (rollout, sync, loss).
+
+    The trainer marks the step's start (`step_begins`, before its first micro-batch) and the end of its last
+    micro-batch (`optimizer_begins`); the step ends at `on_step_end`. So `time/step_s` runs from the first
+    micro-batch to the step's end and `time/optimizer_s` from the last backward to it (gradient clipping, the
+    non-finite check, the optimizer and scheduler step). The trainer times its phases on a `PhaseClock`; each
+    step's totals become the metrics `time/<phase>_s`, so a step's split adds up across its micro-batches.
+    """
+
+    def __init__(self, metrics: dict, clock: PhaseClock):
+        self.metrics = metrics
+        self.clock = clock
+        self._t_step = self._t_opt = None
+        self._allocated_gib = 0.0
+
+    def step_begins(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._allocated_gib = torch.cuda.memory_allocated() / 2**30
+        self._t_step = time.perf_counter()
+
+    def optimizer_begins(self) -> None:
+        self._t_opt = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        if self._t_opt is not None:
+            self.metrics["time/optimizer_s"].append(now - self._t_opt)
+        if self._t_step is not None:
+            self.metrics["time/step_s"].append(now - self._t_step)
+        if torch.cuda.is_available():
+            # Everything this process holds at its peak (colocated vLLM included), and the part the step added.
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.metrics["memory/peak_gib"].append(peak)
+            self.metrics["memory/step_extra_gib"].append(peak - self._allocated_gib)
+        for phase, seconds in self.clock.take().items():
+            self.metrics[f"time/{phase}_s"].append(seconds)
+        self._t_step = self._t_opt = None
+        self._allocated_gib = 0.0
+
+
+# -- non-finite steps ----------------------------------------------------------------------------------
+class NonFiniteGuard(TrainerCallback):
+    """Skips every optimizer step whose loss or gradient is not finite, and stops after `max_consecutive`.
+
+    A skipped step changes nothing: its gradients are dropped before `optimizer.step()` (torch optimizers
+    leave a parameter without a gradient untouched: no moment update, no step count, no weight decay) and
+    the optimizer reports the step as skipped, so the LR schedule does not advance either (as DeepSpeed and
+    AMP loss scaling do). It still counts as an optimizer step: `global_step` and the data move on. Each step
+    logs `train/nonfinite_skipped` (1 if skipped, else 0). Under DeepSpeed the engine has already stepped
+    during backward and skips non-finite gradients itself (`check_grad_overflow`); there this guard only
+    counts the skipped steps and stops the run.
+    """
+
+    def __init__(self, metrics: dict, accelerator, max_consecutive: int):
+        self.metrics = metrics
+        self.accelerator = accelerator
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.last_skipped = False
+        self._loss_bad = None  # tensor flag over the current step's micro-batches; no sync per micro-batch
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        bad = torch.zeros((), device=self.accelerator.device)
+        if self._loss_bad is not None:
+            bad = bad + self._loss_bad.float()
+        self._loss_bad = None
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            bad = bad + float(bool(optimizer.step_was_skipped))
+        else:
+            # Gradients are already reduced across processes here, but a non-finite loss may be local.
+            for p in model.parameters():
+                if p.grad is not None:
+                    bad = bad + (~torch.isfinite(p.grad).all()).float()
+        skipped = bool(self.accelerator.reduce(bad, reduction="sum") > 0)
+        if skipped and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            model.zero_grad(set_to_none=True)
+        if isinstance(optimizer, AcceleratedOptimizer):
+            # Read back by the trainer (`optimizer_step_was_skipped`) to hold the LR scheduler.
+            optimizer._is_overflow = skipped
+        self.last_skipped = skipped
+        self.metrics["train/nonfinite_skipped"].append(float(skipped))
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        step = state.global_step + 1
+        logger.warning("step %d: loss or gradient not finite; step skipped without an update", step)
+        if self.consecutive >= self.max_consecutive:
+            last = latest_complete_checkpoint(args.output_dir)
+            raise RuntimeError(
+                f"step {step}: the loss or gradient was not finite on {self.consecutive} consecutive optimizer "
+                f"steps ({step - self.consecutive + 1}-{step}), which were skipped without an update; stopping "
+                f"(max_nonfinite_steps={self.max_consecutive}). Last complete checkpoint: "
+                f"{last or 'none yet'}; rerunning the same command resumes from it. Fix the cause first: a lower "
+                "learning_rate, float32 instead of float16/bf16 overflow, or the data of these steps; or raise "
+                "max_nonfinite_steps to tolerate longer runs of bad steps."
+            )
+
+
+# -- rollout correctness -------------------------------------------------------------------------------
+ROLLOUT_KEYS = ("rollout/correct", "rollout/boxed", "rollout/length")
+# Each math-verify call gets this long (the evaluation's default), in the grader's worker process.
+GRADE_TIMEOUT_S = 5.0
+
+
+def grade_sums(texts: Sequence[str], answers: Sequence[str], lengths: Sequence[int]) -> list[float]:
+    """[correct, graded, boxed, rows, tokens]: the sums that `metrics` turns into the rollout metrics."""
+    correct = graded = boxed = 0
+    for text, answer in zip(texts, answers, strict=True):
+        answer = (answer or "").strip()
+        if not answer:
+            boxed += extract_boxed(text) is not None
+            continue
+        result = grade(text, answer, timeout_s=GRADE_TIMEOUT_S)
+        graded += 1
+        correct += result["correct"]
+        boxed += result["has_box"]
+    return [float(correct), float(graded), float(boxed), float(len(texts)), float(sum(lengths))]
+
+
+def metrics(sums: Sequence[float]) -> dict[str, float]:
+    """The rollout metrics from (reduced) `grade_sums`."""
+    correct, graded, boxed, rows, tokens = sums
+    out = {"rollout/boxed": boxed / max(rows, 1.0), "rollout/length": tokens / max(rows, 1.0)}
+    if graded:
+        out["rollout/correct"] = correct / graded
+    return out
+
+
+class RolloutGrader:
+    """Grades one generation's rollouts in a background thread (`submit`); `collect` waits for them, reduces the
+    sums over processes with `reduce` (a collective: every process calls it at the same step) and returns the
+    metrics."""
+
+    def __init__(
+        self, decode: Callable[[list[list[int]]], list[str]], reduce: Callable[[torch.Tensor], torch.Tensor]
+    ):
+        self.decode, self.reduce = decode, reduce
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opsd-grade")
+        self.pending: Future | None = None
+
+    def submit(self, completion_ids: list[list[int]], answers: Sequence[str]) -> None:
+        def work() -> list[float]:
+            return grade_sums(self.decode(completion_ids), answers, [len(c) for c in completion_ids])
+
+        self.pending = self.pool.submit(work)
+
+    def collect(self, device: torch.device) -> dict[str, float] | None:
+        """The pending generation's metrics over all processes, or None when none is pending."""
+        if self.pending is None:
+            return None
+        sums = self.pending.result()
+        self.pending = None
+        return metrics(self.reduce(torch.tensor(sums, dtype=torch.float64, device=device)).tolist())
