@@ -143,16 +143,16 @@ class OPSDTrainer(SDFTTrainer):
         a: OPSDConfig = self.args
         # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.
         self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
+        # The teacher's weights in its forwards, TRL's routing decided once: an EMA teacher kept as a second adapter
+        # is that adapter (its callback replaced by OPSD's); a LoRA student's fixed teacher is its base (adapters
+        # off); any other teacher (a model of its own, or the student itself) runs as it is.
         self.teacher_adapter = self._own_ema_teacher()
+        self.teacher_base = a.teacher_model_kind == "base" and is_peft_model(self.model)
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
         # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
         self.loss_settings = loss_settings(a)
-        # The teacher's weights in its forwards, TRL's routing decided once: a LoRA student's fixed teacher is its
-        # base (adapters off); an EMA teacher kept as a second adapter is that adapter (`teacher_adapter`,
-        # above); any other teacher (a model of its own, or the student itself) runs as it is.
-        self.teacher_base = a.teacher_model_kind == "base" and is_peft_model(self.model)
         tok = self.processing_class
         self.rollout_grader = RolloutGrader(
             decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
