@@ -270,8 +270,9 @@ class OPSDTrainer(SDFTTrainer):
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
+            "raw_completion_lengths": torch.tensor([len(r) for r in rollouts], device=device),
         }
-        self.record_metrics(self._completion_metrics(rollouts))
+        self._record_completion_metrics("train" if training else "eval", batch)  # TRL's completions/* metrics
         # 1c. A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         teacher, truncated = teacher_rows(
             self.prompt_builder if self.loss_settings.needs_teacher else None,
@@ -341,28 +342,6 @@ class OPSDTrainer(SDFTTrainer):
         # Rollouts come from the policy without dropout, as the vLLM engine's do.
         with eval_mode(self.accelerator.unwrap_model(self.model)):
             return super()._generate_transformers(prompt_ids)
-
-    def _completion_metrics(self, rollouts: list[list[int]]) -> dict[str, float]:
-        """TRL's `completions/*` metrics of a generation, over all processes: lengths, the share clipped (the last
-        token neither an end of sequence nor padding), and the lengths of the others."""
-        device = self.accelerator.device
-        lengths = self.accelerator.gather(torch.tensor([len(r) for r in rollouts], device=device)).float()
-        ends = {*self.eos_token_ids, self.processing_class.pad_token_id}
-        clipped = self.accelerator.gather(
-            torch.tensor([bool(r) and r[-1] not in ends for r in rollouts], device=device)
-        )
-        ended = lengths[~clipped]
-        if len(ended) == 0:
-            ended = torch.zeros(1, device=device)
-        return {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": clipped.float().mean().item(),
-            "completions/mean_terminated_length": ended.mean().item(),
-            "completions/min_terminated_length": ended.min().item(),
-            "completions/max_terminated_length": ended.max().item(),
-        }
 
     def _loss_mask(self, completion_ids, completion_mask):
         a: OPSDConfig = self.args
