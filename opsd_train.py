@@ -58,6 +58,14 @@ def choose_rollout_engine(config: OPSDConfig) -> None:
     config.use_vllm = True
 
 
+def rl_trainers() -> dict:
+    """The trainers of the other methods (opsd.rl), beside OPSDTrainer: method -> class, each built alike."""
+    from opsd.rl.grpo import GRPOTrainer
+    from opsd.rl.hybrid import HybridTrainer
+
+    return {"grpo": GRPOTrainer, "hybrid": HybridTrainer}
+
+
 def main(argv: list[str] | None = None) -> Path | None:
     config, extra, state = preflight.start(sys.argv[1:] if argv is None else argv)
     if extra.dry_run:  # every check below, then the resolved config as JSON; no model loads
@@ -94,6 +102,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     )
     from opsd.speed import microbatch
     from opsd_trainer import OPSDTrainer
+
+    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[config.method]
 
     model_path = resolve_model_path(config.model_name_or_path)
     choose_rollout_engine(config)
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     if config.use_vllm and fixed_kv_cache():  # the colocated engine starts inside the trainer
         logger.info("vLLM KV cache fixed at %s GiB (OPSD_KV_CACHE_GIB)", kv_cache_gib())
     with lora_targets.peft_refusal(config.lora_target_modules, model):
-        trainer = OPSDTrainer(
+        trainer = trainer_class(
             model=model,
             args=config,
             train_dataset=dataset,
@@ -169,7 +179,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         )
     if config.use_peft and state.is_main_process:
         lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))
-    if probe_rows:
+    if (
+        probe_rows and config.method == "opsd"
+    ):  # the probe scores OPSD's teacher; the hold-out is every method's
         trainer.add_callback(Probe(trainer, probe_rows, config.probe_steps))
     trainer.add_callback(MetricsJSONL())
     wavg = None

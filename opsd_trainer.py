@@ -58,7 +58,7 @@ from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
-from opsd.run.step_watch import NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
+from opsd.run.step_watch import ComputeLedger, NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
@@ -169,7 +169,9 @@ class OPSDTrainer(SDFTTrainer):
         # the first micro-batch of a `train()` call, fresh or resumed.
         self.window: list[dict] | None = None
         self.micro_batch: int | None = None
-        self.step_timer = StepTimer(self._metrics["train"], self.clock)
+        # Tokens and seconds per step, as every method books them (opsd.run.ledger); the step timer closes each row.
+        self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)
+        self.step_timer = StepTimer(self._metrics["train"], self.clock, self.ledger)
         self.add_callback(self.step_timer)
         self.add_callback(self.nonfinite)
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
@@ -263,6 +265,8 @@ class OPSDTrainer(SDFTTrainer):
         # 1b. One rollout per prompt; prompts are left-padded, completions right-padded.
         _, rollouts = self._generate(student_ids)
         rollouts = [list(r) for r in rollouts]
+        if training:
+            self.ledger.add(generated=sum(len(r) for r in rollouts))
         prompt_ids, prompt_mask = left_pad(student_ids, pad_id, device)
         completion_ids, completion_mask = right_pad(rollouts, pad_id, device)
         batch = {
@@ -386,6 +390,12 @@ class OPSDTrainer(SDFTTrainer):
             loss = loss_sum / denom * self.accelerator.num_processes
             self.record_metrics(loss_metrics(loss_sum.detach(), stats, teacher=settings.needs_teacher))
             if self.model.training:
+                # Each teacher forward reads its prompt and the completion (a contrastive teacher: two forwards).
+                masks = [mask for _, mask in (teacher, contrast or (None, None)) if mask is not None]
+                completion_tokens = int(completion_mask.sum())
+                self.ledger.add(
+                    teacher=sum(int(m.sum()) + completion_tokens for m in masks), trained=int(keep_N.sum())
+                )
                 self.record_metrics(
                     {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
                 )

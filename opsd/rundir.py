@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "opsd_config.json"
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
+# One row per optimizer step: its tokens and seconds (opsd.run.ledger), for every method.
+LEDGER_FILE = "ledger.jsonl"
 PROBE_FILE = "probe_set.json"
 PAIRING_FILE = "teacher_pairing.json"
 EMA_TEACHER_FILE = "ema_teacher.pt"
@@ -40,7 +42,7 @@ COMPLETE_MARK = ".complete"
 # The flag that lets a rerun resume a run directory whose configuration changed (opsd.run.resume).
 ALLOW_FLAG = "--allow-config-change"
 # Append-only logs that a resume cuts back to the checkpoint's step.
-STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE)
+STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE, LEDGER_FILE)
 # `<log>.rejected`: the lines a resume dropped from a step log because no reader could parse them.
 REJECTED_SUFFIX = ".rejected"
 EXCERPT_CHARS = 60

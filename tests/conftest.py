@@ -256,9 +256,9 @@ def make_trainer(
     prompt_builder=None,
     **overrides,
 ):
-    """An OPSDTrainer on the tiny model with transformers rollouts: 2 problems per step, LoRA r4 on `targets`
-    (q/v; `["auto"]` resolves them on the model as opsd_train.py does); `prompt_builder` as opsd_train.py
-    passes the run's own."""
+    """The trainer of `method` (an override; opsd: OPSDTrainer) on the tiny model with transformers rollouts: 2
+    problems per step, LoRA r4 on `targets` (q/v; `["auto"]` resolves them on the model as opsd_train.py does);
+    `prompt_builder` as opsd_train.py passes the run's own."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -286,7 +286,10 @@ def make_trainer(
         if use_peft
         else None
     )
-    return OPSDTrainer(
+    from opsd_train import rl_trainers
+
+    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[cfg.method]
+    return trainer_class(
         model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft, prompt_builder=prompt_builder,
     )  # fmt: skip

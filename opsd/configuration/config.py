@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from trl.experimental.sdft import SDFTConfig
 
 from opsd.configuration.checks.choices import CHOICES, check_choice, parse_micro_batch_size
+from opsd.configuration.checks.methods import check_method
 from opsd.configuration.checks.ranges import check_ranges
 from opsd.configuration.checks.trl_options import (
     IGNORED_SDFT_OPTIONS,
@@ -96,7 +97,13 @@ class OPSDConfig(SDFTConfig):
     report_to: str = field(
         default="none", metadata=_help("Trackers: none | wandb | tensorboard | trackio ...")
     )
-    num_generations: int = field(default=1, metadata=_help("Rollouts per problem (OPSD: 1)."))
+    num_generations: int = field(
+        default=0,
+        metadata=_help(
+            "Rollouts per problem (G): 0 = the method's own, 1 for opsd and TRL's 8 for grpo and hybrid; opsd takes "
+            "1, grpo and hybrid at least 2. A GRPO step samples problems per step x G rollouts."
+        ),
+    )
     max_prompt_length: int | None = field(
         default=None,
         metadata=_help(
@@ -130,6 +137,20 @@ class OPSDConfig(SDFTConfig):
     vllm_mode: str = field(
         default="colocate",
         metadata=_help("colocate (vLLM inside the training processes) | server (trl vllm-serve)."),
+    )
+    # Method -----------------------------------------------------------------------------------------------
+    method: str = field(
+        default="opsd",
+        metadata=_choice(
+            "method",
+            "What the run trains (docs/method.md §4): opsd (self-distillation, this repo's trainer) | grpo (TRL's "
+            "GRPOTrainer, rewarded by the evaluation's grader) | hybrid (GRPO's loss plus sd_weight x the OPSD loss "
+            "on the same G rollouts per problem).",
+        ),
+    )
+    sd_weight: float = field(
+        default=1.0,
+        metadata=_help("method=hybrid: weight of the OPSD loss added to GRPO's; 0 = TRL's GRPO loss alone."),
     )
     # Model ------------------------------------------------------------------------------------------------
     model_name_or_path: str = field(
@@ -355,10 +376,6 @@ class OPSDConfig(SDFTConfig):
     def __post_init__(self):
         import torch
 
-        def bound(name: str, ok: bool, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: {rule}")
-
         if self.torch_dtype is not None:  # TRL/open-r1 configs still say torch_dtype
             if self.dtype not in ("auto", self.torch_dtype):
                 raise ValueError(
@@ -372,7 +389,7 @@ class OPSDConfig(SDFTConfig):
             self
         )  # every numeric field's range, declared once in opsd/configuration/checks/ranges.py
         self.micro_batch_size = parse_micro_batch_size(self.micro_batch_size)
-        bound("num_generations", self.num_generations == 1, "OPSD takes one rollout per problem; must be 1")
+        check_method(self)  # before TRL's checks: they read num_generations
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}
         for name, instead in IGNORED_SDFT_OPTIONS.items():
             if getattr(self, name) != sdft_defaults[name]:
@@ -403,7 +420,11 @@ class OPSDConfig(SDFTConfig):
             # TRL's generation window counts micro-batches; OPSD's switch counts optimizer steps. The one place
             # steps_per_rollout becomes TRL's window (`with_micro_batch` re-runs it for a new accumulation).
             self.steps_per_generation = self.steps_per_rollout * self.gradient_accumulation_steps
+        # SDFTConfig counts a generation batch in rollouts of one per problem; GRPO's G rollouts per problem are
+        # applied where its TRL config is built (opsd.rl.grpo.grpo_args), which checks them in TRL's terms.
+        generations, self.num_generations = self.num_generations, 1
         super().__post_init__()
+        self.num_generations = generations
         check_generation_window(self)
 
     def with_micro_batch(self, micro_batch: int, accumulation: int) -> OPSDConfig:

@@ -177,13 +177,27 @@ def refuse_method_env(environ=os.environ) -> None:
         )
 
 
+def split_eval_flags(text: str) -> list[str]:
+    """`--eval-flags` split into eval_aime.py's arguments as a shell splits them; one line for a quote or a
+    backslash left open."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # shlex's own words: "No closing quotation", "No escaped character"
+        raise UserError(
+            f"--eval-flags {text[:80]!r}: {str(err).lower()}; close every quote and escape inside the one "
+            "string, e.g. --eval-flags \"--dataset 'my eval.jsonl' --n 8\""
+        ) from None
+
+
 def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.Spec:
     from opsd.launch.capped import PROFILES
 
     profile = a.profile or (old.profile if old else "full")
     if profile not in PROFILES:
         raise UserError(f"--profile {profile!r}: choose one of {', '.join(sorted(PROFILES))}")
-    eval_flags = shlex.split(a.eval_flags) if a.eval_flags is not None else (old.eval_flags if old else [])
+    eval_flags = (
+        split_eval_flags(a.eval_flags) if a.eval_flags is not None else (old.eval_flags if old else [])
+    )
     S.check_eval_flags(eval_flags)
     gpus_per_run = (
         a.gpus_per_run if a.gpus_per_run is not None else (old.gpus_per_run if old else (1 if gpus else 0))
@@ -366,14 +380,66 @@ def check_baseline(baseline: str | None, spec: S.Spec, directory: Path) -> None:
 
 
 def write_report(directory: Path, a: argparse.Namespace) -> None:
+    from opsd.experiment.stats import UnpairedCells
     from opsd.experiment.verdict import write
 
-    result, paths = write(directory, baseline=a.baseline, target_diff=a.target_diff, reps=a.bootstrap_reps)
+    try:
+        result, paths = write(
+            directory, baseline=a.baseline, target_diff=a.target_diff, reps=a.bootstrap_reps
+        )
+    except UnpairedCells as err:  # nothing was written: the report renders everything first
+        problem = unpaired_evaluations(directory)
+        if problem is None:  # the statistics were handed cells that the files do not hold: a bug
+            raise
+        raise UserError(problem) from err
     for arm, comp in result["comparisons"].items():
         for c in comp.values():
             print(f"{arm} − {result['baseline']}: {c['verdict']}")
     for path in paths:
         print(f"written: {path}")
+
+
+def unpaired_evaluations(directory: Path) -> str | None:
+    """The first two finished evaluations of one training seed (the base model's, each arm's final
+    checkpoint's) whose samples cannot be paired, in one line naming both files and the fix; None when every
+    pair can be.
+
+    Every evaluation of an experiment is scored with its --eval-flags, so any two share their problems and
+    their sample count; one scored by hand with other flags (another dataset, another --n) breaks the pairing
+    the verdict rests on. Read only after the statistics refused a pair (`stats.UnpairedCells`), which knows
+    neither file."""
+    from opsd.evaluation.samples import SAMPLES_FILE
+    from opsd.experiment import cells as C
+    from opsd.paths import shown
+
+    spec = S.load(directory)
+    if spec is None:
+        return None
+    fix = "delete that one's evaluation directory and rerun the experiment to score it again"
+    for seed in spec.seeds:
+        found = [S.base_eval_dir(directory, seed)] if C.base_scored(directory, seed) else []
+        found += [
+            where
+            for arm in spec.arm_names
+            if (where := C.scored_steps(S.eval_dir(directory, arm, seed)).get(S.STEPS)) is not None
+        ]
+        read = [(shown(where / SAMPLES_FILE), *C.read_eval(where)) for where in found]
+        for i, (a_file, a_metrics, a_scores) in enumerate(read):
+            for b_file, b_metrics, b_scores in read[i + 1 :]:
+                a_ids, b_ids = a_scores["correct"].keys(), b_scores["correct"].keys()
+                if not a_ids & b_ids:
+                    return (
+                        f"{a_file} and {b_file} share no problem id ({len(a_ids)} and {len(b_ids)} "
+                        f"problems), so seed {seed}'s samples cannot be paired: one was scored on other "
+                        f"problems than the experiment's --eval-flags give; {fix}"
+                    )
+                if a_metrics["n"] != b_metrics["n"]:
+                    return (
+                        f"{a_file} holds {a_metrics['n']} samples per problem and {b_file} "
+                        f"{b_metrics['n']}, so seed {seed}'s samples cannot be paired: one was scored with "
+                        f"another --n than the experiment's --eval-flags give; {fix}"
+                    )
+    return None
 
 
 def report_command(a: argparse.Namespace) -> int:

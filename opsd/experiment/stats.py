@@ -70,6 +70,12 @@ CellScores = Mapping[int, Scores]  # training seed -> Scores of that cell
 _CHUNK_DRAWS = 1 << 21
 
 
+class UnpairedCells(ValueError):
+    """Two cells whose samples cannot be paired: no problem id in common, or a common problem with another
+    sample count in each. Bad data, not a bug, when the cells were read from files: the caller that read
+    them names the files (`opsd.experiment.commands`)."""
+
+
 @dataclass(frozen=True)
 class Interval:
     """A difference (or rate) in points with its interval at the requested level.
@@ -116,17 +122,18 @@ def _cell_means(scores: Scores, where: str) -> np.ndarray:
 def _paired_samples(a: Scores, b: Scores, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """(a, b) per-sample arrays, each of shape (n_p,), for the problems both hold, in a's order.
 
-    ValueError if they share no problem or a common problem has different sample counts in a and b.
+    `UnpairedCells` (a ValueError) if they share no problem or a common problem has different sample counts in
+    a and b.
     """
     common = [pid for pid in a if pid in b]
     if not common:
-        raise ValueError(f"{where}: the two cells share no problem id ({len(a)} in a, {len(b)} in b)")
+        raise UnpairedCells(f"{where}: the two cells share no problem id ({len(a)} in a, {len(b)} in b)")
     pairs = []
     for pid in common:
         xa = _samples(a[pid], f"{where}, problem {pid!r} of a")
         xb = _samples(b[pid], f"{where}, problem {pid!r} of b")
         if xa.size != xb.size:
-            raise ValueError(
+            raise UnpairedCells(
                 f"{where}, problem {pid!r}: a has {xa.size} samples and b has {xb.size}; "
                 "pairing sample i across arms needs equal counts"
             )

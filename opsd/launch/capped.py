@@ -136,7 +136,7 @@ def make_plan(
         f"--dataset_name={dataset if dataset is not None else prof.dataset}",
         f"--output_dir={out}", f"--seed={seed}", f"--max_steps={STEPS}",
         f"--per_device_train_batch_size={batch}", f"--gradient_accumulation_steps={accum}",
-        f"--save_steps={SAVE_EVERY}", "--save_strategy=steps", "--num_generations=1",
+        f"--save_steps={SAVE_EVERY}", "--save_strategy=steps",
         "--micro_batch_size=auto", *prof.extra,
     ]  # fmt: skip
     if prof.max_completion_length is not None:

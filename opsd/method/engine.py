@@ -263,15 +263,24 @@ def sync_colocated_engine(generation, model, *, on_cpu: bool) -> None:
 # -- TRL's engine -------------------------------------------------------------------------------------------
 @contextmanager
 def opsd_engine(
-    seeds: RolloutSeeds, clock, *, max_num_seqs: int, tensor_parallel_size: int, process_index: int
+    seeds: RolloutSeeds,
+    clock,
+    *,
+    max_num_seqs: int,
+    tensor_parallel_size: int,
+    process_index: int,
+    owner=None,
 ):
     """While active, the engine TRL's trainer creates is OPSD's (`OPSDGeneration`): SDFTTrainer.__init__ builds
     `trl.generation.vllm_generation.VLLMGeneration` by name and has no setting for its class, so the name is
-    replaced for the duration. `clock` (a `PhaseClock`) times the weight pushes as phase `weight_sync`."""
-    from trl.generation import vllm_generation
+    replaced for the duration, in `owner` (the module whose global the trainer reads: TRL's `vllm_generation` for
+    SDFTTrainer, `trl.trainer.grpo_trainer` for GRPOTrainer, which imports the class by name). `clock` (a
+    `PhaseClock`) times the weight pushes as phase `weight_sync`."""
+    if owner is None:
+        from trl.generation import vllm_generation as owner
 
-    original = vllm_generation.VLLMGeneration
-    vllm_generation.VLLMGeneration = functools.partial(
+    original = owner.VLLMGeneration
+    owner.VLLMGeneration = functools.partial(
         _generation_class(original),
         seeds=seeds,
         clock=clock,
@@ -282,7 +291,7 @@ def opsd_engine(
     try:
         yield
     finally:
-        vllm_generation.VLLMGeneration = original
+        owner.VLLMGeneration = original
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""What watches each optimizer step: the time of its phases (`PhaseClock`, `StepTimer`), its non-finite loss or
-gradients (`NonFiniteGuard`), and whether its rollouts are correct (`RolloutGrader`).
+"""What watches each optimizer step: the time of its phases (`PhaseClock`, `StepTimer`), its tokens and seconds
+(`ComputeLedger`, docs in `opsd.run.ledger`), its non-finite loss or gradients (`NonFiniteGuard`), and whether its
+rollouts are correct (`RolloutGrader`).
 
 Rollout correctness: `rollout/correct`, `rollout/boxed`, `rollout/length` at every generation. Each rollout is
 graded against its problem's `answer` with the grader `eval_aime.py` scores samples with (`opsd.grading.grade`:
@@ -16,12 +17,14 @@ produced them and reduced over processes there.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
@@ -29,7 +32,7 @@ from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
 from opsd.grading import extract_boxed, grade
-from opsd.rundir import latest_complete_checkpoint
+from opsd.rundir import LEDGER_FILE, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +94,10 @@ class StepTimer(TrainerCallback):
     step's totals become the metrics `time/<phase>_s`, so a step's split adds up across its micro-batches.
     """
 
-    def __init__(self, metrics: dict, clock: PhaseClock):
+    def __init__(self, metrics: dict, clock: PhaseClock, ledger: ComputeLedger | None = None):
         self.metrics = metrics
         self.clock = clock
+        self.ledger = ledger
         self._t_step = self._t_opt = None
         self._allocated_gib = 0.0
 
@@ -117,10 +121,53 @@ class StepTimer(TrainerCallback):
             peak = torch.cuda.max_memory_allocated() / 2**30
             self.metrics["memory/peak_gib"].append(peak)
             self.metrics["memory/step_extra_gib"].append(peak - self._allocated_gib)
-        for phase, seconds in self.clock.take().items():
-            self.metrics[f"time/{phase}_s"].append(seconds)
+        seconds = {"step_s": now - self._t_step} if self._t_step is not None else {}
+        for phase, phase_s in self.clock.take().items():
+            self.metrics[f"time/{phase}_s"].append(phase_s)
+            seconds[f"{phase}_s"] = phase_s
+        if self.ledger is not None:
+            self.ledger.close(args, state, seconds)
         self._t_step = self._t_opt = None
         self._allocated_gib = 0.0
+
+
+# -- the compute ledger -----------------------------------------------------------------------------------------
+TOKEN_KINDS = ("generated_tokens", "teacher_tokens", "trained_tokens")
+
+
+class ComputeLedger:
+    """The compute ledger of a run (opsd.run.ledger): this process's tokens as the trainer books them (`add`),
+    summed over processes at each step's end (`close`, a collective that `StepTimer.on_step_end` calls on every
+    process) into the step's row of ledger.jsonl and its `ledger/*` metrics."""
+
+    def __init__(self, metrics: dict, accelerator):
+        self.metrics = metrics
+        self.accelerator = accelerator
+        self.counts = dict.fromkeys(TOKEN_KINDS, 0)
+
+    def add(self, *, generated: int = 0, teacher: int = 0, trained: int = 0) -> None:
+        """Tokens this process spent towards the current step."""
+        self.counts["generated_tokens"] += int(generated)
+        self.counts["teacher_tokens"] += int(teacher)
+        self.counts["trained_tokens"] += int(trained)
+
+    def close(self, args, state, seconds: dict[str, float]) -> None:
+        """The step's row: its tokens over all processes and `seconds` (step_s and each phase's)."""
+        local = torch.tensor([self.counts[k] for k in TOKEN_KINDS], dtype=torch.float64)
+        totals = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").tolist()
+        self.counts = dict.fromkeys(TOKEN_KINDS, 0)
+        row = {"step": state.global_step, **{k: int(v) for k, v in zip(TOKEN_KINDS, totals, strict=True)}}
+        row.update(seconds)
+        if torch.cuda.is_available() and "step_s" in row:
+            row["gpu_s"] = row["step_s"] * self.accelerator.num_processes
+        for key in (*TOKEN_KINDS, "gpu_s"):
+            if key in row:
+                self.metrics[f"ledger/{key}"].append(float(row[key]))
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / LEDGER_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 # -- non-finite steps ----------------------------------------------------------------------------------

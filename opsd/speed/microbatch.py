@@ -227,6 +227,14 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool, pro
     if config.micro_batch_size != AUTO or not torch.cuda.is_available():
         plan = plan_for(config)
         return apply(config, plan), plan
+    if (
+        config.method != "opsd"
+    ):  # auto's memory model is OPSD's step (student + teacher rows, one per problem)
+        per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        plan = fixed_plan(
+            per_process, config.per_device_train_batch_size, f"auto: method={config.method}, as given"
+        )
+        return apply(config, plan), plan
     if model_path is None:
         per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
         plan = fixed_plan(

@@ -33,8 +33,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opsd.errors import UserError, run_main
+
+PROG = "python -m opsd.testing.step_trace"
 REPO = Path(__file__).resolve().parents[2]
 SELF = str(Path(__file__).resolve())
+MICRO_BATCH = 2  # rows per micro-batch of the traced run
 # TRL, and transformers' Trainer with its callback machinery: the code that calls the trainer's hooks.
 TRAINER_CODE = re.compile(r"/site-packages/(trl/|transformers/trainer[^/]*\.py$)")
 
@@ -120,15 +124,24 @@ def trace_step(
             sys.setprofile(None)
 
     cfg = OPSDConfig(
-        output_dir=str(out_dir), max_steps=step + 1, per_device_train_batch_size=2, max_completion_length=8,
-        gradient_accumulation_steps=gradient_accumulation, gradient_checkpointing=True, teacher_mode="fixed",
-        beta=0.0, divergence_clip=0.05, clip_mode="element", temperature=1.1, top_p=0.95, top_k=20,
-        learning_rate=5e-6, lr_scheduler_type="constant", max_grad_norm=0.1, save_strategy="no", report_to=[],
+        output_dir=str(out_dir), max_steps=step + 1, per_device_train_batch_size=MICRO_BATCH,
+        max_completion_length=8, gradient_accumulation_steps=gradient_accumulation,
+        gradient_checkpointing=True, teacher_mode="fixed", beta=0.0, divergence_clip=0.05,
+        clip_mode="element", temperature=1.1, top_p=0.95, top_k=20, learning_rate=5e-6,
+        lr_scheduler_type="constant", max_grad_norm=0.1, save_strategy="no", report_to=[],
         use_vllm=engine == "vllm", vllm_mode="colocate", vllm_max_model_length=1024,
     )  # fmt: skip
+    rows = build_paired_dataset(cfg)[0]
+    # TRL's sampler drops a generation window it cannot fill: no step would run and nothing be measured.
+    if len(rows) < MICRO_BATCH * gradient_accumulation:
+        raise UserError(
+            f"--gradient-accumulation {gradient_accumulation}: a step of {gradient_accumulation} "
+            f"micro-batches of {MICRO_BATCH} rows needs more than the {len(rows)} training rows; give at "
+            f"most {len(rows) // MICRO_BATCH}"
+        )
     trainer = OPSDTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=cfg,
-        train_dataset=build_paired_dataset(cfg)[0], processing_class=AutoTokenizer.from_pretrained(model_dir),
+        train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )  # fmt: skip
     trainer.callback_handler.callbacks.insert(0, Start())
@@ -140,11 +153,49 @@ def trace_step(
     return trace
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def max_accumulation() -> int:
+    """The most micro-batches one traced step may take: its generation window of MICRO_BATCH x accumulation
+    rows must fit in the built-in training set the trace trains on, as TRL's sampler drops a window it cannot
+    fill (then no step runs and nothing is measured)."""
+    from opsd.data.builtin import BUILTIN, BUILTIN_SETS
+
+    return len(BUILTIN_SETS[BUILTIN][0](seed=0)) // MICRO_BATCH
+
+
+def accumulation_steps(text: str) -> int:
+    """`--gradient-accumulation`: a whole number from 1 to `max_accumulation()`; else one line saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    most = max_accumulation()
+    if value is None or not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}: give a whole number from 1 to {most} (a step's micro-batches of {MICRO_BATCH} rows "
+            f"must fit in the trace's {most * MICRO_BATCH} training rows, or no step runs)"
+        )
+    return value
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals (a value out of range, an unknown flag) as one UserError line, not a usage."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
+def parse_trace_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
-    parser.add_argument("--gradient-accumulation", type=int, default=2)
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--gradient-accumulation", type=accumulation_steps, default=2, metavar="N",
+        help="Micro-batches of the traced step (default 2, the published recipe's).",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_trace_args(argv)
     from opsd.testing.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,4 +207,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, PROG))

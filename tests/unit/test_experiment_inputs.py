@@ -116,6 +116,12 @@ def test_bad_arm_names_and_arms(tmp_path: Path, capsys, arms: list[str], named: 
         (["--profile", "huge"], "--profile 'huge'"),
         (["--model", ""], "--model ''"),
         (["--eval-flags", "--seed 3"], "--seed, which the experiment sets itself"),
+        # shlex's refusals (a ValueError) of a string a shell would not split either
+        (
+            ["--eval-flags", '"unbalanced'],
+            "--eval-flags '\"unbalanced': no closing quotation; close every quote",
+        ),
+        (["--eval-flags", "--n 8 \\"], "--eval-flags '--n 8 \\\\': no escaped character; close every quote"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
@@ -262,6 +268,29 @@ def test_damaged_files_in_an_experiment_directory(tmp_path: Path, capsys, what: 
         assert "delete" in message and "rerun the experiment to score it again" in message
     message = refused(["--out", directory, "--print-commands"], capsys, watch=tmp_path)
     assert named in message, message
+
+
+@pytest.mark.parametrize("what", ["other problem ids", "another --n"])
+def test_evaluations_scored_with_other_flags_are_named(tmp_path: Path, capsys, what: str) -> None:
+    """An evaluation scored with other --eval-flags than its experiment's (another dataset: no problem id in
+    common; another --n: other sample counts) cannot be paired with the rest of its seed: the report names both
+    files in one line, where the statistics' ValueError once escaped as a traceback."""
+    directory = experiment(tmp_path / "exp")
+    cell = directory / "evals" / "B" / "seed2" / "checkpoint-100"
+    rows = [json.loads(line) for line in (cell / "samples.jsonl").read_text().splitlines()]
+    if what == "other problem ids":
+        rows = [{**r, "id": f"other-{r['id']}"} for r in rows]
+        named = "share no problem id (3 and 3 problems), so seed 2's samples cannot be paired"
+    else:
+        rows = [r for r in rows if r["idx"] < 2]
+        (cell / "summary.json").write_text(metric(cell / "summary.json", ("n",), 2))
+        named = "holds 4 samples per problem and"
+    (cell / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    message = refused(["report", directory, "--bootstrap-reps", "200"], capsys, watch=tmp_path)
+    assert named in message, message
+    for evaluation in (directory / "evals" / "base" / "seed2", cell):  # the pair the statistics refused
+        assert repr(str(evaluation / "samples.jsonl")) in message, message
+    assert "delete that one's evaluation directory and rerun the experiment to score it again" in message
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -364,31 +368,100 @@ def test_extraction_matches_the_naive_reference_on_random_texts() -> None:
         assert extract_boxed(text) == _old_extract_boxed(text), text
 
 
-ADVERSARIAL = {
-    "unclosed boxes": "</think>" + "\\boxed{1" * 25_000,
-    "open braces": "</think>\\boxed" + "{" * 200_000,
-    "nested unclosed boxes": "</think>" + "\\boxed{" * 28_000,
-    "nested closed boxes": "</think>" + "\\boxed{" * 25_000 + "5" + "}" * 25_000,
-    "many closed boxes": "</think>" + "\\boxed{12} " * 18_000,
-    "spaced boxes": "</think>" + "\\boxed  " * 25_000 + "\\boxed{3",
+# shape -> (its text of k repeats, the k of its full size): each at least 190k characters at full size.
+ADVERSARIAL: dict[str, tuple[Callable[[int], str], int]] = {
+    "unclosed boxes": (lambda k: "</think>" + "\\boxed{1" * k, 25_000),
+    "open braces": (lambda k: "</think>\\boxed" + "{" * k, 200_000),
+    "nested unclosed boxes": (lambda k: "</think>" + "\\boxed{" * k, 28_000),
+    "nested closed boxes": (lambda k: "</think>" + "\\boxed{" * k + "5" + "}" * k, 25_000),
+    "many closed boxes": (lambda k: "</think>" + "\\boxed{12} " * k, 18_000),
+    "spaced boxes": (lambda k: "</think>" + "\\boxed  " * k + "\\boxed{3", 25_000),
 }
+
+
+@dataclass
+class Work:
+    """What one extraction did: Python lines run and characters the module's regexes passed over."""
+
+    lines: int = 0
+    chars: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.lines + self.chars
+
+
+class _CountedPattern:
+    """A compiled pattern of opsd.grading that adds the characters each call passes over to `work`: the C-level
+    scanning a count of Python lines does not see. A method extraction starts to use must be added here."""
+
+    def __init__(self, pattern: re.Pattern, work: Work) -> None:
+        self.pattern, self.work = pattern, work
+
+    def search(self, text: str, pos: int = 0, endpos: int = sys.maxsize):
+        m = self.pattern.search(text, pos, endpos)
+        self.work.chars += (m.end() if m else min(len(text), endpos)) - pos
+        return m
+
+    def match(self, text: str, pos: int = 0, endpos: int = sys.maxsize):
+        m = self.pattern.match(text, pos, endpos)
+        self.work.chars += m.end() - pos if m else 1
+        return m
+
+    def finditer(self, text: str, pos: int = 0, endpos: int = sys.maxsize):
+        self.work.chars += max(0, min(len(text), endpos) - pos)
+        return self.pattern.finditer(text, pos, endpos)
+
+
+def work_of(extract: Callable[[str], object], text: str) -> Work:
+    """The work `extract(text)` does, counted, not timed: every Python line it runs (`sys.settrace`) and every
+    character a regex of opsd.grading scans. The same on any machine, however loaded."""
+    work = Work()
+
+    def count_line(frame, event, arg):
+        if event == "line":
+            work.lines += 1
+        return count_line
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in list(vars(grading).items()):
+            if isinstance(value, re.Pattern):
+                patch.setattr(grading, name, _CountedPattern(value, work))
+        previous = sys.gettrace()  # a coverage tracer, if any, is put back
+        sys.settrace(lambda frame, event, arg: count_line)
+        try:
+            extract(text)
+        finally:
+            sys.settrace(previous)
+    return work
+
+
+# Linear work doubles with the text (2.00 measured on every shape); quadratic work quadruples (3.99 for the
+# reference below). n log n would reach ~2.2.
+LINEAR_RATIO = 2.1
 
 
 @pytest.mark.parametrize("shape", sorted(ADVERSARIAL))
 def test_extraction_is_linear_on_adversarial_completions(shape: str) -> None:
-    import time
-
-    text = ADVERSARIAL[shape]
+    make, full = ADVERSARIAL[shape]
+    text = make(full)
     assert len(text) >= 190_000
-    elapsed = []
-    for _ in range(3):  # the best of three, so a busy machine does not fail a complexity check
-        start = time.perf_counter()
-        got = extract_boxed(text)
-        elapsed.append(time.perf_counter() - start)
-    # The quadratic scan took ~7 s at 32k characters; linear extraction takes ~0.1 s at 200k.
-    assert min(elapsed) < 0.5, f"{shape}: {min(elapsed):.2f} s"
+    got = extract_boxed(text)
     # A spaced `\boxed` reads the next `\boxed` as its brace-less one-token answer, as before.
     expected = {"nested closed boxes": "5", "many closed boxes": "12", "spaced boxes": "\\boxed"}.get(shape)
     assert got == expected
     small = text[:4000]  # the reference is quadratic: compare on a prefix
     assert extract_boxed(small) == _old_extract_boxed(small)
+    # Twice the text, twice the work: counted at a tenth of the full size and twice that (no clock, so a busy
+    # machine cannot fail it; the quadratic scan took ~7 s at 32k characters).
+    once, twice = work_of(extract_boxed, make(full // 10)), work_of(extract_boxed, make(full // 5))
+    assert once.lines > 0 and once.chars > 0
+    assert twice.total / once.total < LINEAR_RATIO, f"{shape}: {once} -> {twice}"
+
+
+def test_the_work_count_sees_quadratic_extraction() -> None:
+    """The count is not blind: the rescanning reference this module keeps does quadruple its work."""
+    for shape in ("unclosed boxes", "nested unclosed boxes", "nested closed boxes"):
+        make, _ = ADVERSARIAL[shape]
+        once, twice = work_of(_old_extract_boxed, make(100)), work_of(_old_extract_boxed, make(200))
+        assert twice.total / once.total > 3.5, f"{shape}: {once} -> {twice}"

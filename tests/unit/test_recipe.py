@@ -266,7 +266,13 @@ def test_link_to_a_device_is_refused_without_reading(tmp_path):
 
 @pytest.mark.parametrize(
     "key",
-    ["MAX_STEPS", "PER_DEVICE_TRAIN_BATCH_SIZE", "GRADIENT_ACCUMULATION_STEPS", "SEED", "NUM_GENERATIONS"],
+    [
+        "MAX_STEPS",
+        "PER_DEVICE_TRAIN_BATCH_SIZE",
+        "GRADIENT_ACCUMULATION_STEPS",
+        "SEED",
+        "GENERATION_BATCH_SIZE",
+    ],
 )
 @pytest.mark.parametrize("prefix", ["", "OPSD_"])
 def test_budget_keys_refused(tmp_path, key, prefix):

@@ -415,6 +415,7 @@ FLOORS = [
     {"configuration"},
     {"method", "data", "models"},
     {"speed", "run"},
+    {"rl"},
     {"launch", "evaluation"},
     {"experiment"},
     {"testing"},

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+# What a run trains: self-distillation, TRL's GRPO, or GRPO plus the self-distillation loss (docs/method.md §4).
+METHODS = ("opsd", "grpo", "hybrid")
 CLIP_MODES = ("element", "token", "rescale", "none")
 LOSS_TYPES = ("jsd", "sampled_token", "fixed_advantage")
 TEACHER_MODES = ("fixed", "ema", "dynamic")
@@ -27,6 +29,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # OPSDConfig field -> allowed values.
 CHOICES: dict[str, tuple[str, ...]] = {
+    "method": METHODS,
     "clip_mode": CLIP_MODES,
     "loss_type": LOSS_TYPES,
     "teacher_mode": TEACHER_MODES,

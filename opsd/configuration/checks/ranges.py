@@ -114,6 +114,7 @@ RANGES: dict[str, Range] = {
     "top_k_loss": OFF_AT_ZERO,
     "loss_chunk_size": POSITIVE,
     "num_loss_tokens_to_skip": Range(0, note="0 = none"),
+    "sd_weight": Range(0, note="0 = the GRPO loss alone"),
     "contrast_weight": Range(0, note="0 = no signal; 1 = the contrastive log-ratio itself"),
     # A positive constant would raise the probability of every sampled token: the opposite of the control.
     "fixed_advantage": Range(hi=0, hi_open=True, note="a negative constant: sampled tokens are pushed down"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 # Method and optimiser switches a researcher may tune under the capped budget.
 RECIPE_KEYS = frozenset({
+    # the method, and what only one method reads (rollouts per problem, the hybrid's weight)
+    "method", "num_generations", "sd_weight",
     # optimiser and schedule
     "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "adam_beta1",
     "adam_beta2",
@@ -52,8 +54,8 @@ BUDGET_KEYS = frozenset({
     "max_steps", "num_train_epochs",
     # problems per step
     "per_device_train_batch_size", "gradient_accumulation_steps", "auto_find_batch_size",
-    # rollouts per problem and reuse of each rollout
-    "num_generations", "generation_batch_size", "steps_per_generation", "num_iterations",
+    # reuse of each rollout (rollouts per problem are the method's: num_generations, a recipe key)
+    "generation_batch_size", "steps_per_generation", "num_iterations",
     # what is trained, on what, in which order
     "model_name_or_path", "dataset_name", "dataset_split", "seed", "data_seed", "probe_size",
     # where results land and resuming (a resumed run would get more than the budget)

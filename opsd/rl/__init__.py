@@ -1,0 +1,10 @@
+"""The reinforcement-learning methods beside OPSD (docs/method.md §4), run by the same harness: same model, LoRA,
+data, prompts, rollout engine and seeds, budget, checkpoints and metrics, so that `method` is the one difference.
+
+* `reward`: the reward of a rollout, the evaluation's own grader (1 for a correct boxed answer, else 0);
+* `grpo`: `GRPOTrainer`, TRL's GRPO (its advantages, loss and defaults) with the harness's prompts, engine, reward,
+  exact positions and compute ledger; `grpo_args`, the TRL config a run's `OPSDConfig` gives;
+* `hybrid`: `HybridTrainer`, TRL's GRPO loss plus `sd_weight` x the OPSD loss on the same rollouts.
+
+`opsd_trainer.OPSDTrainer` is the third method; `opsd_train.py` picks the trainer by `method` (`TRAINERS`).
+"""

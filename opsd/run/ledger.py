@@ -1,0 +1,46 @@
+"""The compute ledger: what each optimizer step spent, in tokens and seconds, the same way for every method, so that
+methods are compared per generated token and per GPU-hour, not per step (docs/training.md, The compute ledger).
+
+Per optimizer step, summed over all processes:
+- `generated_tokens`: completion tokens the rollout engine sampled (a step that reuses an earlier generation,
+  `steps_per_rollout` > 1, books none);
+- `teacher_tokens`: real tokens through a teacher forward (teacher prompt + completion; a contrastive teacher's
+  second forward too); 0 for GRPO;
+- `trained_tokens`: completion tokens the loss is computed on (its denominator);
+- `step_s`: the step's wall seconds (`StepTimer`: from its first micro-batch to its end) and each phase's
+  (`rollout_s`, `weight_sync_s`, `train_micro_s`, ...);
+- `gpu_s`: `step_s` x the run's GPUs (one per process), where there is a GPU; absent on a CPU.
+
+The trainers book tokens on `opsd.run.step_watch.ComputeLedger`, which the step's `StepTimer` closes at the step's
+end (no callback of its own: the step's path through the libraries stays as it was). Each step is a row of `ledger.jsonl` in the run directory (trimmed to the checkpoint on resume, like
+metrics.jsonl) and `ledger/*` metrics in metrics.jsonl and the trackers. The experiment's report sums the rows of
+each cell (`ledger_totals`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from opsd.run.step_watch import TOKEN_KINDS
+from opsd.rundir import LEDGER_FILE
+
+
+def read_ledger(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's ledger.jsonl (none when the run wrote no ledger)."""
+    path = Path(run_dir) / LEDGER_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def ledger_totals(rows: Iterable[dict]) -> dict[str, float]:
+    """A run's totals: tokens of each kind, wall seconds, GPU-seconds (only when every step has them), steps."""
+    rows = list(rows)
+    out: dict[str, float] = {k: float(sum(r.get(k, 0) for r in rows)) for k in TOKEN_KINDS}
+    out["step_s"] = float(sum(r.get("step_s", 0.0) for r in rows))
+    if rows and all("gpu_s" in r for r in rows):
+        out["gpu_s"] = float(sum(r["gpu_s"] for r in rows))
+    out["steps"] = float(len(rows))
+    return out

@@ -1,0 +1,193 @@
+"""method=grpo and method=hybrid on the tiny model (transformers rollouts, LoRA r4): the GRPO loss is TRL's and
+scores exact positions (against an unpadded forward of each row), the hybrid's two limits (sd_weight=0 is TRL's
+GRPO loss; no GRPO signal is OPSD's loss), the compute ledger against the batch it counts, and a bit-exact resume."""
+
+import json
+
+import pytest
+import torch
+import trl
+
+from opsd.method.hidden import left_pad, right_pad
+from opsd.method.prompts import teacher_rows
+from opsd.rl.grpo import GRPOTrainer
+from opsd.rl.hybrid import HybridTrainer
+from tests.conftest import make_trainer
+
+pytestmark = pytest.mark.integration
+
+PROBLEMS = [
+    "What is 2 + 3?",
+    "A train leaves at noon and travels 40 km per hour. How far has it gone by 3 pm?",
+]
+REFERENCES = ["2 + 3 = 5, so \\boxed{5}.", "Three hours at 40 km/h: 120 km. \\boxed{120}"]
+G = 2
+
+
+def _batch(trainer, advantages, *, teacher: bool) -> dict:
+    """Two problems x G completions of different lengths (random tokens), laid out as TRL's GRPO batch (left-padded
+    prompts, right-padded completions), with the teacher rows and denominators OPSD and the hybrid read."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = trainer.model.config.vocab_size
+    problems = [p for p in PROBLEMS for _ in range(G)]
+    references = [r for r in REFERENCES for _ in range(G)]
+    prompts = [trainer.prompt_builder.student_ids(p) for p in problems]
+    completions = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in (5, 9, 3, 7)]
+    pad = trainer.processing_class.pad_token_id
+    prompt_ids, prompt_mask = left_pad(prompts, pad, "cpu")
+    completion_ids, completion_mask = right_pad(completions, pad, "cpu")
+    n_tokens = completion_mask.sum()
+    batch = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "num_items_in_batch": n_tokens, "sd_num_tokens": n_tokens,
+        "num_loss_tokens": n_tokens.repeat(len(problems)), "problems": problems, "references": references,
+    }  # fmt: skip
+    if teacher:
+        rows, _ = teacher_rows(
+            trainer.prompt_builder, problems, references, completion_ids, completion_mask, pad
+        )
+        batch.update(rows)
+    return batch, prompts, completions
+
+
+def naive_grpo_loss(model, prompts, completions, advantages, temperature: float) -> torch.Tensor:
+    """TRL's default GRPO loss (dapo, one iteration: every ratio is 1 with the gradient of log p) from an unpadded
+    forward of each row: -sum_i A_i sum_t ratio_it / (the batch's completion tokens)."""
+    total = sum(len(c) for c in completions)
+    loss = 0.0
+    for prompt, completion, a in zip(prompts, completions, advantages, strict=True):
+        ids = torch.tensor([prompt + completion])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
+        logp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        loss = loss - (a * torch.exp(logp - logp.detach())).sum()
+    return loss / total
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _close(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        scale = 1.0 + float(b[name].abs().max())
+        assert float((a[name] - b[name]).abs().max()) <= tol * scale, name
+
+
+def _perturbed(trainer):
+    """LoRA B away from its zero init, so the adapters change the forward (seeded)."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    trainer.model.train()
+    # What transformers' training loop sets before the first micro-batch, and TRL's loss reads.
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    return trainer
+
+
+def test_grpo_is_trls_trainer_with_the_harness_overrides_only():
+    """The advantages and the loss are TRL's code: the class is TRL's GRPOTrainer and overrides none of the
+    methods that compute them; each override it has calls TRL's own."""
+    import inspect
+
+    assert issubclass(GRPOTrainer, trl.GRPOTrainer)
+    overridden = {
+        n for n in GRPOTrainer.__dict__ if callable(GRPOTrainer.__dict__[n]) and hasattr(trl.GRPOTrainer, n)
+    }
+    assert overridden == {
+        "__init__", "training_step", "_tokenize_prompts", "_generate_single_turn",
+        "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
+    }  # fmt: skip
+    for name in overridden - {"_tokenize_prompts"}:
+        assert "super()." in inspect.getsource(GRPOTrainer.__dict__[name]), name
+    for name in ("_compute_loss", "compute_loss", "_calculate_rewards"):
+        assert name not in GRPOTrainer.__dict__
+
+
+def test_grpo_loss_matches_unpadded_rows(tiny_model_dir, tmp_path):
+    """TRL's loss through the harness: value and LoRA gradients equal the naive loss of unpadded rows (exact
+    positions, the rollout temperature), 1e-5."""
+    trainer = _perturbed(make_trainer(tiny_model_dir, tmp_path, method="grpo", num_generations=G))
+    advantages = [0.7, -0.7, 1.2, -1.2]
+    batch, prompts, completions = _batch(trainer, advantages, teacher=False)
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    ours = _grads(trainer.model)
+    ref = naive_grpo_loss(trainer.model, prompts, completions, advantages, trainer.args.temperature)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) <= 1e-6
+    _close(ours, _grads(trainer.model), 1e-5)
+
+
+def test_hybrid_limits(tiny_model_dir, tmp_path):
+    """sd_weight=0 is TRL's GRPO loss (the naive one, and TRL's own method on the same batch); with the GRPO term
+    switched off (zero advantages) the hybrid's loss and gradients are OPSDTrainer's on the same rows (1e-6); in
+    between, the loss is GRPO's + sd_weight x OPSD's."""
+    advantages = [0.5, -0.5, 1.0, -1.0]
+    off = _perturbed(
+        make_trainer(tiny_model_dir, tmp_path / "h0", method="hybrid", num_generations=G, sd_weight=0)
+    )
+    batch, prompts, completions = _batch(off, advantages, teacher=True)
+    loss0 = off._compute_loss(off.model, batch)
+    trl_loss = trl.GRPOTrainer._compute_loss(off, off.model, batch)
+    naive = naive_grpo_loss(off.model, prompts, completions, advantages, off.args.temperature)
+    assert float(loss0) == float(trl_loss) and abs(float(loss0) - float(naive)) <= 1e-6
+
+    hybrid = _perturbed(make_trainer(tiny_model_dir, tmp_path / "h1", method="hybrid", num_generations=G))
+    opsd = make_trainer(tiny_model_dir, tmp_path / "o", completions_steps=0)
+    opsd.model.load_state_dict(hybrid.model.state_dict())
+    opsd.model.train()
+    zero, _, _ = _batch(hybrid, [0.0] * 4, teacher=True)
+    h = hybrid._compute_loss(hybrid.model, zero)
+    h.backward()
+    o = opsd.compute_loss(opsd.model, zero)
+    o.backward()
+    assert abs(float(h) - float(o)) <= 1e-6 and float(o) != 0.0
+    _close(_grads(hybrid.model), _grads(opsd.model), 1e-6)
+
+    hybrid.sd_weight = 0.5
+    mixed = float(hybrid._compute_loss(hybrid.model, batch))
+    sd = float(opsd.compute_loss(opsd.model, batch))
+    grpo = float(naive_grpo_loss(hybrid.model, prompts, completions, advantages, hybrid.args.temperature))
+    assert abs(mixed - (grpo + 0.5 * sd)) <= 1e-6
+
+
+def _ledger(out):
+    return [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["grpo", "hybrid"])
+def test_methods_train_log_and_resume_bit_exactly(tiny_model_dir, tmp_path, method):
+    """Two steps straight, and one step then a resume from its checkpoint, give the same adapter bytes and the
+    same second step's logs; every step logs rollout/correct and its ledger row, whose generated tokens are the
+    rollouts' lengths (TRL's completions/mean_length x rows) and whose teacher tokens are the hybrid's only."""
+    settings = dict(
+        method=method, num_generations=G, max_steps=2, logging_steps=1, save_strategy="steps", save_steps=1,
+        max_completion_length=6,
+    )  # fmt: skip
+    straight = make_trainer(tiny_model_dir, tmp_path / "a", **settings)
+    straight.train()
+    first = make_trainer(tiny_model_dir, tmp_path / "b", **{**settings, "max_steps": 1})
+    first.train()
+    resumed = make_trainer(tiny_model_dir, tmp_path / "b", **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
+    for a, b in zip(straight.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
+    logs = [r for r in straight.state.log_history if "loss" in r]
+    again = [r for r in resumed.state.log_history if "loss" in r]
+    keys = ("loss", "grad_norm", "rollout/correct", "rollout/length", "ledger/generated_tokens")
+    assert [logs[1][k] for k in keys] == [again[-1][k] for k in keys]
+    rows = _ledger(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row, log in zip(rows, logs, strict=True):
+        n_rows = 2 * G  # 2 problems per step
+        assert row["generated_tokens"] == round(log["completions/mean_length"] * n_rows)
+        assert row["trained_tokens"] == row["generated_tokens"]
+        assert (row["teacher_tokens"] > row["generated_tokens"]) == (method == "hybrid")
+        assert row["step_s"] > 0 and "rollout_s" in row
+    assert isinstance(straight, HybridTrainer) == (method == "hybrid")
