@@ -1,8 +1,9 @@
 """opsd: on-policy self-distillation on TRL. The floor plan:
 
 * `method/`: one OPSD step, from the rollout to the loss;
+* `rl/`: the methods beside OPSD, TRL's GRPO and the GRPO + OPSD hybrid, run by the same harness (`method`);
 * `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
-* `run/`: a training run's logs, resume and probe;
+* `run/`: a training run's logs, compute ledger, resume and probe;
 * `launch/`: a run's inputs checked before any model loads, the dry run and the capped budget's plan;
 * `speed/`: how a step is split into micro-batches and compiled (memory and time, not method);
 * `data/`: training and evaluation tables, and the built-in sets;

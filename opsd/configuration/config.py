@@ -143,7 +143,7 @@ class OPSDConfig(SDFTConfig):
         default="opsd",
         metadata=_choice(
             "method",
-            "What the run trains (docs/method.md §4): opsd (self-distillation, this repo's trainer) | grpo (TRL's "
+            "What the run trains (docs/method.md §6): opsd (self-distillation, this repo's trainer) | grpo (TRL's "
             "GRPOTrainer, rewarded by the evaluation's grader) | hybrid (GRPO's loss plus sd_weight x the OPSD loss "
             "on the same G rollouts per problem).",
         ),

@@ -1,4 +1,4 @@
-"""The reinforcement-learning methods beside OPSD (docs/method.md §4), run by the same harness: same model, LoRA,
+"""The reinforcement-learning methods beside OPSD (docs/method.md §6), run by the same harness: same model, LoRA,
 data, prompts, rollout engine and seeds, budget, checkpoints and metrics, so that `method` is the one difference.
 
 * `reward`: the reward of a rollout, the evaluation's own grader (1 for a correct boxed answer, else 0);

@@ -1,4 +1,4 @@
-"""`GRPOTrainer`: TRL's GRPO, run by the OPSD harness (`method=grpo`; docs/method.md §4).
+"""`GRPOTrainer`: TRL's GRPO, run by the OPSD harness (`method=grpo`; docs/method.md §6).
 
     python opsd_train.py --method grpo --max_steps 2                  # embedded model, built-in data, CPU is fine
     bash train_capped.sh --name grpo --recipe configs/recipes/grpo.env  # the same budget as OPSD
@@ -45,7 +45,7 @@ def grpo_args(config) -> trl.GRPOConfig:
     resolved it (optimiser, schedule, precision, logging, checkpoints, seed), the rollout settings it shares with
     TRL (temperature, top_p, top_k, max_completion_length, the vLLM engine's), `num_generations` G, and a
     micro-batch of `per_device_train_batch_size` problems x G rollouts, so that a step holds the same problems
-    as OPSD's. Everything else is TRL's default (docs/method.md §4 lists them)."""
+    as OPSD's. Everything else is TRL's default (docs/method.md §6 lists them)."""
     shared = {f.name for f in fields(TrainingArguments) if f.init} | {
         f.name for f in fields(trl.GRPOConfig) if f.init and f.name in {g.name for g in fields(type(config))}
     }

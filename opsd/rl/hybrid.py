@@ -1,5 +1,5 @@
 """`HybridTrainer`: TRL's GRPO loss plus `sd_weight` x the OPSD loss on the same rollouts (`method=hybrid`;
-docs/method.md §4; SDPG-style, arXiv 2606.04036, without its reference KL, which is TRL's `beta`, 0 by default).
+docs/method.md §6; SDPG-style, arXiv 2606.04036, without its reference KL, which is TRL's `beta`, 0 by default).
 
     python opsd_train.py --method hybrid --sd_weight 1 --max_steps 2
 

@@ -6,6 +6,7 @@
 * `step_watch`: what watches each optimizer step: its phase times, its non-finite loss or gradients (skipped),
   and its rollouts graded like the evaluation, in the background (`rollout/correct`, `rollout/boxed`,
   `rollout/length`);
+* `ledger`: the compute ledger (tokens and seconds per step, every method; ledger.jsonl) and a run's totals;
 * `callbacks`: metrics.jsonl, checkpoint marks, tail weight averaging;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
 * `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).

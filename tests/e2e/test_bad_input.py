@@ -489,3 +489,66 @@ def test_train_refuses_paths_that_are_not_what_they_must_be(tmp_path, odd_paths,
     res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), *args], tmp_path, env, timeout=120)
     one_line(res, "opsd_train.py: error:", message.format(**odd_paths))
     assert not (tmp_path / "o").exists() and Path(odd_paths["file"]).read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (
+            ["--method", "grpo", "--teacher_contrast", "shuffled"],
+            ["teacher_contrast='shuffled'", "method=grpo"],
+        ),
+        (["--method", "grpo", "--clip_mode", "rescale"], ["clip_mode='rescale'", "never reads it"]),
+        (
+            ["--method", "grpo", "--num_generations", "1"],
+            ["num_generations=1 with method=grpo", "at least 2"],
+        ),
+        (["--num_generations", "4"], ["num_generations=4 with method=opsd", "one rollout per problem"]),
+        (["--sd_weight", "0.5"], ["sd_weight=0.5", "method=hybrid"]),
+        (["--method", "hybrid", "--teacher_mode", "ema"], ["teacher_mode=ema with method=hybrid"]),
+        (["--method", "hybrid", "--steps_per_rollout", "2"], ["steps_per_rollout=2", "method=opsd only"]),
+        (["--method", "ppo"], ["method", "'ppo'", "opsd", "grpo", "hybrid"]),
+    ],
+)
+def test_keys_of_another_method_are_refused_in_one_line(tmp_path, args, needles):
+    """A switch the run's method never reads, or rollouts per problem it cannot take, is refused before anything
+    is written (the run would record it as if it acted)."""
+    out = tmp_path / "o"
+    res = run("opsd_train.py", ["--output_dir", str(out), "--dry-run", *args], tmp_path)
+    one_line(res, "opsd_train.py: error:", *needles)
+    assert not out.exists()
+
+
+def test_recipe_keys_of_another_method_are_refused_in_one_line(tmp_path):
+    recipe = tmp_path / "grpo.env"
+    recipe.write_text("METHOD=grpo\nNUM_GENERATIONS=4\nTEACHER_REF=cot\n")
+    res = run(
+        "opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--dry-run", "--recipe", recipe], tmp_path
+    )
+    one_line(res, "opsd_train.py: error:", "teacher_ref='cot'", "method=grpo")
+    recipe.write_text("METHOD=grpo\nNUM_GENERATIONS=4\n")
+    dry = run(
+        "opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--dry-run", "--recipe", recipe], tmp_path
+    )
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    resolved = json.loads(dry.stdout)
+    config = resolved.get("config", resolved)
+    assert (config["method"], config["num_generations"]) == ("grpo", 4)
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs" / "recipes").glob("*.env")), ids=lambda p: p.name)
+def test_every_shipped_recipe_passes_the_dry_run(tmp_path, recipe):
+    """Each shipped recipe, the other methods' included, passes every check a real run makes (no key another
+    method reads, a valid number of rollouts per problem)."""
+    from opsd.configuration.sources.recipe import parse_recipe
+
+    dry = run(
+        "opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--dry-run", "--recipe", recipe], tmp_path
+    )
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    resolved = json.loads(dry.stdout)
+    config = resolved.get("config", resolved)
+    values = {o.field: o.value for o in parse_recipe(recipe)}
+    method = values.get("method", "opsd")
+    assert config["method"] == method
+    assert config["num_generations"] == int(values.get("num_generations", 1 if method == "opsd" else 8))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-# What a run trains: self-distillation, TRL's GRPO, or GRPO plus the self-distillation loss (docs/method.md §4).
+# What a run trains: self-distillation, TRL's GRPO, or GRPO plus the self-distillation loss (docs/method.md §6).
 METHODS = ("opsd", "grpo", "hybrid")
 CLIP_MODES = ("element", "token", "rescale", "none")
 LOSS_TYPES = ("jsd", "sampled_token", "fixed_advantage")
