@@ -62,6 +62,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "teacher_ref_max_chars": (100, 0, -1),
     "teacher_ref_fraction": (0.5, 1.0, 0.0),
     "contrast_weight": (0.5, 0.0, -0.5),
+    "sd_weight": (0.5, 0.0, -0.5),
     "fixed_advantage": (-0.5, -1e-6, 0.0),  # zero would be no control at all, a positive one its opposite
     "max_teacher_prompt_length": (2048, 0, -1),
     "wavg_last": (3, 0, -1),
@@ -79,6 +80,11 @@ CROSS = {
     "warmup_steps": "warmup_steps=100.0 is out of range: must be below max_steps=100 (the whole run would be "
     "warm-up); lower it, or give a fraction of the run below 1"
 }
+
+
+# Fields only one method reads (opsd.configuration.checks.methods), set with it in every entry path: alone they
+# would be refused for that reason, not their range.
+CONTEXT = {"sd_weight": {"method": "hybrid"}}
 
 
 def expected_refusal(name: str, value: object) -> str:
@@ -106,20 +112,25 @@ def _via(path: str, name: str, value: object, tmp_path, data):
     from opsd_train import main
 
     out = ["--output_dir", str(tmp_path / "run")]
+    context = CONTEXT.get(name, {})
+    flags = [f"--{k}={v}" for k, v in context.items()]
     if path == "cli":
-        return parse_config([*out, f"--{name}={_text(value)}"], environ={})[0]
+        return parse_config([*out, *flags, f"--{name}={_text(value)}"], environ={})[0]
     if path == "yaml":
         cfg = tmp_path / "c.yaml"
-        cfg.write_text(yaml.safe_dump({name: value}))
+        cfg.write_text(yaml.safe_dump({**context, name: value}))
         return parse_config(["--config", str(cfg), *out], environ={})[0]
     if path == "recipe":
         recipe = tmp_path / "recipe.env"
-        recipe.write_text(f"{name.upper()}={_text(value)}\n")
+        recipe.write_text(
+            f"{name.upper()}={_text(value)}\n" + "".join(f"{k.upper()}={v}\n" for k, v in context.items())
+        )
         return parse_config([*out, "--recipe", str(recipe)], environ={})[0]
     if path == "env":
-        return parse_config(out, environ={f"OPSD_{name.upper()}": _text(value)})[0]
+        env = {f"OPSD_{k.upper()}": v for k, v in context.items()}
+        return parse_config(out, environ={**env, f"OPSD_{name.upper()}": _text(value)})[0]
     assert path == "dry-run"
-    main([*out, "--dataset_name", str(data), f"--{name}={_text(value)}", "--dry-run"])
+    main([*out, "--dataset_name", str(data), *flags, f"--{name}={_text(value)}", "--dry-run"])
     return None
 
 
