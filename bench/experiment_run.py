@@ -2,6 +2,7 @@
 
     python bench/experiment_run.py --out bench/results/experiment_h200.json  # one H200, the clip preset
     python bench/experiment_run.py --preset study --out bench/results/study_h200.json  # the teacher study
+    python bench/experiment_run.py --preset rl --out bench/results/rl_h200.json  # OPSD vs GRPO vs the hybrid
     python bench/experiment_run.py --out X.json -- --out runs/exp/mine --arm ...  # experiment flags after --
 
 The presets (no flags after `--`) train the embedded SmolLM2-135M-Instruct under the capped harness (100 steps
@@ -14,10 +15,16 @@ baseline.
   that learns on this model (`rescale`): `opsd` (the baseline), `answer_only` (teacher_ref=answer), `ref_half`
   (teacher_ref_fraction=0.5), `contrast_shuffled`, `contrast_wrong` (teacher_contrast), `fixed_advantage` (no
   teacher) and `empty_ref` (teacher_ref_pairing=empty).
+- `rl`: the three methods on the study's baseline recipe (`rescale`, as above): `opsd` (the baseline), `grpo`
+  (TRL's GRPO, 4 rollouts per problem, no teacher; its clip is TRL's) and `hybrid` (GRPO + 1 x OPSD's loss on the
+  same 4 rollouts). A GRPO step samples 4 x 32 rollouts where OPSD samples 32: compare them per generated token
+  and per GPU-hour as well as per step (the report's compute ledger, docs/experiments.md). The shipped
+  configs/recipes/demo_grpo.env and demo_hybrid.env are the same methods for the CPU demo profile.
 
 Output: {"machine", "command", "wall_s", "timing" (per kind of job: attempts, summed and wall-clock seconds),
 "verdict" (per comparison: the reported interval, the bootstrap, variance components, minimum detectable
-difference, seeds needed for `--target-diff` points), "arms" (per seed and mean), "failed"}; the experiment's
+difference, seeds needed for `--target-diff` points), "arms" (per seed and mean, the gain over the base model, the
+compute ledger: tokens, hours and gain per million generated tokens), "failed"}; the experiment's
 own report.md, summary.json and figures are in its directory.
 """
 
@@ -35,13 +42,22 @@ from common import machine, write
 ROOT = Path(__file__).resolve().parents[1]
 
 ARM = "CLIP_MODE={},LEARNING_RATE=1e-4,MAX_COMPLETION_LENGTH=128,PROBE_STEPS=10,VLLM_GPU_MEMORY_UTILIZATION=0.12"
-COMMON = [
-    "--profile", "full", "--model", "embedded", "--dataset", "builtin:easy", "--recipe", "", "--seeds", "42,43,44",
+# Scoring and sharing the GPU, the same in every preset.
+SHARED = [
+    "--seeds", "42,43,44",
     "--eval-flags", "--dataset builtin:easy-disjoint --n 8 --max-tokens 128 --max-model-len 1024 --no-thinking "
     "--gpu-memory-utilization 0.12",
     "--cells-per-gpu", "7", "--kv-cache-gib", "1.5", "--accelerate-config", "configs/accelerate/single_gpu.yaml",
     "--status-every", "60",
 ]  # fmt: skip
+COMMON = ["--profile", "full", "--model", "embedded", "--dataset", "builtin:easy", "--recipe", "", *SHARED]
+# The methods, each one switch set on the recipe that learns on the embedded model (`ARM` with `rescale`): the
+# same learning rate, rollouts and held-out probe problems in every arm; GRPO's clip is TRL's (no CLIP_MODE).
+RL = {
+    "opsd": "",
+    "grpo": "METHOD=grpo,NUM_GENERATIONS=4",
+    "hybrid": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1",
+}
 # The study's arms: one switch each on top of the recipe that learns on the embedded model.
 STUDY = {
     "opsd": "",
@@ -61,17 +77,33 @@ PRESETS = {
 }  # fmt: skip
 
 
+def rl_flags() -> list[str]:
+    """The `rl` preset: the study's baseline recipe under each method (grpo without CLIP_MODE, which it refuses)."""
+    arms = []
+    for name, switch in RL.items():
+        recipe = ARM.format("rescale") if name != "grpo" else ARM.replace("CLIP_MODE={},", "")
+        arms += ["--arm", f"{name}={recipe}{',' * bool(switch)}{switch}"]
+    return ["--out", "runs/rl_h200", *arms, *COMMON]
+
+
+# Presets whose flags are made when they run.
+MADE = {"rl": rl_flags}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="The result JSON.")
     p.add_argument(
-        "--preset", default="clip", choices=list(PRESETS), help="The experiment, without flags after --."
+        "--preset", default="clip", choices=[*PRESETS, *MADE], help="The experiment, without flags after --."
     )
     p.add_argument("--target-diff", default="1", help="Points: the seeds needed to detect this.")
     a = p.parse_args(own)
-    flags = argv[argv.index("--") + 1 :] if "--" in argv else PRESETS[a.preset]
+    if "--" in argv:
+        flags = argv[argv.index("--") + 1 :]
+    else:
+        flags = MADE[a.preset]() if a.preset in MADE else PRESETS[a.preset]
     directory = Path(flags[flags.index("--out") + 1]).resolve()
     command = [sys.executable, "-m", "opsd.experiment", *flags, "--target-diff", a.target_diff]
     t0 = time.time()
@@ -101,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, comp in summary["comparisons"].items()
     }
     arms = {
-        arm: {k: e.get(k) for k in ("per_seed", "mean", "missing", "variance")}
+        arm: {k: e.get(k) for k in ("per_seed", "mean", "missing", "variance", "ledger")}
         for arm, e in summary["arms"].items()
     }
     for arm, e in summary["arms"].items():

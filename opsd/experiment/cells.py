@@ -11,7 +11,9 @@ The files a report reads (each evaluation's summary.json and samples.jsonl, DIR/
 checked as they are read: one edited or cut by hand is a `UserError` naming the file, the line and what to delete.
 Every value is checked for its type and its range where it is read (a sample count is a positive integer of at
 most `MAX_SAMPLES`, a label one line of plain text, a key of failed.json a job key of a valid arm name), so that
-nothing a disk can hold reaches the statistics, the figures or report.md unchecked. `check_links` refuses a link
+nothing a disk can hold reaches the statistics, the figures or report.md unchecked. A run's compute ledger
+(`cell_ledger`) is checked alike, but one that is damaged leaves that cell's compute columns n/a, with why, rather
+than refusing the report: the verdict does not read it. `check_links` refuses a link
 under the directory that leads out of it: the report reads there and the runner writes and prunes there.
 """
 
@@ -263,6 +265,62 @@ def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
 
 def _finite(x: object) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
+
+
+# -- a cell's compute ledger ------------------------------------------------------------------------------------
+
+# A capped run's ledger.jsonl is 100 lines of a few hundred bytes; one far bigger is not a run's.
+LEDGER_KIND = FileKind(
+    "compute ledger", "compute ledgers", 64 * MIB, "rerun the cell's training", "it was not written by a run"
+)
+# One step's tokens or seconds beyond this are not a run's (100 steps of 32 problems x 16 rollouts x 32k tokens
+# book ~2e9 generated tokens in all); bounded so that a report's sums stay numbers JSON can write.
+MAX_LEDGER_VALUE = 1e12
+NO_LEDGER = "no ledger.jsonl (a run from before the compute ledger)"
+
+
+def cell_ledger(directory: Path, arm: str, seed: int) -> tuple[dict[str, float] | None, str]:
+    """(totals, "") of a finished cell's compute ledger: `opsd.run.ledger.ledger_totals` over the rows of its
+    run's ledger.jsonl (tokens of each kind, step seconds, GPU-seconds where every step has them, steps); or
+    (None, why there are none): no ledger (`NO_LEDGER`: a run from before the ledger), or one that is not a
+    finished run's (over `LEDGER_KIND`'s cap, not UTF-8 or not JSON, a row without its tokens and step seconds
+    as numbers from 0 to `MAX_LEDGER_VALUE`, steps other than 1 to `spec.STEPS`). The last row of a step
+    wins, as in the report's curves: a run started again from step 0 in the same directory (a cell's printed
+    command run by hand once its intermediate checkpoints are pruned) appends its rows after the earlier run's.
+    Never a UserError: the ledger adds the compute columns to a report, so a damaged one leaves them n/a, not
+    the verdict unwritten."""
+    from opsd.run.ledger import ledger_totals
+    from opsd.run.step_watch import TOKEN_KINDS
+    from opsd.rundir import LEDGER_FILE
+
+    path = S.run_dir(directory, arm, seed) / LEDGER_FILE
+    if not os.path.lexists(path):
+        return None, NO_LEDGER
+    try:
+        lines = _json_lines(path, LEDGER_KIND)
+    except UserError as err:
+        return None, str(err)
+    by_step: dict[int, dict] = {}
+    for lineno, row in lines:
+        numbers = (*TOKEN_KINDS, "step_s", *(("gpu_s",) if isinstance(row, dict) and "gpu_s" in row else ()))
+        if not (isinstance(row, dict) and type(row.get("step")) is int and 0 <= row["step"] <= MAX_STEP
+                and all(_finite(row.get(k)) and 0 <= row[k] <= MAX_LEDGER_VALUE for k in numbers)):  # fmt: skip
+            return None, (
+                f"{path} line {lineno} is not a ledger row (step, {', '.join(TOKEN_KINDS)}, step_s: numbers from 0 "
+                f"to {MAX_LEDGER_VALUE:g})"
+            )
+        by_step[row["step"]] = row  # the last row of a step wins: a run restarted in the directory appends
+    expected = set(range(1, S.STEPS + 1))
+    missing, extra = sorted(expected - set(by_step)), sorted(set(by_step) - expected)
+    if missing or extra:
+        what = f"no row for step(s) {_few(missing)}" if missing else f"rows for step(s) {_few(extra)}"
+        return None, f"{path} has {what}, not one for each step from 1 to {S.STEPS}"
+    return ledger_totals(by_step.values()), ""
+
+
+def _few(numbers: list[int], limit: int = 5) -> str:
+    more = f" and {len(numbers) - limit} more" if len(numbers) > limit else ""
+    return ", ".join(map(str, numbers[:limit])) + more
 
 
 def _count(x: object, cap: int) -> bool:

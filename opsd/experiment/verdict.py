@@ -10,6 +10,11 @@ by (problem, sample index): every evaluation of training seed s, the base model'
 seeds. A comparison uses the seeds both arms
 have scored and says so whenever that is fewer than were planned.
 
+The compute ledger, per arm (`ledger`): each finished training run's ledger.jsonl summed
+(`opsd.run.ledger.ledger_totals`), the sums and means over seeds of generated, teacher and trained tokens, of
+step seconds and (on a GPU) GPU-seconds, and the gain over the base model in accuracy and format rate per
+million generated tokens with its interval; a run without a ledger (older) gives n/a. The verdict does not use it.
+
 Writing (`write`). Every file a report reads is checked, every figure drawn and every output rendered before the
 first is written; then each is written to a temporary file beside it and renamed over it, so a report that
 fails (a damaged file, an output path that is a directory, a full disk) leaves the previous report as it was.
@@ -43,6 +48,8 @@ CURVE_KEYS = (("loss", "loss"), ("probe/divergence", "probe divergence (held out
               ("rollout/correct", "training rollouts correct"),
               ("completions/mean_length", "completion length (tokens)"))  # fmt: skip
 OUTPUTS = (REPORT_FILE, SUMMARY_JSON, VERDICT_PNG, CURVES_PNG)
+# What the compute ledger sums per arm (opsd.run.ledger.ledger_totals' keys but steps; gpu_s only on a GPU).
+LEDGER_KEYS = ("generated_tokens", "teacher_tokens", "trained_tokens", "step_s", "gpu_s")
 # A curve value beyond this is drawn by nothing: matplotlib's tick arithmetic overflows on values near 1e308,
 # and no loss, divergence or length comes near it.
 PLOT_LIMIT = 1e15
@@ -117,9 +124,11 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
     scores: dict[str, dict[str, stats.CellScores]] = {key: {} for key, _ in COMPARED}
     labels = None
     for arm in arms:
-        per_seed, missing = {}, {}
+        per_seed, missing, trained = {}, {}, []
         for seed in spec.seeds:
             state = C.cell_state(directory, arm, seed)
+            if state.trained:
+                trained.append(seed)
             if state.final_scored:
                 summary, values = C.read_eval(state.scored[S.STEPS])
                 labels = labels or summary["labels"]
@@ -142,6 +151,7 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
                     for key, name in COMPARED
                 }
             entry["variance"] = stats.variance_components(scores["correct"][arm])
+        entry["ledger"] = ledger(directory, spec.arms[arm]["recipe"], arm, trained, entry.get("vs_base"))
         result["arms"][arm] = entry
     result["labels"] = labels
     for arm in arms:
@@ -156,6 +166,64 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
     result["curves"], result["curve_points_skipped"] = _curves(directory, spec)
     result["timing"] = timing(directory)
     return result
+
+
+def ledger(directory: Path, recipe: dict[str, str], arm: str, trained: list[int],
+           vs_base: dict[str, dict] | None) -> dict[str, Any]:  # fmt: skip
+    """The arm's compute ledger: each finished training run's totals (`cells.cell_ledger`), their sum and mean
+    over the seeds that have one, and the gain over the base model per million generated tokens.
+
+    The gain per million is the arm-vs-base comparison's reported interval (`compare`: the seed-paired t interval,
+    or with one seed the paired t over problems), its estimate and bounds divided by the arm's mean generated
+    tokens per seed in millions over the seeds of that comparison: the token count is taken as fixed (its sd
+    over those seeds is kept beside it, not carried into the interval). None, with why, where a seed of the
+    comparison has no ledger, there is no comparison with the base, or no token was generated."""
+    per_seed, unavailable = {}, {}
+    for seed in trained:
+        totals, why = C.cell_ledger(directory, arm, seed)
+        if totals is None:
+            unavailable[str(seed)] = why
+        else:
+            per_seed[seed] = totals
+    out: dict[str, Any] = {
+        "method": recipe.get("method", "opsd"), "seeds": sorted(per_seed),
+        "per_seed": {str(s): t for s, t in per_seed.items()}, "unavailable": unavailable,
+        "total": None, "mean": None, "sd": None, "per_million_generated": None, "per_million_why": None,
+    }  # fmt: skip
+    if per_seed:
+        keys = [k for k in LEDGER_KEYS if all(k in t for t in per_seed.values())]
+        out["total"] = {k: math.fsum(t[k] for t in per_seed.values()) for k in keys}
+        out["mean"] = {k: out["total"][k] / len(per_seed) for k in keys}
+        out["sd"] = {k: _sd([t[k] for t in per_seed.values()]) for k in keys}
+    if not vs_base:
+        out["per_million_why"] = "no evaluation against the base model yet"
+        return out
+    seeds = vs_base["accuracy"]["seeds"]  # every comparison with the base pairs the same seeds
+    lacking = [s for s in seeds if s not in per_seed]
+    if lacking:
+        out["per_million_why"] = f"no ledger for seed(s) {', '.join(map(str, lacking))} of the comparison"
+        return out
+    tokens_m = [per_seed[s]["generated_tokens"] / 1e6 for s in seeds]
+    divisor = math.fsum(tokens_m) / len(tokens_m)
+    if divisor <= 0:
+        out["per_million_why"] = "the ledger counts no generated token"
+        return out
+    out["per_million_generated"] = {}
+    for name, c in vs_base.items():
+        iv = c["interval"]
+        scaled = {k: None if iv[k] is None else iv[k] / divisor for k in ("estimate", "low", "high")}
+        out["per_million_generated"][name] = {**scaled, "method": iv["method"], "n_seeds": iv["n_seeds"],
+                                              "seeds": seeds, "generated_m": divisor,
+                                              "generated_m_sd": _sd(tokens_m)}  # fmt: skip
+    return out
+
+
+def _sd(values: list[float]) -> float | None:
+    """The sample sd (ddof 1); None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    m = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
 def timing(directory: Path) -> dict[str, dict[str, float]]:
@@ -276,6 +344,78 @@ def _code(text: str) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+def _num(x: float | None, sign: bool = False) -> str:
+    """A number of any size in a few characters: 12,345 / 12.35 / 0.0123 (`+` first with `sign`)."""
+    if x is None:
+        return "n/a"
+    plus = "+" if sign else ""
+    if x == 0 or abs(x) >= 100:
+        return f"{x:{plus},.0f}"
+    return f"{x:{plus}.2f}" if abs(x) >= 1 else f"{x:{plus}.3g}"
+
+
+def _scaled(values: dict, key: str, scale: float) -> str:
+    """values[key] / scale as `_num` writes it (tokens in millions, seconds in hours); n/a where it is absent."""
+    return "n/a" if key not in values else _num(values[key] / scale)
+
+
+def _per_million(iv: dict | None) -> str:
+    if iv is None:
+        return "n/a"
+    if iv["low"] is None:
+        return f"{_num(iv['estimate'], sign=True)} (no interval)"
+    return f"{_num(iv['estimate'], sign=True)} [{_num(iv['low'], sign=True)}, {_num(iv['high'], sign=True)}]"
+
+
+def _ledger_lines(result: dict[str, Any], planned: int) -> list[str]:
+    """report.md's compute ledger: one row per arm (`ledger`), then what each column is."""
+    lines = ["## Compute ledger", "",
+             "| arm | method | seeds with a ledger | generated tokens (M) per seed, mean ± sd | generated (M), sum | "
+             "teacher tokens (M), sum | trained tokens (M), sum | training hours, sum | GPU-hours, sum | "
+             "accuracy gain vs base per M generated tokens | format gain vs base per M generated tokens |",
+             "|---" * 11 + "|"]  # fmt: skip
+    notes = []
+    for arm, e in result["arms"].items():
+        led = e["ledger"]
+        total, sd = led["total"] or {}, led["sd"] or {}
+        per_seed = _scaled(led["mean"] or {}, "generated_tokens", 1e6)
+        if sd.get("generated_tokens") is not None:
+            per_seed += f" ± {_num(sd['generated_tokens'] / 1e6)}"
+        sums = [_scaled(total, k, 1e6) for k in ("generated_tokens", "teacher_tokens", "trained_tokens")]
+        if not led["seeds"]:
+            gpu = "n/a"
+        elif "gpu_s" in total:
+            gpu = _scaled(total, "gpu_s", 3600)
+        elif any("gpu_s" in t for t in led["per_seed"].values()):
+            gpu = "n/a (not every run had a GPU)"
+        else:
+            gpu = "n/a (no GPU)"
+        pm = led["per_million_generated"] or {}
+        lines.append(
+            f"| {arm} | {_code(led['method'])} | {len(led['seeds'])} of {planned} | {per_seed} | "
+            f"{' | '.join(sums)} | {_scaled(total, 'step_s', 3600)} | {gpu} | "
+            f"{_per_million(pm.get('accuracy'))} | {_per_million(pm.get('format rate'))} |"
+        )
+        for seed, why in led["unavailable"].items():
+            notes.append(f"- **{arm}**, seed {seed}: no ledger totals: {why}")
+        if led["per_million_why"] and led["seeds"]:
+            notes.append(f"- **{arm}**: no gain per million generated tokens: {led['per_million_why']}")
+    lines += ["", *notes, *([""] if notes else [])]
+    lines += ["Each arm's finished training runs (checkpoint-100 complete), their `ledger.jsonl` rows summed "
+              "(docs/training.md, The compute ledger): tokens in millions, summed over the seeds with a ledger "
+              "and, for generated tokens, the mean per seed with its sd over seeds. Training hours are the "
+              "ledger's step seconds (each optimizer step from its first micro-batch to its end; not start-up, "
+              "checkpoint saving or evaluation); GPU-hours are those seconds times the run's GPUs, n/a where "
+              "the runs had no GPU. The "
+              "gain per million generated tokens is the arm's gain over the base model (the \"vs base\" "
+              "comparison: the seed-paired t interval over the seeds both have scored, or with one seed the "
+              "paired t interval over problems), its estimate and 95% bounds divided by the arm's mean generated "
+              "tokens per seed (in millions) over those seeds: the token count is treated as fixed, so its "
+              "spread over seeds (the sd beside it) is not in the interval. Points per million tokens; runs "
+              "without a ledger (written before it) give n/a.", ""]  # fmt: skip
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     labels = result["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
     names = {
@@ -328,6 +468,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"  - {_split(c['variance'])}")
             lines.append(f"  - {c['planning']}")
         lines.append("")
+    lines += _ledger_lines(result, len(planned))
     lines += ["## How to read this", "",
               "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
               "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "

@@ -1,8 +1,9 @@
-"""`python -m opsd.experiment` end to end on CPU: 2 arms x 2 seeds of the smoke profile on the tiny model, real
-capped runs (vLLM rollouts) and real evaluations; the arms are the published recipe and the teacher-free control
-(the study of docs/experiments.md in CI-sized form). The experiment is stopped in the middle of a cell and rerun;
-the rerun finishes without redoing the finished cells. Then: the report against the samples on disk, the
-refusal of a changed arm, the printed commands reproducing a cell by hand, and an added seed recorded."""
+"""`python -m opsd.experiment` end to end on CPU: 3 arms x 2 seeds of the smoke profile on the tiny model, real
+capped runs (vLLM rollouts) and real evaluations; the arms are the published recipe, the teacher-free control
+(the study of docs/experiments.md in CI-sized form) and GRPO (method=grpo, 2 rollouts per problem). The
+experiment is stopped in the middle of a cell and rerun; the rerun finishes without redoing the finished cells.
+Then: the report against the samples on disk, its compute ledger per arm, the refusal of a changed arm, the
+printed commands reproducing a cell by hand, and an added seed recorded."""
 
 import json
 import os
@@ -63,7 +64,8 @@ def exp(tmp_path_factory, tiny_model_dir):
     d = tmp_path_factory.mktemp("exp") / "clip"
     first = [
         "--out", d, "--profile", "smoke", "--model", tiny_model_dir, "--recipe", "", "--seeds", "42,43",
-        "--arm", "a=CLIP_MODE=element", "--arm", "b=LOSS_TYPE=fixed_advantage", "--eval-flags", EVAL_FLAGS,
+        "--arm", "a=CLIP_MODE=element", "--arm", "b=LOSS_TYPE=fixed_advantage",
+        "--arm", "c=METHOD=grpo,NUM_GENERATIONS=2", "--eval-flags", EVAL_FLAGS,
         "--status-every", 5,
     ]  # fmt: skip
     proc = subprocess.Popen(experiment(*first), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -99,7 +101,7 @@ def test_stop_then_rerun_finishes_without_redoing_finished_cells(exp):
     assert attempts(logs / "base-42.log") == 1 and attempts(logs / "base-43.log") == 1
     assert attempts(logs / "train-b-s42.log") == 2  # stopped, then resumed by the rerun
     assert "resuming from" in (logs / "train-b-s42.log").read_text().lower()
-    for arm in "ab":
+    for arm in "abc":
         for seed in (42, 43):
             assert (d / "runs" / arm / f"capped_seed{seed}" / "checkpoint-100" / ".complete").is_file()
             assert (d / "evals" / arm / f"seed{seed}" / "checkpoint-100" / "summary.json").is_file()
@@ -122,7 +124,7 @@ def _accuracy(eval_dir: Path) -> dict[tuple[str, int], float]:
 def test_report_pairs_seeds_and_samples(exp):
     d = exp["dir"]
     summary = json.loads((d / "summary.json").read_text())
-    assert summary["baseline"] == "a" and set(summary["arms"]) == {"a", "b"}
+    assert summary["baseline"] == "a" and set(summary["arms"]) == {"a", "b", "c"}
     comp = summary["comparisons"]["b"]["accuracy"]
     assert comp["seeds"] == [42, 43] and comp["interval"]["method"] == "seed-paired t"
     for seed in (42, 43):  # per seed: mean over the same (problem, sample) pairs, in points
@@ -144,6 +146,41 @@ def test_report_pairs_seeds_and_samples(exp):
     assert "b − a" in report and "2 of 2" in report
     for name in ("verdict.png", "curves.png"):
         assert (d / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_report_compute_ledger_per_arm(exp):
+    """Every cell's ledger.jsonl summed per arm: OPSD books teacher tokens, GRPO none and twice OPSD's rollouts
+    per problem; the stopped and resumed cell (b/42) books each of its 100 steps once."""
+    d = exp["dir"]
+    summary = json.loads((d / "summary.json").read_text())
+    led = {arm: summary["arms"][arm]["ledger"] for arm in "abc"}
+    assert {arm: x["method"] for arm, x in led.items()} == {"a": "opsd", "b": "opsd", "c": "grpo"}
+    for arm, x in led.items():
+        assert x["seeds"] == [42, 43] and x["unavailable"] == {}, (arm, x)
+        assert all(t["steps"] == 100 for t in x["per_seed"].values()), (arm, x["per_seed"])
+        assert all(t["generated_tokens"] > 0 and t["trained_tokens"] > 0 for t in x["per_seed"].values())
+        assert "gpu_s" not in x["total"] and x["total"]["step_s"] > 0  # a CPU run: no GPU-seconds
+        pm = x["per_million_generated"]["accuracy"]
+        assert pm["seeds"] == [42, 43] and pm["method"] == "seed-paired t"
+        vs = summary["arms"][arm]["vs_base"]["accuracy"]["interval"]
+        assert pm["estimate"] == pytest.approx(vs["estimate"] / (x["mean"]["generated_tokens"] / 1e6))
+    assert all(t["teacher_tokens"] > 0 for t in led["a"]["per_seed"].values())
+    assert led["c"]["total"]["teacher_tokens"] == 0
+    # 2 problems x 8 tokens per step at most, x 2 rollouts per problem under GRPO.
+    assert led["a"]["total"]["generated_tokens"] <= 2 * 100 * 2 * 8
+    assert led["c"]["total"]["generated_tokens"] <= 2 * 100 * 2 * 2 * 8
+    report = (d / "report.md").read_text()
+    assert "### c − a" in report
+    c_section = report.split("### c − a")[1].split("##")[0]
+    assert c_section.count("\n- ") == 2  # its two verdict lines: accuracy and format rate
+    ledger = report.split("## Compute ledger")[1].split("## How to read this")[0]
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ") for line in ledger.splitlines() if line.startswith("| ")
+    }
+    assert rows["a"][1] == "`opsd`" and rows["c"][1] == "`grpo`"
+    for arm in "ac":
+        assert rows[arm][2] == "2 of 2" and float(rows[arm][4]) > 0 and rows[arm][8] == "n/a (no GPU)"
+    assert float(rows["a"][5]) > 0 and rows["c"][5] == "0"
 
 
 def test_changed_arm_is_refused(exp):
@@ -200,3 +237,7 @@ def test_added_seed_is_recorded(exp):
     summary = json.loads((d / "summary.json").read_text())
     assert summary["arms"]["a"]["missing"] == {"44": "not started"}
     assert "over 2 of the 3 planned seeds" in (d / "report.md").read_text()
+    # a/43 was trained again from step 0 by its printed command (its ledger.jsonl holds both runs' rows): the
+    # last row of each step counts, once.
+    led = summary["arms"]["a"]["ledger"]
+    assert led["seeds"] == [42, 43] and led["per_seed"]["43"]["steps"] == 100, led

@@ -544,12 +544,12 @@ def write_run(directory: Path, arm: str, seed: int, last_step: int) -> None:
 
 
 def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] | None = None,
-               arms=("A", "B"), seeds=SEEDS, base: bool = True) -> Path:  # fmt: skip
+               arms=("A", "B"), seeds=SEEDS, base: bool = True, recipes: dict | None = None) -> Path:  # fmt: skip
     """A synthetic experiment: every cell trained and scored but those in `unscored` (cell -> the step its
-    training reached, None for not started)."""
+    training reached, None for not started); `recipes` ({arm: recipe}) replaces the arms' clip modes."""
     unscored = unscored or {}
-    sp = spec.merge(None, make_spec({a: {"clip_mode": "element" if a == "A" else "none"} for a in arms},
-                                    seeds=seeds), directory)  # fmt: skip
+    recipes = recipes or {a: {"clip_mode": "element" if a == "A" else "none"} for a in arms}
+    sp = spec.merge(None, make_spec(recipes, seeds=seeds), directory)
     spec.save(directory, sp)
     if base:
         for seed in seeds:
@@ -1269,3 +1269,238 @@ def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeyp
     three = experiment(tmp_path / "three")
     verdict.figures(verdict.build(three, reps=200))
     assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]
+
+
+# === report: the compute ledger ================================================================================
+
+
+def write_ledger(directory: Path, arm: str, seed: int, row: dict, steps=range(1, 101)) -> Path:
+    """A cell's ledger.jsonl as a run writes it: one row per optimizer step, each `row` with its step."""
+    path = spec.run_dir(directory, arm, seed) / "ledger.jsonl"
+    return write(path, "".join(json.dumps({"step": k, **row}) + "\n" for k in steps))
+
+
+OPSD_ROW = {"generated_tokens": 96, "teacher_tokens": 150, "trained_tokens": 90, "step_s": 0.25, "rollout_s": 0.125,
+            "gpu_s": 0.5}  # fmt: skip
+
+
+def test_cell_ledger_sums_a_finished_cells_rows(tmp_path: Path) -> None:
+    write_ledger(tmp_path, "A", 1, OPSD_ROW)
+    totals, why = C.cell_ledger(tmp_path, "A", 1)
+    # 100 rows: 100 x each value; the phases (rollout_s) are not totalled.
+    assert why == ""
+    assert totals == {"generated_tokens": 9600.0, "teacher_tokens": 15000.0, "trained_tokens": 9000.0,
+                      "step_s": 25.0, "gpu_s": 50.0, "steps": 100.0}  # fmt: skip
+    # GPU-seconds only when every step has them (a CPU run books none).
+    rows = [{"step": k, **OPSD_ROW} for k in range(1, 101)]
+    del rows[49]["gpu_s"]
+    write(spec.run_dir(tmp_path, "A", 2) / "ledger.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    totals, _ = C.cell_ledger(tmp_path, "A", 2)
+    assert "gpu_s" not in totals and totals["step_s"] == 25.0
+    # A run from before the ledger has none.
+    assert C.cell_ledger(tmp_path, "A", 3) == (None, C.NO_LEDGER)
+    # A run started again from step 0 in the directory appends its rows: the last row of each step wins.
+    earlier = [{"step": k, **OPSD_ROW, "generated_tokens": 1000} for k in range(1, 61)]
+    write(
+        spec.run_dir(tmp_path, "A", 4) / "ledger.jsonl",
+        "".join(json.dumps(r) + "\n" for r in [*earlier, *rows]),
+    )
+    totals, _ = C.cell_ledger(tmp_path, "A", 4)
+    assert totals["generated_tokens"] == 9600.0 and totals["steps"] == 100.0
+
+
+def _ledger_lines(*rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+FULL = [{"step": k, **OPSD_ROW} for k in range(1, 101)]
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (_ledger_lines(*FULL[:4], "{not json", *FULL[5:]), "line 5 is not JSON"),
+        (_ledger_lines(*FULL[:99], {**FULL[99], "generated_tokens": -1}), "line 100 is not a ledger row"),
+        (_ledger_lines({**FULL[0], "teacher_tokens": "150"}, *FULL[1:]), "line 1 is not a ledger row"),
+        (_ledger_lines({**FULL[0], "step_s": float("inf")}, *FULL[1:]), "line 1 is not a ledger row"),
+        (_ledger_lines({**FULL[0], "gpu_s": 1e13}, *FULL[1:]), "line 1 is not a ledger row"),
+        (_ledger_lines({**FULL[0], "step": True}, *FULL[1:]), "line 1 is not a ledger row"),
+        (_ledger_lines([1, 2], *FULL[1:]), "line 1 is not a ledger row"),
+        (_ledger_lines(*FULL[:99]), "has no row for step(s) 100, not one for each step from 1 to 100"),
+        (_ledger_lines(*FULL[:49], FULL[48], *FULL[50:]), "has no row for step(s) 50, not one"),
+        (_ledger_lines(*FULL[7:]), "has no row for step(s) 1, 2, 3, 4, 5 and 2 more, not one"),
+        (_ledger_lines(*FULL, {**FULL[0], "step": 101}), "has rows for step(s) 101, not one"),
+        ("\ufffe".encode("utf-16").decode("latin-1"), "not UTF-8"),
+    ],
+)
+def test_a_damaged_ledger_gives_no_totals_and_the_report_says_why(
+    tmp_path: Path, text: str, named: str
+) -> None:
+    directory = experiment(tmp_path / "exp")
+    for seed in SEEDS:
+        write_ledger(directory, "A", seed, OPSD_ROW)
+    path = spec.run_dir(directory, "A", 2) / "ledger.jsonl"
+    path.write_bytes(text.encode("latin-1") if named == "not UTF-8" else text.encode())
+    totals, why = C.cell_ledger(directory, "A", 2)
+    assert totals is None and named in why and str(path) in why
+    result, _ = verdict.write(directory, reps=200)  # the report is written all the same
+    led = result["arms"]["A"]["ledger"]
+    assert led["seeds"] == [1, 3] and led["unavailable"] == {"2": why}
+    assert led["per_million_generated"] is None
+    assert led["per_million_why"] == "no ledger for seed(s) 2 of the comparison"
+    md = (directory / "report.md").read_text()
+    assert f"- **A**, seed 2: no ledger totals: {why}" in md
+    assert "| A | `opsd` | 2 of 3 | 0.0096 ± 0 | 0.0192 |" in md
+
+
+def test_a_ledger_that_is_a_directory_gives_no_totals(tmp_path: Path) -> None:
+    (spec.run_dir(tmp_path, "A", 1) / "ledger.jsonl").mkdir(parents=True)
+    totals, why = C.cell_ledger(tmp_path, "A", 1)
+    assert totals is None and "is a directory" in why
+
+
+def test_report_compute_ledger_per_arm(tmp_path: Path) -> None:
+    recipes = {"A": {"clip_mode": "rescale"}, "B": {"method": "grpo", "num_generations": "2"}}
+    directory = experiment(tmp_path / "exp", recipes=recipes)
+    without = verdict.build(directory, reps=500)
+    # A (opsd, 2 GPUs): 100 s x generated tokens per step, seeds 1, 2, 3: 10,000, 20,000, 30,000 in all.
+    for seed in SEEDS:
+        write_ledger(directory, "A", seed, {"generated_tokens": 100 * seed, "teacher_tokens": 150,
+                                            "trained_tokens": 90, "step_s": 0.36, "gpu_s": 0.72})  # fmt: skip
+    # B (grpo, a CPU run: no gpu_s): no teacher; seed 3 trained before the ledger.
+    for seed in (1, 2):
+        write_ledger(
+            directory,
+            "B",
+            seed,
+            {"generated_tokens": 400, "teacher_tokens": 0, "trained_tokens": 360, "step_s": 0.18},
+        )
+    result, _ = verdict.write(directory, reps=500)
+
+    # The verdict is the same with the ledger as without it.
+    for arm in ("A", "B"):
+        assert without["arms"][arm]["ledger"]["seeds"] == []
+        assert without["arms"][arm]["ledger"]["unavailable"] == {str(s): C.NO_LEDGER for s in SEEDS}
+        assert {k: v for k, v in result["arms"][arm].items() if k != "ledger"} == {
+            k: v for k, v in without["arms"][arm].items() if k != "ledger"
+        }
+    assert result["comparisons"] == without["comparisons"]
+
+    a = result["arms"]["A"]["ledger"]
+    assert a["method"] == "opsd" and a["seeds"] == [1, 2, 3] and a["unavailable"] == {}
+    assert a["per_seed"]["2"]["generated_tokens"] == 20000
+    assert a["total"] == pytest.approx({"generated_tokens": 60000, "teacher_tokens": 45000, "trained_tokens": 27000,
+                                        "step_s": 108, "gpu_s": 216})  # fmt: skip
+    assert a["mean"]["generated_tokens"] == 20000 and a["sd"]["generated_tokens"] == pytest.approx(10000)
+    # Per million generated tokens: the vs-base interval over 0.02 M tokens per seed (the mean over seeds 1-3).
+    # Accuracy vs base per seed: 25 - 8.33, 33.33 - 25, 25 - 0.
+    base_diffs = [50 / 3, 25 / 3, 25]
+    for name, diffs in (("accuracy", base_diffs),
+                        ("format rate", [points(BOXED["A", s]) - points(BOXED["base", s]) for s in SEEDS])):  # fmt: skip
+        pm = a["per_million_generated"][name]
+        est, low, high = t_interval(diffs)
+        assert (pm["estimate"], pm["low"], pm["high"]) == pytest.approx((est / 0.02, low / 0.02, high / 0.02))
+        assert pm["method"] == "seed-paired t" and pm["n_seeds"] == 3 and pm["seeds"] == [1, 2, 3]
+        assert pm["generated_m"] == pytest.approx(0.02) and pm["generated_m_sd"] == pytest.approx(0.01)
+    assert a["per_million_generated"]["accuracy"]["estimate"] == pytest.approx(50 / 3 / 0.02)  # 833.3
+
+    b = result["arms"]["B"]["ledger"]
+    assert b["method"] == "grpo" and b["seeds"] == [1, 2] and b["unavailable"] == {"3": C.NO_LEDGER}
+    assert b["total"] == pytest.approx({"generated_tokens": 80000, "teacher_tokens": 0, "trained_tokens": 72000,
+                                        "step_s": 36})  # fmt: skip
+    assert b["sd"]["generated_tokens"] == 0
+    assert b["per_million_generated"] is None
+    assert b["per_million_why"] == "no ledger for seed(s) 3 of the comparison"
+
+    md = (directory / "report.md").read_text()
+    assert "## Compute ledger" in md
+    # A: accuracy +833.3 [-201.7, +1,868.4] per M (t_interval([16.67, 8.33, 25]) = 16.67 [-4.03, +37.37], / 0.02).
+    est, low, high = (x / 0.02 for x in t_interval(base_diffs))
+    assert (round(est), round(low), round(high)) == (833, -202, 1868)
+    assert (
+        "| A | `opsd` | 3 of 3 | 0.02 ± 0.01 | 0.06 | 0.045 | 0.027 | 0.03 | 0.06 | +833 [-202, +1,868] |"
+        in md
+    )
+    assert "| B | `grpo` | 2 of 3 | 0.04 ± 0 | 0.08 | 0 | 0.072 | 0.01 | n/a (no GPU) | n/a | n/a |" in md
+    assert "- **B**, seed 3: no ledger totals: no ledger.jsonl (a run from before the compute ledger)" in md
+    assert "- **B**: no gain per million generated tokens: no ledger for seed(s) 3 of the comparison" in md
+    assert "the token count is treated as fixed" in md
+    assert json.loads((directory / "summary.json").read_text())["arms"]["A"]["ledger"] == json.loads(
+        json.dumps(a)
+    )
+
+
+def test_report_compute_ledger_with_one_seed_or_no_base(tmp_path: Path) -> None:
+    # One seed: the vs-base interval is the paired t over problems, divided alike.
+    one = experiment(tmp_path / "one", seeds=(1,))
+    write_ledger(
+        one, "A", 1, {"generated_tokens": 50, "teacher_tokens": 10, "trained_tokens": 40, "step_s": 1.0}
+    )
+    result = verdict.build(one, reps=200)
+    led = result["arms"]["A"]["ledger"]
+    # Per problem of seed 1, A - base: 100 x (1/4 - 0, 1/2 - 1/4, 0 - 0) = 25, 25, 0; over 5,000 tokens.
+    per_problem = [
+        100 * (mean(a) - mean(b)) for a, b in zip(CORRECT["A", 1], CORRECT["base", 1], strict=True)
+    ]
+    assert per_problem == pytest.approx([25, 25, 0])
+    pm = led["per_million_generated"]["accuracy"]
+    assert pm["method"] == "paired t over problems" and pm["n_seeds"] == 1 and pm["generated_m_sd"] is None
+    est, low, high = t_interval(per_problem)
+    assert (pm["estimate"], pm["low"], pm["high"]) == pytest.approx((est / 0.005, low / 0.005, high / 0.005))
+    assert led["sd"]["generated_tokens"] is None
+    md = verdict.markdown(result)
+    assert "| A | `opsd` | 1 of 1 | 0.005 | 0.005 | 0.001 | 0.004 | 0.0278 | n/a (no GPU) | +3,333 [" in md
+    # B has no ledger: n/a throughout, and no note on the gain (there is no ledger to note it against).
+    assert "| B | `opsd` | 0 of 1 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in md
+    assert "- **B**: no gain" not in md
+    # No base model scored: the totals stand, the gain per million is n/a.
+    nobase = experiment(tmp_path / "nobase", seeds=(1,), base=False)
+    write_ledger(
+        nobase, "A", 1, {"generated_tokens": 50, "teacher_tokens": 10, "trained_tokens": 40, "step_s": 1.0}
+    )
+    led = verdict.build(nobase, reps=200)["arms"]["A"]["ledger"]
+    assert led["total"]["generated_tokens"] == 5000 and led["per_million_generated"] is None
+    assert led["per_million_why"] == "no evaluation against the base model yet"
+
+
+def test_bench_rl_preset_arms_differ_by_the_method_alone() -> None:
+    """bench/experiment_run.py --preset rl: the study's baseline recipe under each method, on the full profile
+    (the other presets'); the arms differ only by the method's own keys; every preset's flags parse as
+    `python -m opsd.experiment`'s."""
+    import experiment_run
+
+    a = commands.parse(experiment_run.rl_flags())
+    assert (a.profile, a.model, a.dataset, a.seeds, a.recipe) == (
+        "full",
+        "embedded",
+        "builtin:easy",
+        "42,43,44",
+        "",
+    )
+    arms = {arm.name: arm.recipe for arm in (parse_arm(text, None) for text in a.arm)}
+    assert list(arms) == ["opsd", "grpo", "hybrid"]
+    assert arms["grpo"] == {
+        **{k: v for k, v in arms["opsd"].items() if k != "clip_mode"}, "method": "grpo", "num_generations": "4",
+    }  # fmt: skip
+    assert arms["hybrid"] == {**arms["opsd"], "method": "hybrid", "num_generations": "4", "sd_weight": "1.0"}
+    assert arms["opsd"]["clip_mode"] == "rescale" and arms["opsd"]["vllm_gpu_memory_utilization"] == "0.12"
+    for flags in experiment_run.PRESETS.values():
+        commands.parse(flags)
+
+
+def test_report_gpu_hours_only_when_every_run_had_a_gpu(tmp_path: Path) -> None:
+    directory = experiment(tmp_path / "exp", seeds=(1, 2))
+    row = {"generated_tokens": 50, "teacher_tokens": 10, "trained_tokens": 40, "step_s": 1.8}
+    write_ledger(directory, "A", 1, {**row, "gpu_s": 3.6})  # 360 GPU-seconds: 0.1 GPU-hours
+    write_ledger(directory, "A", 2, {**row, "gpu_s": 7.2})
+    write_ledger(directory, "B", 1, {**row, "gpu_s": 3.6})
+    write_ledger(directory, "B", 2, row)  # this run had no GPU
+    result = verdict.build(directory, reps=200)
+    assert result["arms"]["A"]["ledger"]["total"]["gpu_s"] == pytest.approx(1080)
+    assert "gpu_s" not in result["arms"]["B"]["ledger"]["total"]
+    md = verdict.markdown(result)
+    assert "| A | `opsd` | 2 of 2 | 0.005 ± 0 | 0.01 | 0.002 | 0.008 | 0.1 | 0.3 |" in md
+    assert (
+        "| B | `opsd` | 2 of 2 | 0.005 ± 0 | 0.01 | 0.002 | 0.008 | 0.1 | n/a (not every run had a GPU) |"
+        in md
+    )
