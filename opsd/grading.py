@@ -22,6 +22,11 @@ Correctness (`is_correct`): math-verify first (symbolic and numeric equivalence,
 match), then a string/number fallback on `normalize_answer` for what math-verify cannot parse or
 times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side.
 
+Grouping by value (`answer_key`, `answer_keys`): one hashable key per answer, equal where `is_correct` calls
+two answers equal in the usual forms, so a table of answers is grouped in one pass instead of comparing pairs
+(the teacher pairing's derangement, opsd.method.pairing). Plain numbers are keyed by exact arithmetic; other
+answers by math-verify's parse, without a timeout, so every process computes the same keys.
+
 Degenerate answers stay cheap and quiet. An answer longer than `MAX_VERIFY_CHARS` (no AIME answer is;
 math-verify is slow on a huge expression and logs it whole: docs/decisions.md) is graded by the string
 fallback only, and `grade` says so (`grader: "string (long answer)"`; `summary.json` counts them).
@@ -32,10 +37,12 @@ same timeout, killed if it overruns, so a nested power such as ``9^{9^{9^{9}}}``
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
 import threading
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -236,6 +243,12 @@ def _as_number(s: str) -> Fraction | None:
         return None
 
 
+def exact_value(answer: str) -> Fraction | None:
+    r"""The exact value of an answer that is a plain number, ``a/b`` or ``\frac{a}{b}`` after `normalize_answer`
+    (``1,000``, ``3.50``, ``x = 5``, ``50\%`` too), else None."""
+    return _as_number(normalize_answer(answer))
+
+
 def fallback_equal(predicted: str, gold: str) -> bool:
     """Equality of normalised strings, or of their exact numeric values when both are numbers."""
     p, g = normalize_answer(predicted), normalize_answer(gold)
@@ -340,6 +353,157 @@ def is_correct(predicted: str | None, gold: str, timeout_s: float = 5.0) -> bool
     if grader_for(predicted) == GRADER_VERIFY and math_verify_equal(predicted, gold, timeout_s):
         return True
     return fallback_equal(predicted, gold)
+
+
+# --- one canonical key per answer (grouping by value without comparing pairs) --------------------------------
+
+# Answers longer than this are keyed by their normalised text alone (math-verify is not asked to parse them).
+MAX_KEY_PARSE_CHARS = 200
+# A power's exponent in an answer evaluated for its key is at most this (in magnitude) and holds no other power.
+_MAX_KEY_EXPONENT = 1000
+# A numeric value this close to a fraction with a denominator up to `_KEY_DENOMINATOR` is that fraction.
+_KEY_DENOMINATOR = 10**6
+_KEY_PRECISION = 30
+_KEY_MAX_DIGITS = 1000
+_NEEDS_PARSE = "parse"
+# Parsing evaluates a binomial or a factorial of integers exactly: with a 5-digit integer that can take minutes.
+_COMBINATORIAL = re.compile(r"!|binom|choose")
+_LONG_NUMBER = re.compile(r"\d{5}")
+
+
+def answer_key(answer: Any) -> tuple | None:
+    r"""A hashable key of an answer's value, equal for answers the grader (`is_correct`) calls equal in the usual
+    forms; None for an empty answer. Keying each answer once groups a table by value without comparing pairs.
+
+    1. The grader's fallback: `normalize_answer`, then the exact value of a plain number, ``a/b`` or
+       ``\frac{a}{b}`` (``("value", Fraction)``): ``3.5``/``3.50``/``7/2``, ``0.5``/``\frac{1}{2}`` and
+       ``1000``/``1,000`` share a key, as `fallback_equal` says. Microseconds per answer.
+    2. Any other answer (up to `MAX_KEY_PARSE_CHARS` characters) is parsed by math-verify, the grader's parser,
+       without a timeout (so the key is the same on every process and every run): a number is evaluated to 30
+       digits, unless a power tower or a huge exponent makes that unsafe, and keyed by its exact value when it is
+       a fraction (``2^{10}`` is ``1024``) or by 12 significant digits otherwise (``\sqrt{8}`` and ``2\sqrt{2}``);
+       anything else (an expression, a set, an interval) by sympy's printing of the parse (``x+1`` and ``1+x``).
+       A few milliseconds per answer (math-verify's LaTeX parser).
+    3. What math-verify cannot parse keeps its normalised text (``("text", ...)``).
+    """
+    first = _plain_key(answer)
+    return _parsed_key(first[1]) if first[0] == _NEEDS_PARSE else first[1]
+
+
+def answer_keys(answers: Any) -> list[tuple | None]:
+    """`answer_key` of each answer, each distinct text keyed once (and math-verify's parse of one text cached for
+    the process). Plain numbers cost microseconds; each distinct other answer a few milliseconds of math-verify's
+    LaTeX parser (about 6 ms on one CPU core), which is logged when it adds up to over a second."""
+    start = time.perf_counter()
+    first: dict[str, tuple] = {}
+    for answer in answers:
+        text = "" if answer is None else str(answer).strip()
+        if text not in first:
+            first[text] = _plain_key(text)
+    keys = {text: _parsed_key(key) if kind == _NEEDS_PARSE else key for text, (kind, key) in first.items()}
+    seconds = time.perf_counter() - start
+    if seconds > 1:
+        parsed = sum(kind == _NEEDS_PARSE for kind, _ in first.values())
+        logger.info(
+            "answers keyed by value in %.1f s: %d distinct, %d of them parsed by math-verify",
+            seconds,
+            len(first),
+            parsed,
+        )
+    return [keys["" if answer is None else str(answer).strip()] for answer in answers]
+
+
+def _plain_key(answer: Any) -> tuple[str, Any]:
+    """Step 1 of `answer_key`: ("key", the key) when it decides, else (`_NEEDS_PARSE`, the answer's text)."""
+    text = "" if answer is None else str(answer).strip()
+    if not text:
+        return ("key", None)
+    value = exact_value(text)
+    if value is not None:
+        return ("key", ("value", value))
+    if len(text) > MAX_KEY_PARSE_CHARS:
+        return ("key", ("text", normalize_answer(text) or text))
+    return (_NEEDS_PARSE, text)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parsed_key(text: str) -> tuple:
+    """Steps 2 and 3 of `answer_key` for a stripped, non-empty answer that is not a plain number."""
+    fallback = ("text", normalize_answer(text) or text)
+    if _COMBINATORIAL.search(text) and _LONG_NUMBER.search(text):
+        return fallback  # the parse itself would compute \binom{10^6}{5 \cdot 10^5} exactly (a minute)
+    try:
+        import sympy
+        from math_verify import parse
+    except ImportError:  # pragma: no cover - math-verify is a core dependency
+        return fallback
+    _quiet_math_verify()
+    try:
+        parsed = parse(f"\\boxed{{{text}}}", parsing_timeout=None)
+    except Exception:
+        return fallback
+    expr = parsed[0] if parsed else None
+    if not isinstance(expr, sympy.Basic):
+        return fallback
+    if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol):  # `x = ...` is its right-hand side
+        expr = expr.rhs
+    try:
+        if expr.is_number and _safe_to_evaluate(expr, sympy):
+            number = _numeric_key(expr, sympy)
+            if number is not None:
+                return number
+        return ("expr", str(expr))
+    except (
+        Exception
+    ):  # e.g. an integer too long to print (\binom{10^6}{5 \cdot 10^5} is computed by the parse)
+        return fallback
+
+
+def _safe_to_evaluate(expr, sympy) -> bool:
+    """Whether evaluating `expr` numerically is quick: every power's exponent is small and holds no power of
+    its own (``9^{9^{9^9}}`` would be evaluated exactly, without end)."""
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Pow):
+            exponent = node.exp
+            if exponent.is_Rational:
+                if abs(exponent) > _MAX_KEY_EXPONENT:
+                    return False
+            elif any(
+                isinstance(inner, sympy.Pow) and inner.exp != -1 or isinstance(inner, sympy.Function)
+                for inner in sympy.preorder_traversal(exponent)
+            ):
+                return False
+            elif any(
+                n.is_Rational and abs(n) > _MAX_KEY_EXPONENT for n in sympy.preorder_traversal(exponent)
+            ):
+                return False
+    return True
+
+
+def _numeric_key(expr, sympy) -> tuple | None:
+    """A number's key: its exact value when it is a fraction (to 20 decimals, evaluated with as many digits as its
+    integer part needs), else its real and imaginary parts to 12 significant digits (so for any number of more
+    than `_KEY_MAX_DIGITS` digits); None when it is not finite."""
+    try:
+        parts = [sympy.Float(part) for part in expr.evalf(_KEY_PRECISION).as_real_imag()]
+        if not all(part.is_finite for part in parts):
+            return None
+        magnitude = max(abs(part) for part in parts)
+        if magnitude >= sympy.Float(10) ** (_KEY_MAX_DIGITS - 25):
+            return ("number", *(str(sympy.Float(part, 12)) for part in parts))
+        precision = len(str(int(magnitude))) + 25  # 20 decimals and a margin
+        if precision > _KEY_PRECISION:
+            parts = [sympy.Float(part) for part in expr.evalf(precision).as_real_imag()]
+    except (TypeError, ValueError, ArithmeticError):
+        return None
+    keys: list[Any] = []
+    for part in parts:
+        value = Fraction(str(part))
+        exact = value.limit_denominator(_KEY_DENOMINATOR)
+        keys.append(exact if abs(value - exact) <= Fraction(1, 10**20) else str(sympy.Float(part, 12)))
+    if keys[1] == 0 and isinstance(keys[0], Fraction):
+        return ("value", keys[0])
+    return ("number", *(str(k) for k in keys))
 
 
 def grade(text: str, gold: str, timeout_s: float = 5.0) -> dict[str, Any]:

@@ -215,8 +215,10 @@ class OPSDConfig(SDFTConfig):
     teacher_ref_fraction: float = field(
         default=1.0,
         metadata=_help(
-            "The teacher sees the first ceil(f x n) of the reference's n tokens (the model's tokenizer), after "
-            "teacher_ref_max_chars; 1 = all of it. The cut is logged once with an example."
+            "The teacher sees the first ceil(f x n) of the reference's n tokens (the model's tokenizer), at least "
+            "one whole character, after teacher_ref_max_chars; 1 = all of it. The cut is logged once with an "
+            "example. Below 1 it is refused with teacher_contrast=wrong_answer (the cut would drop the answer "
+            "from both hints)."
         ),
     )
     teacher_contrast: str = field(

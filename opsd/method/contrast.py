@@ -5,10 +5,15 @@ the identical template, so that what both hints change alike (the style of a hin
 column of the trainer's table (`contrast_context`), made at load time beside `privileged_context`:
 
 - `shuffled`: another problem's reference, by a fixed derangement of the table drawn from the run's `seed` (its own
-  stream, not the one of `teacher_ref_pairing=shuffled`) that never pairs two rows with the same `Answer`.
+  stream, not the one of `teacher_ref_pairing=shuffled`) that never pairs two rows whose `Answer` has the same
+  value by the grader's equivalence (`opsd.method.pairing.answer_groups`: `3.5` is `3.50`, `0.5` is `1/2`).
 - `wrong_answer`: the problem's own reference with its final answer replaced by another value of the same kind
   (`wrong_reference`). Rows whose answer cannot be replaced keep c~ = c, which gives them no signal; they are
-  counted and logged, and a table where no row can be replaced is refused.
+  counted and logged, and a table where no row can be replaced is refused. A reference cut by
+  `teacher_ref_max_chars` before its boxed answer is such a row. Results stated as the answer's value (`= 14`)
+  are replaced with it; wrong hints that still mention that value elsewhere are counted and logged. It is
+  refused with `teacher_ref_fraction` < 1 (the cut would most often remove the answer from both hints:
+  opsd.configuration.checks.ranges).
 
 The column is built from each row's own reference and answer, before the teacher pairing: a shuffled pairing
 then moves c and c~ together, so a teacher reading another problem's reference is contrasted with that
@@ -21,11 +26,14 @@ import logging
 import random
 import re
 from collections.abc import Sequence
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from opsd.errors import InvalidValue
-from opsd.grading import box_spans
+from opsd.grading import box_spans, exact_value
 from opsd.method.pairing import answer_groups, derangement
+from opsd.method.prompts import TRUNCATION_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,13 @@ _TEX_FRACTION = re.compile(r"(-?)\\([dt]?frac)\{(\d+)\}\{(\d+)\}")
 # A number inside other digits, a decimal point or a fraction bar is not a standalone occurrence of it.
 _NOT_BEFORE = r"(?<![\d.\w/])"
 _NOT_AFTER = r"(?![\d\w/]|\.\d)"
+# What precedes a number stated as a result: an equals sign, then spaces or a `$`.
+_RESULT = re.compile(r"(?<![<>!=])=[\s$]*\Z")
+# A standalone number as a reference writes it: `\frac{a}{b}`, `a/b`, a decimal, an integer (`1,000` too).
+_MENTION = re.compile(
+    _NOT_BEFORE + r"(?P<sign>-)?(?:\\[dt]?frac\{(?P<num>\d+)\}\{(?P<den>\d+)\}"
+    r"|(?P<int>\d{1,3}(?:,\d{3})+|\d+)(?:\.(?P<dec>\d+))?(?:/(?P<bar>\d+))?)" + _NOT_AFTER
+)
 
 
 def _offset(rng: random.Random) -> int:
@@ -54,7 +69,11 @@ def wrong_value(answer: str, rng: random.Random) -> str | None:
         return str(other)
     if _DECIMAL.fullmatch(text):
         places = len(text.split(".")[1])
-        return f"{float(text) + _offset(rng):.{places}f}"
+        d = Decimal(text)
+        other = d + _offset(rng)
+        if d >= 0 and other < 0:  # a non-negative value stays non-negative, as an integer does
+            other = d + abs(other - d)
+        return f"{other:.{places}f}"
     for pattern, numerator in ((_SLASH_FRACTION, 2), (_TEX_FRACTION, 3)):
         m = pattern.fullmatch(text)
         if m:
@@ -66,26 +85,69 @@ def wrong_value(answer: str, rng: random.Random) -> str | None:
     return None
 
 
+def lost_final_answer(reference: str, answer: str) -> bool:
+    """Whether `reference` was cut to `teacher_ref_max_chars` (it ends with the truncation mark) before any complete
+    box stating `answer`: the final answer is then gone, whatever numbers remain in the text."""
+    if not reference.endswith(TRUNCATION_MARK):
+        return False
+    gold = str(answer).strip()
+    return not any(s is not None and reference[slice(*s)] == gold for s in box_spans(reference))
+
+
+def answer_mentions(text: str, answer: str, *, results_only: bool = False) -> list[tuple[int, int]]:
+    """The spans of the standalone numbers in `text` (integers, with or without thousands separators, decimals,
+    `a/b`, `\\frac{a}{b}`) whose value is `answer`'s (none for an answer that is no such number). With
+    `results_only`, only those stated as a result: right after an `=` (`x = 28 / 2 = 14`)."""
+    gold = exact_value(str(answer))
+    if gold is None:
+        return []
+    found = []
+    for m in _MENTION.finditer(text):
+        if _mention_value(m) == gold and (
+            not results_only or _RESULT.search(text, max(m.start() - 16, 0), m.start())
+        ):
+            found.append(m.span())
+    return found
+
+
+def _mention_value(m: re.Match) -> Fraction:
+    sign = -1 if m.group("sign") else 1
+    if m.group("num") is not None:
+        return sign * Fraction(int(m.group("num")), max(int(m.group("den")), 1))
+    value = Fraction(m.group("int").replace(",", "") + (f".{m.group('dec')}" if m.group("dec") else ""))
+    if m.group("bar") is not None:
+        value /= max(int(m.group("bar")), 1)
+    return sign * value
+
+
 def wrong_reference(reference: str, answer: str, rng: random.Random) -> str | None:
     """`reference` with its final answer replaced by another value of the same kind (`wrong_value`), or None.
 
     The final answer is where the reference states it: every complete box whose content is the answer; in a
     reference without such a box, the last standalone occurrence of the answer (not inside a longer number).
-    The rest of the text is left as it is, so c and c~ differ only there. None when the answer cannot be
-    replaced in kind or does not occur."""
+    Every result stated as the answer's value (`= 14`, `= 14.0`: `answer_mentions`) is replaced too, so the wrong
+    hint does not give the true answer one line above its box. Other occurrences of the value (an operand, a
+    count in prose) are left as they are: they may be unrelated numbers that happen to be equal, and they are
+    counted by `contrast_references`. None when the answer cannot be replaced in kind or does not occur, and
+    when the reference was cut (`teacher_ref_max_chars`: it ends with the truncation mark) before any box
+    stating it: its last occurrence is then a number in mid-text, not the final answer, which was cut off."""
     gold = str(answer).strip()
     other = wrong_value(gold, rng) if gold else None
     if other is None:
         return None
     spans = [s for s in box_spans(reference) if s is not None and reference[slice(*s)] == gold]
     if not spans:
+        if lost_final_answer(reference, gold):
+            return None
         pattern = re.compile(_NOT_BEFORE + re.escape(gold) + _NOT_AFTER)
         found = list(pattern.finditer(reference))
         if not found:
             return None
         spans = [found[-1].span()]
     out, last = [], 0
-    for start, end in spans:
+    for start, end in sorted(set(spans) | set(answer_mentions(reference, gold, results_only=True))):
+        if start < last:  # inside a span already replaced
+            continue
         out += [reference[last:start], other]
         last = end
     return "".join(out) + reference[last:]
@@ -96,34 +158,62 @@ def contrast_references(
 ) -> tuple[list[str], dict[str, Any]]:
     """The wrong hint of each row (from its own reference and answer) and a summary to log: (c~ per row, record).
 
+    For `wrong_answer` the record counts the rows left without a wrong hint (`unreplaced_rows`; of them,
+    `answer_cut_off_rows` lost their final answer to `teacher_ref_max_chars`) and the wrong hints that still
+    mention the true answer's value elsewhere in the text (`hints_mentioning_answer`: the edit replaces the
+    final answer and the results equal to it, not an operand or a number in prose that equals it), each logged
+    as a warning when not zero.
+
     Raises InvalidValue when `wrong_answer` can replace no row's answer, or `shuffled` cannot pair rows."""
     n = len(references)
     if mode == "shuffled":
         perm = derangement(n, seed, answer_groups(answers), switch="teacher_contrast")
         return [references[j] for j in perm], {"teacher_contrast": mode, "rows": n}
-    wrong, unreplaced = [], []
+    wrong, unreplaced, cut_off, mentioning = [], [], 0, 0
     for i, (ref, ans) in enumerate(zip(references, answers, strict=True)):
         rng = random.Random(f"wrong_answer:{seed}:{i}")
-        w = wrong_reference(ref, "" if ans is None else str(ans), rng)
+        gold = "" if ans is None else str(ans)
+        w = wrong_reference(ref, gold, rng)
         if w is None:
             unreplaced.append(i)
+            cut_off += bool(gold.strip()) and lost_final_answer(ref, gold)
+        elif answer_mentions(w, gold):
+            mentioning += 1
         wrong.append(ref if w is None else w)
     if len(unreplaced) == n:
         shown = str(answers[0])[:40] if n else ""
         raise InvalidValue(
             f"teacher_contrast=wrong_answer could replace the final answer in none of the {n} references (an "
-            f"integer, a decimal or a fraction stated in the reference is needed; e.g. Answer {shown!r}); use "
-            "teacher_contrast=shuffled, or data whose Answer column holds such values"
+            f"integer, a decimal or a fraction stated in the reference is needed, and a reference cut by "
+            f"teacher_ref_max_chars must keep its boxed answer; e.g. Answer {shown!r}); use "
+            "teacher_contrast=shuffled, a larger teacher_ref_max_chars, or data whose Answer column holds such values"
         )
-    record = {"teacher_contrast": mode, "rows": n, "unreplaced_rows": len(unreplaced)}
+    record = {
+        "teacher_contrast": mode,
+        "rows": n,
+        "unreplaced_rows": len(unreplaced),
+        "answer_cut_off_rows": cut_off,
+        "hints_mentioning_answer": mentioning,
+    }
     if unreplaced:
         logger.warning(
-            "teacher_contrast=wrong_answer: %d of %d rows keep their own reference as the wrong hint (their "
-            "answer is not a number or fraction stated in the reference), so they add no contrastive signal",
+            "teacher_contrast=wrong_answer: %d of %d rows keep their own reference as the wrong hint (%d lost their "
+            "final answer to teacher_ref_max_chars; the others' answer is not a number or fraction stated in the "
+            "reference), so they add no contrastive signal",
             len(unreplaced),
             n,
+            cut_off,
         )
-    first = next(i for i in range(n) if i not in set(unreplaced))
+    if mentioning:
+        logger.warning(
+            "teacher_contrast=wrong_answer: %d of %d wrong hints still mention the true answer's value outside the "
+            "replaced answer and results (an operand or a number in prose equal to it), so c~ does not hide it "
+            "entirely",
+            mentioning,
+            n - len(unreplaced),
+        )
+    skipped = set(unreplaced)
+    first = next(i for i in range(n) if i not in skipped)
     logger.info(
         "teacher_contrast=wrong_answer: e.g. answer %r -> reference ending %r",
         str(answers[first]),

@@ -2,10 +2,11 @@
 
 - `matched` (published): its own. The training table is left exactly as it is.
 - `shuffled`: another problem's, by a fixed derangement of the training table drawn from the run's `seed`
-  (`derangement`): no row keeps its own reference, and no row gets the reference of a row with the same
-  `Answer`, so no teacher is handed its own problem's answer. It is drawn once, over the whole training
-  table after the data filter and before the probe hold-out and any split over processes, so it depends on
-  (seed, table) only: every process and every resume of a run draws the same one.
+  (`derangement`): no row keeps its own reference, and no row gets the reference of a row whose `Answer` has the
+  same value by the grader's equivalence (`answer_groups`: `3.5` is `3.50`, `0.5` is `1/2`), so no teacher is
+  handed its own problem's answer. It is drawn once, over the whole training table after the data filter and
+  before the probe hold-out and any split over processes, so it depends on (seed, table) only: every process
+  and every resume of a run draws the same one.
 - `empty`: an empty reference. The teacher prompt keeps its instruction and the BEGIN/END markers, so it
   differs from the student prompt only in that framing.
 
@@ -25,10 +26,12 @@ import json
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opsd.configuration.checks.choices import check_choice
 from opsd.errors import InvalidValue
+from opsd.grading import answer_keys
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -39,8 +42,9 @@ CONTRAST_COLUMN = "contrast_context"
 _RANDOM_TRIES = 64
 RULE = (
     "row i's teacher reads the reference of row reference_of[i]; rows are the training table after the data "
-    "filter, in order, before the probe hold-out; a derangement that never pairs two rows with the same "
-    "Answer, drawn by opsd.method.pairing.derangement(rows, seed, answers)"
+    "filter, in order, before the probe hold-out; a derangement that never pairs two rows whose Answer has the "
+    "same value (opsd.grading.answer_key), drawn by opsd.method.pairing.derangement(rows, seed, "
+    "answer_groups(answers))"
 )
 
 
@@ -95,13 +99,27 @@ def _candidates(rng: random.Random, n: int):
     yield from rng.sample(range(n), n)
 
 
+@dataclass(frozen=True)
+class AnswerGroup:
+    """The rows whose answers have one value (`opsd.grading.answer_key`); shown as the first such answer's text."""
+
+    key: tuple
+    text: str = field(compare=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def answer_groups(answers: Sequence[Any]) -> list[Any]:
-    """The pairing's group of each row: its answer as text, or the row alone (a tuple) when it has none."""
-    keys: list[Any] = []
-    for i, answer in enumerate(answers):
-        text = "" if answer is None else str(answer).strip()
-        keys.append(text if text else ("row", i))
-    return keys
+    """The pairing's group of each row: its answer's value by the grader's equivalence (`AnswerGroup`, so `3.5` and
+    `3.50`, `0.5` and `1/2`, `1000` and `1,000` are one group), or the row alone (a tuple) when it has none.
+
+    Each distinct answer text is keyed once (`opsd.grading.answer_keys`: exact arithmetic for numbers,
+    math-verify's parse for the rest), so a table is grouped in one pass, never by comparing pairs."""
+    groups: list[Any] = []
+    for i, (answer, key) in enumerate(zip(answers, answer_keys(answers), strict=True)):
+        groups.append(("row", i) if key is None else AnswerGroup(key, str(answer).strip()))
+    return groups
 
 
 def _digest(value: Any) -> str:

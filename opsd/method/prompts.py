@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.configuration.checks.choices import REFERENCE_COLUMNS
+from opsd.configuration.checks.ranges import REFERENCE_FRACTION_DECIMALS
 from opsd.errors import InvalidValue, UnsupportedModel
 from opsd.paths import PROMPT_FILE, read_text
 
@@ -178,15 +179,20 @@ class PromptBuilder:
 
     def reference_prefix(self, reference: str) -> str:
         """The first ceil(f x n) of the reference's n tokens (f = `reference_fraction`), cut on a token boundary of
-        the model's tokenizer and decoded; the whole reference when f = 1. The first cut is logged with its
-        example."""
+        the model's tokenizer and decoded; the whole reference when f = 1. The cut keeps at least one whole
+        character: where the first tokens are only part of one (a CJK character or an emoji is several byte
+        tokens), it takes as many more as that character needs. The first cut is logged with its example."""
         f = self.reference_fraction
         if f >= 1 or not reference:
             return reference
         ids = self.tokenizer(reference, add_special_tokens=False)["input_ids"]
-        keep = math.ceil(round(f * len(ids), 9))  # round: 0.3 x 10 is 3.0000000000000004 in floating point
+        # round: 0.3 x 10 is 3.0000000000000004 in floating point (the range of f keeps f x n from rounding to 0).
+        keep = max(math.ceil(round(f * len(ids), REFERENCE_FRACTION_DECIMALS)), 1)
         # A cut inside a multi-byte character decodes to U+FFFD; drop it so the text stays a prefix.
         cut = self.tokenizer.decode(ids[:keep]).rstrip("\ufffd")
+        while not cut and keep < len(ids):  # a floor of one whole character
+            keep += 1
+            cut = self.tokenizer.decode(ids[:keep]).rstrip("\ufffd")
         if not self._cut_logged:
             self._cut_logged = True
             logger.info(

@@ -60,7 +60,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "ema_decay": (0.99, 0.999999, 1.0),
     "teacher_sync_steps": (2, 1, 0),
     "teacher_ref_max_chars": (100, 0, -1),
-    "teacher_ref_fraction": (0.5, 1.0, 0.0),
+    "teacher_ref_fraction": (0.5, 1e-9, 1e-12),  # below 1e-9, f x n rounds to no token (1.0: the default)
     "contrast_weight": (0.5, 0.0, -0.5),
     "sd_weight": (0.5, 0.0, -0.5),
     "fixed_advantage": (-0.5, -1e-6, 0.0),  # zero would be no control at all, a positive one its opposite

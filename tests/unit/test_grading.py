@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import pytest
 
@@ -465,3 +466,68 @@ def test_the_work_count_sees_quadratic_extraction() -> None:
         make, _ = ADVERSARIAL[shape]
         once, twice = work_of(_old_extract_boxed, make(100)), work_of(_old_extract_boxed, make(200))
         assert twice.total / once.total > 3.5, f"{shape}: {once} -> {twice}"
+
+
+# --- answer_key: one key per answer, equal where the grader calls answers equal -------------------------------
+
+KEY_PAIRS = [
+    ("3.5", "3.50", True),
+    ("0.5", "1/2", True),
+    ("0.5", "\\frac{1}{2}", True),
+    ("-0.5", "-\\dfrac{1}{2}", True),
+    ("1000", "1,000", True),
+    ("x = 5", "5", True),
+    ("50\\%", "50", True),
+    ("2^{10}", "1024", True),
+    ("\\sqrt{8}", "2\\sqrt{2}", True),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", True),
+    ("\\pi/2", "\\frac{\\pi}{2}", True),
+    ("x+1", "1+x", True),
+    ("\\{1,2\\}", "\\{2,1\\}", True),
+    ("3", "4", False),
+    ("1234567890123", "1234567890124", False),
+    ("\\sqrt{2}", "\\sqrt{3}", False),
+    ("3.14159", "\\pi", False),
+    ("\\infty", "-\\infty", False),
+    ("x+1", "x+2", False),
+    ("\\binom{10}{3}", "120", True),
+]
+
+
+@pytest.mark.parametrize(("a", "b", "equal"), KEY_PAIRS)
+def test_answer_key_is_equal_exactly_where_the_grader_says_equal(a: str, b: str, equal: bool) -> None:
+    assert is_correct(a, b) == equal
+    assert (grading.answer_key(a) == grading.answer_key(b)) == equal
+    assert grading.answer_keys([a, b, a]) == [
+        grading.answer_key(a),
+        grading.answer_key(b),
+        grading.answer_key(a),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("9^{9^{9^{9}}}", "9^{9^{9^{8}}}"),  # a tower is keyed by its parse, never evaluated
+        ("\\binom{1000000}{500000}", "\\binom{1000000}{499999}"),  # not parsed: the parse would compute it
+        ("1000000!", "999999!"),
+    ],
+)
+def test_answer_key_of_a_huge_value_is_quick_and_distinct(a: str, b: str) -> None:
+    """math-verify's grader times these out (`is_correct` takes its timeout); the key must not hang."""
+    assert grading.answer_key(a) != grading.answer_key(b)
+
+
+def test_answer_keys_of_plain_numbers_need_no_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table of 29k numeric answers is keyed by exact arithmetic alone; math-verify parses each other distinct
+    answer once."""
+
+    def refuse(text: str) -> tuple:
+        raise AssertionError(f"parsed {text!r}")
+
+    monkeypatch.setattr(grading, "_parsed_key", refuse)
+    answers = [str(i % 997) for i in range(29000)] + ["1,000", "2.50", "\\frac{3}{4}", "", None]
+    keys = grading.answer_keys(answers)
+    assert keys[-2:] == [None, None] and keys[-5] == ("value", Fraction(1000))
+    assert keys[-4] == ("value", Fraction(5, 2)) and keys[-3] == ("value", Fraction(3, 4))
+    assert len(set(keys[:29000])) == 997

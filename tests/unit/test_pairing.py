@@ -12,7 +12,9 @@ import pytest
 from datasets import Dataset
 
 from opsd.errors import InvalidValue
-from opsd.method.pairing import apply_pairing, derangement
+from opsd.grading import is_correct
+from opsd.method.contrast import contrast_references
+from opsd.method.pairing import answer_groups, apply_pairing, derangement
 from opsd.method.prompts import TEACHER_TEMPLATE, TRUNCATION_MARK, PromptBuilder
 from opsd.run.resume import ALLOW_FLAG
 from opsd.run.resume import check_saved_pairing as check_saved
@@ -68,6 +70,33 @@ def test_a_group_over_half_the_rows_is_refused():
     message = str(info.value)
     assert "\n" not in message and "answer '7' is shared by 3 of 5 training rows" in message
     assert "teacher_ref_pairing=empty" in message
+
+
+# Answers that differ as text and are one value for the grader (opsd.grading.is_correct).
+SAME_VALUE = ["3.5", "3.50", "0.5", "1/2", "1000", "1,000", "\\sqrt{8}", "2\\sqrt{2}", "x+1", "1+x"]
+
+
+def test_answers_of_one_value_are_never_paired():
+    """Raw strings called `3.5` and `3.50` different answers: a row could read the reference of its own answer."""
+    groups = answer_groups(SAME_VALUE)
+    assert len(set(groups)) == 5
+    for seed in range(60):
+        perm = derangement(len(SAME_VALUE), seed, groups)
+        assert not any(is_correct(SAME_VALUE[perm[i]], SAME_VALUE[i]) for i in range(len(perm))), seed
+    refs = [f"reference {i}: \\boxed{{{a}}}" for i, a in enumerate(SAME_VALUE)]
+    ds = Dataset.from_dict({"prompt": [f"p{i}" for i in range(len(refs))], "privileged_context": refs})
+    for seed in range(20):
+        _, record = apply_pairing(ds, "shuffled", seed=seed, answers=SAME_VALUE)
+        hints, _ = contrast_references(refs, SAME_VALUE, "shuffled", seed=seed)
+        for i, j in enumerate(record["reference_of"]):
+            assert not is_correct(SAME_VALUE[j], SAME_VALUE[i])
+            assert not is_correct(hints[i].split("{")[-1].rstrip("}"), SAME_VALUE[i])
+
+
+def test_a_value_over_half_the_rows_is_refused_whatever_its_spelling():
+    with pytest.raises(InvalidValue) as info:
+        apply_pairing(table().select(range(5)), "shuffled", seed=0, answers=["7", "7.0", "7.00", "3", "4"])
+    assert "answer '7' is shared by 3 of 5 training rows" in str(info.value)
 
 
 def test_large_tables_are_valid_and_depend_on_the_seed_only():

@@ -5,6 +5,8 @@ wrong hint of `wrong_answer` and `shuffled`, and the refusals of switches that c
 
 import math
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +15,9 @@ import torch.nn.functional as F
 from opsd.configuration.config import OPSDConfig
 from opsd.errors import InvalidValue
 from opsd.method import loss
-from opsd.method.contrast import contrast_references, wrong_reference, wrong_value
+from opsd.method.contrast import answer_mentions, contrast_references, wrong_reference, wrong_value
 from opsd.method.loss import LossSettings, loss_settings
-from opsd.method.prompts import PromptBuilder, reference_text
+from opsd.method.prompts import TRUNCATION_MARK, PromptBuilder, reference_text
 
 CLIP_MODES = ("element", "token", "rescale", "none")
 
@@ -214,6 +216,20 @@ def test_reference_fraction_cuts_on_token_boundaries(tiny_tokenizer, fraction):
     assert builder.teacher_ids("p", reference).ids == whole
 
 
+@pytest.mark.parametrize(
+    "reference", ["日本語の参考解答。答えは 14。", "\U0001f642 the answer is 14", "\u00e9 then 14"]
+)
+@pytest.mark.parametrize("fraction", [0.01, 1e-9, 1e-12])
+def test_reference_fraction_keeps_at_least_one_whole_character(tiny_tokenizer, reference, fraction):
+    """A character of several byte tokens first (CJK, an emoji, an accent): the first ceil(f x n) tokens decode to
+    part of it, and the cut takes the tokens that complete it instead of leaving an empty reference. (1e-12 is
+    refused by the config's range; the builder still keeps a character.)"""
+    ids = tiny_tokenizer(reference, add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 100 and tiny_tokenizer.decode(ids[:1]).rstrip("\ufffd") == ""  # the case of the defect
+    cut = PromptBuilder(tiny_tokenizer, reference_fraction=fraction).reference_prefix(reference)
+    assert cut == reference[0]
+
+
 def test_reference_fraction_logs_its_cut_once(tiny_tokenizer, caplog):
     builder = PromptBuilder(tiny_tokenizer, reference_fraction=0.5)
     with caplog.at_level("INFO", logger="opsd.method.prompts"):
@@ -229,12 +245,8 @@ def test_reference_fraction_logs_its_cut_once(tiny_tokenizer, caplog):
 @pytest.mark.parametrize(
     ("reference", "answer", "kept", "changed"),
     [
-        (
-            "2x = 28, x = 14. The answer is $\\boxed{14}$.",
-            "14",
-            "2x = 28, x = 14. The answer is $\\boxed{",
-            "}$.",
-        ),
+        # A result stated as the answer's value (`x = 14`) is replaced with it (it would give the answer away).
+        ("2x = 28, x = 14. The answer is $\\boxed{14}$.", "14", "2x = 28, x = ", "}$."),
         ("so the final answer is 14, not 141 or 1.14", "14", "so the final answer is ", ", not 141 or 1.14"),
         ("we get 3/4 of it: \\boxed{3/4}", "3/4", "we get 3/4 of it: \\boxed{", "/4}"),
         ("half: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", "half: \\boxed{\\frac{", "}{2}}"),
@@ -248,6 +260,7 @@ def test_wrong_reference_replaces_only_the_stated_final_answer(reference, answer
     assert wrong.startswith(kept) and wrong.endswith(changed)
     new = wrong[len(kept) : len(wrong) - len(changed)].split("}")[0].split("{")[-1]
     assert new not in (answer, "") and new != answer.split("{")[-1].split("}")[0]
+    assert answer_mentions(wrong, answer, results_only=True) == []  # no `= answer` left
 
 
 def test_wrong_value_keeps_the_kind_and_refuses_other_kinds():
@@ -261,6 +274,56 @@ def test_wrong_value_keeps_the_kind_and_refuses_other_kinds():
         assert wrong_value(other, rng) is None
     assert wrong_reference("the answer is 7", "x+1", rng) is None
     assert wrong_reference("no such number here", "7", rng) is None
+
+
+def test_decimal_wrong_values_keep_a_non_negative_sign_as_integers_do():
+    rng = random.Random(2)
+    for _ in range(300):
+        for d in ("0.5", "2.50", "0.05", "3.0"):
+            w = wrong_value(d, rng)
+            assert not w.startswith("-") and w != d and len(w.split(".")[1]) == len(d.split(".")[1]), (d, w)
+        assert wrong_value("-0.5", rng) != "-0.5"
+
+
+def test_the_wrong_hint_replaces_results_equal_to_the_answer_and_counts_other_mentions():
+    ref = "15 + 16 = 31, and 31 - 0 = 31 too; so $x = 31$, not 310 or 3.1. The answer is \\boxed{31}."
+    wrong = wrong_reference(ref, "31", random.Random(0))
+    other = wrong.split("\\boxed{")[1].split("}")[0]
+    assert other != "31"
+    assert wrong == ref.replace("= 31", f"= {other}").replace("\\boxed{31}", f"\\boxed{{{other}}}")
+    # The operand `31 - 0` is left (an unrelated number may equal the answer), and it is what still carries it.
+    start = ref.index("31 - 0")
+    assert answer_mentions(wrong, "31") == [(start, start + 2)]
+    # Other written forms of the value are found by value; an `a >= b` bound is not a stated result.
+    assert answer_mentions(
+        "a = 1,000, b = 1000.0, c >= 1000, \\frac{2000}{2}", "1000", results_only=True
+    ) == [
+        (4, 9),
+        (15, 21),
+    ]
+    refs = [ref, "we get a = 1,000. \\boxed{1000}", "7 + 5 = 12. \\boxed{12}"]
+    wrong_hints, record = contrast_references(refs, ["31", "1000", "12"], "wrong_answer", seed=0)
+    assert "1,000" not in wrong_hints[1] and "12" not in wrong_hints[2]
+    assert record["hints_mentioning_answer"] == 1 and record["unreplaced_rows"] == 0
+
+
+def test_a_reference_cut_before_its_boxed_answer_is_unreplaceable():
+    """teacher_ref_max_chars can cut the final box off: the 24 left in mid-text is not the final answer."""
+    row = {
+        "solution": "Each of the 24 boxes holds 2 balls; 24 boxes times 2 is 48 balls. The answer is \\boxed{24}."
+    }
+    cut = reference_text(row, "solution", 30)
+    assert cut.endswith(TRUNCATION_MARK) and "\\boxed" not in cut and "24" in cut
+    assert wrong_reference(cut, "24", random.Random(0)) is None
+    whole = reference_text(row, "solution", 8000)
+    wrong, record = contrast_references([cut, whole], ["24", "24"], "wrong_answer", seed=0)
+    assert wrong[0] == cut and wrong[1] != whole
+    assert (record["unreplaced_rows"], record["answer_cut_off_rows"]) == (1, 1)
+    # A cut after the box keeps the final answer: it is replaced.
+    kept = reference_text({"solution": "So \\boxed{24}. " + "Check: " * 20}, "solution", 30)
+    assert kept.endswith(TRUNCATION_MARK) and wrong_reference(kept, "24", random.Random(0)) != kept
+    with pytest.raises(InvalidValue, match="larger teacher_ref_max_chars"):
+        contrast_references([cut], ["24"], "wrong_answer", seed=0)
 
 
 def test_contrast_references_shuffled_never_own_nor_same_answer_and_wrong_answer_counts():
@@ -294,7 +357,17 @@ def test_contrast_references_shuffled_never_own_nor_same_answer_and_wrong_answer
         (dict(loss_type="fixed_advantage", fixed_advantage=0.2), "fixed_advantage=0.2 is out of range"),
         (dict(loss_type="fixed_advantage", fixed_advantage=0.0), "must be < 0"),
         (dict(teacher_ref_fraction=0.0), "teacher_ref_fraction=0.0 is out of range"),
-        (dict(teacher_ref_fraction=1.5), "must be in \\(0, 1\\]"),
+        (dict(teacher_ref_fraction=1.5), "must be in \\[1e-09, 1\\]"),
+        # f x n rounds to no token below 1e-9 (the cut rounds to 9 decimals): refused, not an empty reference.
+        (
+            dict(teacher_ref_fraction=1e-12),
+            "teacher_ref_fraction=1e-12 is out of range: must be in \\[1e-09, 1\\]",
+        ),
+        # A fraction cuts c and c~ alike, mostly before the final answer that tells them apart.
+        (
+            dict(teacher_contrast="wrong_answer", teacher_ref_fraction=0.5),
+            "teacher_ref_fraction=0.5 cuts both hints to the same first share",
+        ),
         (dict(contrast_weight=-1.0), "contrast_weight=-1.0 is out of range"),
         (dict(teacher_contrast="wrong"), "teacher_contrast='wrong' is not allowed"),
     ],
@@ -303,6 +376,28 @@ def test_switches_that_cannot_work_are_refused_in_one_line(overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         OPSDConfig(report_to="none", **overrides)
     assert "\n" not in str(err.value)
+
+
+def test_a_fraction_is_allowed_with_the_whole_reference_or_another_hint():
+    """What the wrong_answer refusal leaves allowed: a fraction with a shuffled wrong hint (another reference, cut
+    like c), wrong_answer on the whole reference, and the smallest fraction that keeps a token."""
+    OPSDConfig(report_to="none", teacher_contrast="shuffled", teacher_ref_fraction=0.5)
+    OPSDConfig(report_to="none", teacher_contrast="wrong_answer", teacher_ref_fraction=1.0)
+    OPSDConfig(report_to="none", teacher_ref_fraction=1e-9)
+
+
+def test_wrong_answer_with_a_fraction_would_leave_most_hints_equal(tiny_tokenizer):
+    """Why the pair is refused: at f = 0.5 the prefix of c and of c~ are the same text for most built-in rows."""
+    from opsd.data.builtin import builtin_train_rows
+
+    rows = builtin_train_rows(40)
+    refs = [r["solution"] for r in rows]
+    wrong, _ = contrast_references(refs, [r["Answer"] for r in rows], "wrong_answer", seed=0)
+    builder = PromptBuilder(tiny_tokenizer, reference_fraction=0.5)
+    same = sum(
+        builder.reference_prefix(c) == builder.reference_prefix(w) for c, w in zip(refs, wrong, strict=True)
+    )
+    assert same > len(rows) // 2
 
 
 def test_the_published_defaults_are_unchanged_and_the_settings_carry_the_switches():
@@ -317,6 +412,14 @@ def test_the_published_defaults_are_unchanged_and_the_settings_carry_the_switche
     c = OPSDConfig(report_to="none", teacher_contrast="wrong_answer", contrast_weight=0.5)
     assert loss_settings(c).contrast_weight == 0.5
     assert not loss_settings(OPSDConfig(report_to="none", loss_type="fixed_advantage")).needs_teacher
+
+
+def test_docs_cite_each_paper_under_one_name():
+    """docs/method.md named arXiv 2608.31046 "OPSA" in §1.8 and Ding and Zhang in §1.11."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "method.md").read_text(encoding="utf-8")
+    cited = [m.start() for m in re.finditer(r"\[arXiv 2608\.31046\]", text)]
+    assert len(cited) >= 2 and "OPSA" not in text
+    assert all("Ding and Zhang" in text[max(i - 120, 0) : i] for i in cited)
 
 
 @pytest.fixture(scope="module")

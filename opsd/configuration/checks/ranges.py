@@ -68,6 +68,9 @@ NON_NEGATIVE = Range(0)
 OFF_AT_ZERO = Range(0, note="0 = off")
 PROBABILITY_OPEN_LOW = Range(0, 1, lo_open=True)  # (0, 1]
 SEED_MAX = 2**32 - 1
+# The smallest `teacher_ref_fraction`: opsd.method.prompts rounds f x n to this many decimals before its ceiling.
+REFERENCE_FRACTION_DECIMALS = 9
+MIN_REFERENCE_FRACTION = 10.0**-REFERENCE_FRACTION_DECIMALS
 
 # OPSDConfig field -> allowed range. Every numeric field of RECIPE_KEYS, OPERATIONAL_KEYS and BUDGET_KEYS
 # (opsd/configuration/sources/keys.py) is here, with OPSD's own fields and the TRL sampling options; tests
@@ -126,7 +129,10 @@ RANGES: dict[str, Range] = {
     "ema_decay": Range(0, 1, lo_open=True, hi_open=True),
     "teacher_sync_steps": Range(1),
     "teacher_ref_max_chars": Range(0, note="0 = no cut"),
-    "teacher_ref_fraction": Range(0, 1, lo_open=True, note="1 = the whole reference"),
+    # The cut keeps ceil(f x n) tokens with f x n rounded to 9 decimals: below 1e-9 that is no token.
+    "teacher_ref_fraction": Range(
+        MIN_REFERENCE_FRACTION, 1, note="1 = the whole reference; a smaller f rounds f x n to no token"
+    ),
     "max_teacher_prompt_length": Range(0, note="0 = no cap"),
     # budget helpers, probe, safety, logging
     "wavg_last": OFF_AT_ZERO,
@@ -193,8 +199,9 @@ def warmup_fraction(warmup_steps: float, max_steps: int) -> float:
 
 
 def check_teacher_variants(config: object) -> None:
-    """Rules between the teacher's switches: a contrast needs a reference and a teacher, and the teacher's
-    top-k support has no meaning without one teacher distribution (docs/method.md §1.10-1.11)."""
+    """Rules between the teacher's switches: a contrast needs a reference and a teacher, `wrong_answer` needs the
+    whole reference (a fraction cuts c and c~ alike, mostly before the answer that tells them apart), and the
+    teacher's top-k support has no meaning without one teacher distribution (docs/method.md §1.10-1.11)."""
     contrast = getattr(config, "teacher_contrast", "none")
     loss_type = getattr(config, "loss_type", "jsd")
     top_k = getattr(config, "top_k_loss", 0)
@@ -210,6 +217,13 @@ def check_teacher_variants(config: object) -> None:
             "teacher_ref_pairing=empty gives the teacher none; use teacher_ref_pairing=matched or shuffled, or "
             "teacher_contrast=none"
         )
+    elif contrast == "wrong_answer" and _below_one(getattr(config, "teacher_ref_fraction", 1.0)):
+        problem = (
+            f"teacher_contrast=wrong_answer replaces the reference's final answer, and teacher_ref_fraction="
+            f"{config.teacher_ref_fraction!r} cuts both hints to the same first share of their tokens, which "
+            "mostly ends before that answer (c~ = c: no signal); use teacher_ref_fraction=1, or "
+            "teacher_contrast=shuffled"
+        )
     elif top_k and contrast != "none":
         problem = (
             f"top_k_loss={top_k} restricts the loss to the teacher's top-k, and teacher_contrast={contrast} "
@@ -222,6 +236,10 @@ def check_teacher_variants(config: object) -> None:
         )
     if problem:
         raise ValueError(problem)
+
+
+def _below_one(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1
 
 
 def check_cross_fields(config: object) -> None:
