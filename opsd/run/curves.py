@@ -4,7 +4,7 @@
     python -m opsd.run.curves runs/a runs/b --out cmp.png   # several runs, one line each
 
 One panel per group of metrics that the run logged (loss, divergence, agreement, the probe, rollout
-correctness and lengths, time per step); groups without data are left out, so the same command serves runs with and
+correctness and lengths, time and tokens per step); groups without data are left out, so the same command serves runs with and
 without the probe. A resumed run's metrics.jsonl holds each step once (opsd_train.py trims it on resume);
 should a step still appear twice, the last record wins. A line that is not a JSON object is skipped with a
 warning naming its line (`opsd.rundir.read_step_log`).
@@ -29,6 +29,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rollout correctness (graded like the evaluation)", ("rollout/correct", "rollout/boxed")),
     ("rollout length (tokens)", ("completions/mean_length", "completions/max_length")),
     ("seconds per step", ("time/step_s", "time/rollout_s", "time/train_micro_s", "time/probe_s")),
+    (
+        "tokens per step (compute ledger)",
+        ("ledger/generated_tokens", "ledger/teacher_tokens", "ledger/trained_tokens"),
+    ),
     ("gradient norm", ("grad_norm",)),
     ("learning rate", ("learning_rate",)),
 )

@@ -67,3 +67,16 @@ def test_the_run_curves_draw_rollout_correctness(tmp_path):
     metrics_by_key = {"loss": [(1, 0.5), (2, 0.4)], "rollout/correct": [(1, 0.1), (2, 0.3)]}
     titles = training_curves({"run": metrics_by_key}, tmp_path / "c.png")
     assert titles == ["loss", "rollout correctness (graded like the evaluation)"]
+
+
+def test_the_curves_draw_the_compute_ledger(tmp_path):
+    """A run's ledger/* metrics (every method logs them) get their own panel, one line per token kind."""
+    from opsd.run.curves import training_curves
+
+    metrics = {
+        "loss": [(1, 0.5), (2, 0.4)],
+        "ledger/generated_tokens": [(1, 3178.0), (2, 3201.0)],
+        "ledger/teacher_tokens": [(1, 0.0), (2, 0.0)],
+    }
+    titles = training_curves({"run": metrics}, tmp_path / "c.png")
+    assert titles == ["loss", "tokens per step (compute ledger)"] and (tmp_path / "c.png").stat().st_size > 0
