@@ -237,13 +237,15 @@ def test_is_correct_in_worker_thread() -> None:
 # --- degenerate answers: bounded, quiet, and timed out on any thread --------------------------------------------
 
 
-def test_long_answer_is_graded_by_the_string_fallback_quickly() -> None:
-    import time
-
+def test_long_answer_is_graded_by_the_string_fallback_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
     answer = "1+" * 100_000 + "1"  # 200k characters, as a degenerate completion writes it
-    start = time.perf_counter()
-    result = grade(rf"The answer is \boxed{{{answer}}}.", "7")
-    assert time.perf_counter() - start < 2.0  # math-verify took 5-6 s per such sample
+
+    def no_math_verify(*args, **kwargs):  # math-verify took 5-6 s per such sample
+        raise AssertionError("a long answer reached math-verify")
+
+    with monkeypatch.context() as m:
+        m.setattr(grading, "math_verify_equal", no_math_verify)
+        result = grade(rf"The answer is \boxed{{{answer}}}.", "7")
     assert result == {"extracted": answer, "has_box": True, "correct": False, "grader": grading.GRADER_LONG}
     # The fallback still grades it: the same long string is equal to itself.
     assert is_correct(answer, answer) is True
@@ -262,21 +264,17 @@ def test_math_verify_logs_no_expression(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_timeout_holds_off_the_main_thread() -> None:
     # SIGALRM cannot be armed off the main thread; the grade must still end (in a worker process).
-    import time
-
     results: dict[str, bool] = {}
 
     def work() -> None:
         results["tower"] = grading.math_verify_equal("9^{9^{9^{9}}}", "1", timeout_s=1)
         results["half"] = grading.math_verify_equal(r"\dfrac{1}{2}", "0.5", timeout_s=2)
 
-    start = time.perf_counter()
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    thread.join(timeout=120)
+    thread.join(timeout=120)  # a hang guard, not a speed bound: the two grades take about 2 s
     assert not thread.is_alive(), "math-verify hung in a thread"
     assert results == {"tower": False, "half": True}
-    assert time.perf_counter() - start < 120
 
 
 def test_summary_counts_long_answers() -> None:
