@@ -8,7 +8,15 @@ kinds and skips the others without a word. `auto` takes every `nn.Linear` inside
 - a projection whose weight its parent's code reads directly (`self.out_proj.weight`): Mamba mixers hand it to
   a fused training kernel, which would skip an adapter in the student's forward (peft refuses `out_proj` for
   the Mamba model types it knows);
-- a mixture-of-experts router (a projection onto the experts): adapting the routing is not what the recipe does.
+- a mixture-of-experts router: adapting the routing is not what the recipe does. A router is told by the model's
+  own names, never by its width alone (a k/v projection as wide as the expert count is a projection): in a model
+  with experts (an expert count in its config or a sub-config, or an `experts` module), a linear whose class or
+  an enclosing module's class inside the layer is named as a router (`Router`, `TopK`, `Gating`, a trailing
+  `Gate`: Llama 4's `Llama4Router`, PhiMoE's `PhimoeTopKRouter`), or one named `router`, `gate`, `wg` or
+  `gating` directly in a block that holds the experts (Jamba's `feed_forward.router`, the `mlp.gate` of
+  transformers 4's sparse MoE blocks). transformers 5 builds most routers (Qwen3-MoE's, DeepSeek-V3's,
+  Granite's, Mixtral's) as modules of their own that are not `nn.Linear`, left out as such.
+Every linear module `auto` leaves out is named in one WARNING at start-up, with the reason.
 Convolution kernels and expert weights that are not `nn.Linear` are not adapted. On the dense families the rule
 gives the published recipe's q, k, v, o, gate, up and down projections.
 
@@ -83,18 +91,58 @@ def layer_kinds(model: torch.nn.Module) -> list[str]:
 
 
 def _expert_counts(model) -> set[int]:
+    """The expert counts the model's (text) config declares, in its own fields or a sub-config's (DBRX's
+    `ffn_config.moe_num_experts`)."""
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {v for f in EXPERT_COUNT_FIELDS if isinstance(v := getattr(config, f, None), int) and v > 1}
+    if config is None:
+        return set()
+    configs = [config, *(v for v in vars(config).values() if hasattr(v, "to_dict"))]
+    return {
+        v for c in configs for f in EXPERT_COUNT_FIELDS if isinstance(v := getattr(c, f, None), int) and v > 1
+    }  # fmt: skip
 
 
-def _excluded(parent: torch.nn.Module, leaf: str, module: torch.nn.Linear, experts: set[int]) -> str | None:
-    """Why `auto` leaves this linear module out, or None."""
+# A router's class names it so (Llama4Router, PhimoeTopKRouter, DbrxRouter, JetMoeTopKGating, HunYuanMoEV1Gate);
+# `Gate` only at the end, so that `GatedDeltaNet` or `RMSNormGated` are not routers.
+ROUTER_CLASS = re.compile(r"Router|TopK|Topk|Gating|Gate$")
+# What a router module is called inside the block that holds the experts (`mlp.gate`, `feed_forward.router`).
+ROUTER_NAMES = frozenset({"router", "gate", "wg", "gating"})
+
+
+def _holds_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a mixture-of-experts block: it has a child `experts` or a child of an Experts class."""
+    return any(n == "experts" or "Experts" in type(c).__name__ for n, c in module.named_children())
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether the model is a mixture of experts: an expert count in its config or an experts block."""
+    return bool(_expert_counts(model)) or any(_holds_experts(m) for m in model.modules())
+
+
+def _router(layer: torch.nn.Module, sub: str) -> str | None:
+    """Why the linear at `sub` (a name inside `layer`) is a mixture-of-experts router, by its names, or None.
+    Only asked of a model with experts (`_has_experts`)."""
+    parts = sub.split(".")
+    # from the layer's child down to the module itself
+    chain = [layer.get_submodule(".".join(parts[:n])) for n in range(1, len(parts) + 1)]
+    for module in reversed(chain):
+        if ROUTER_CLASS.search(cls := type(module).__name__):
+            return f"expert router: class {cls}"
+    parent = chain[-2] if len(chain) > 1 else layer
+    if parts[-1] in ROUTER_NAMES and _holds_experts(parent):
+        return f"expert router: `{parts[-1]}` of the MoE block {type(parent).__name__}"
+    return None
+
+
+def _excluded(layer: torch.nn.Module, sub: str, moe: bool) -> str | None:
+    """Why `auto` leaves out the linear module at `sub` (a name inside `layer`), or None. `moe`: the model has
+    experts (`_has_experts`); a router is told by its names, never by its width alone (module docstring)."""
+    parent_name, _, leaf = sub.rpartition(".")
+    parent = layer.get_submodule(parent_name) if parent_name else layer
     if re.search(rf"\bself\.{re.escape(leaf)}\.weight\b", _source(type(parent))):
         return "its weight is read directly by a fused kernel"
-    if module.out_features in experts:
-        return "expert router"
-    return None
+    return _router(layer, sub) if moe else None
 
 
 @functools.cache
@@ -115,19 +163,18 @@ def auto_targets(model: torch.nn.Module) -> tuple[list[str], list[str], dict[str
     chosen modules peft would move off target_modules (`peft_moved`) become target parameters instead, the
     shortest suffix of their `weight` that matches exactly those weights (`mlp.gate_proj.weight`,
     `shared_experts.gate_proj.weight`)."""
-    experts = _expert_counts(model)
+    moe = _has_experts(model)
     modules = dict(model.named_modules())
     chosen, left_out = set(), {}
     for layer_name, layer in decoder_layers(model):
-        for sub, module in layer.named_modules(prefix=layer_name):
+        for sub, module in layer.named_modules():
             if not isinstance(module, torch.nn.Linear):
                 continue
-            parent_name, _, leaf = sub.rpartition(".")
-            why = _excluded(modules[parent_name], leaf, module, experts)
+            why = _excluded(layer, sub, moe)
             if why:
-                left_out[sub] = why
+                left_out[f"{layer_name}.{sub}"] = why
             else:
-                chosen.add(sub)
+                chosen.add(f"{layer_name}.{sub}")
     if not chosen:
         raise ValueError(f"{type(model).__name__}: no linear projection in its decoder layers to adapt")
     moved = peft_moved(model, chosen)
@@ -192,12 +239,10 @@ def resolve_targets(model: torch.nn.Module, requested: list[str], *, lora_dropou
         return {"target_modules": "all-linear" if requested == ["all-linear"] else requested}
     targets, parameters, left_out = auto_targets(model)
     if left_out:
-        reasons = defaultdict(set)
-        for name, why in left_out.items():
-            reasons[why].add(name.split(".")[-1])
-        logger.info(
-            "lora_target_modules=auto leaves out: %s",
-            "; ".join(f"{', '.join(sorted(v))} ({k})" for k, v in sorted(reasons.items())),
+        logger.warning(
+            "lora_target_modules=auto leaves these linear modules without a LoRA adapter: %s; name them in "
+            "lora_target_modules to adapt them",
+            describe_left_out(model, left_out),
         )
     if not parameters:
         return {"target_modules": targets}
@@ -215,6 +260,31 @@ def resolve_targets(model: torch.nn.Module, requested: list[str], *, lora_dropou
         ", ".join(parameters), model_type,
     )  # fmt: skip
     return {"target_modules": targets, "target_parameters": parameters}
+
+
+def describe_left_out(model: torch.nn.Module, left_out: dict[str, str]) -> str:
+    """`auto_targets`' left-out modules in a few words: each name inside its layer, the layers that hold it and
+    why (`mamba.out_proj in layers 0, 2 (its weight is read directly by a fused kernel)`)."""
+    prefix = {name: index for index, (name, _) in enumerate(decoder_layers(model))}
+    where: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for name, why in left_out.items():
+        layer, sub = next((p, name[len(p) + 1 :]) for p in prefix if name.startswith(p + "."))
+        where[(sub, why)].append(prefix[layer])
+    return "; ".join(
+        f"{sub} in layer{'s' if len(idx) > 1 else ''} {_ranges(idx)} ({why})"
+        for (sub, why), idx in sorted(where.items())
+    )
+
+
+def _ranges(indices: list[int]) -> str:
+    """`[0, 1, 2, 5]` as `0-2, 5`."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _model_type(model: torch.nn.Module) -> str:
@@ -272,13 +342,11 @@ def left_out_dense(model: torch.nn.Module) -> dict[str, list[str]]:
     """Per layer kind, its linear modules without an adapter that `auto` would adapt (neither a weight that a
     fused kernel reads directly nor an expert router): dense linears that a target list leaves out, or that peft
     moved off its target_modules (module docstring)."""
-    experts = _expert_counts(model)
+    moe = _has_experts(model)
     found: dict[str, set[str]] = defaultdict(set)
     for kind, (_, layer) in zip(layer_kinds(model), decoder_layers(model), strict=True):
         for sub in _layer_coverage(layer)[1]:
-            parent, _, leaf = sub.rpartition(".")
-            owner = layer.get_submodule(parent) if parent else layer
-            if not _excluded(owner, leaf, layer.get_submodule(sub), experts):
+            if not _excluded(layer, sub, moe):
                 found[kind].add(sub)
     return {kind: sorted(names) for kind, names in found.items()}
 
