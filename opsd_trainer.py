@@ -40,6 +40,7 @@ from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
 from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
+from opsd.method.contrast import rows_with_contrast
 from opsd.method.ema_teacher import InitialisedAdapterEMA
 from opsd.method.engine import RolloutSeeds, opsd_engine
 from opsd.method.engine_classes import engine_start_refusal, own_classes
@@ -370,7 +371,12 @@ class OPSDTrainer(SDFTTrainer):
                 contrast=contrast,
             )  # fmt: skip
             # Hidden states come flattened over completion_mask; the loss counts the subset keep_N.
-            keep_N = self._loss_mask(completion_ids, completion_mask)[completion_mask.bool()].bool()
+            keep_BC = self._loss_mask(completion_ids, completion_mask)
+            if (
+                contrast is not None
+            ):  # a row without a contrastive signal adds exactly 0 (opsd.method.contrast)
+                keep_BC = keep_BC * rows_with_contrast(*teacher, *contrast, settings.contrast_weight)[:, None]
+            keep_N = keep_BC[completion_mask.bool()].bool()
 
             def kept(hidden_NH):
                 return None if hidden_NH is None else hidden_NH[keep_N]
