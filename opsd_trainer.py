@@ -42,8 +42,8 @@ from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
 from opsd.method.contrast import rows_with_contrast
 from opsd.method.ema_teacher import InitialisedAdapterEMA
-from opsd.method.engine import RolloutSeeds, opsd_engine
-from opsd.method.engine_classes import engine_start_refusal, own_classes
+from opsd.method.engine import RolloutSeeds, trainer_engine
+from opsd.method.engine_classes import own_classes
 from opsd.method.hidden import (
     CompletionHiddenStates,
     completion_hidden,
@@ -125,21 +125,10 @@ class OPSDTrainer(SDFTTrainer):
         config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = config.use_vllm and config.vllm_mode == "colocate"
         model = kwargs.get("model", args[0] if args else None)
-        if colocated and isinstance(model, torch.nn.Module):  # before the engine starts, which may decorate
-            own_classes(model)  # the model's classes in place
         # Read by the engine TRL creates inside super().__init__.
         self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
-        with (
-            opsd_engine(
-                self.seeds,
-                self.clock,
-                max_num_seqs=config.vllm_max_num_seqs,
-                tensor_parallel_size=config.vllm_tensor_parallel_size,
-                process_index=config.process_index,
-            ),
-            engine_start_refusal(colocated, model, config.output_dir),
-        ):
+        with trainer_engine(config, model, self.seeds, self.clock):
             super().__init__(*args, **kwargs)
         a: OPSDConfig = self.args
         # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.

@@ -310,12 +310,13 @@ def _pm(x: dict | None, digits: int = 2) -> str:
     return f"{x['mean']:.{digits}f}" + ("" if x["se"] is None else f" ± {x['se']:.{digits}f}")
 
 
-def _ci(iv: dict | None) -> str:
+def _ci(iv: dict | None, number=lambda x: f"{x:+.2f}") -> str:
+    """An interval as `estimate [low, high]`, each written by `number`; n/a without one."""
     if iv is None:
         return "n/a"
     if iv["low"] is None:
-        return f"{iv['estimate']:+.2f} (no interval)"
-    return f"{iv['estimate']:+.2f} [{iv['low']:+.2f}, {iv['high']:+.2f}]"
+        return f"{number(iv['estimate'])} (no interval)"
+    return f"{number(iv['estimate'])} [{number(iv['low'])}, {number(iv['high'])}]"
 
 
 def _split(v: dict) -> str:
@@ -360,11 +361,7 @@ def _scaled(values: dict, key: str, scale: float) -> str:
 
 
 def _per_million(iv: dict | None) -> str:
-    if iv is None:
-        return "n/a"
-    if iv["low"] is None:
-        return f"{_num(iv['estimate'], sign=True)} (no interval)"
-    return f"{_num(iv['estimate'], sign=True)} [{_num(iv['low'], sign=True)}, {_num(iv['high'], sign=True)}]"
+    return _ci(iv, lambda x: _num(x, sign=True))
 
 
 def _ledger_lines(result: dict[str, Any], planned: int) -> list[str]:

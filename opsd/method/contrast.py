@@ -222,21 +222,20 @@ def contrast_references(
     return wrong, record
 
 
-def rows_with_contrast(
-    teacher_ids_BP, teacher_mask_BP, contrast_ids_BQ, contrast_mask_BQ, weight: float
-):  # -> (B,) bool tensor
-    """Which rows of a micro-batch carry a contrastive signal: λ (`weight`) is not 0 and the wrong hint's prompt
-    differs from the teacher's (their real tokens, whatever the padding). A row without one has the target q =
-    p_S in exact arithmetic, but float rounding leaves ~1e-7 per logit, which Adam normalises into a full step; so
-    such rows are left out of the loss (their tokens add exactly 0 and no gradient)."""
+def rows_with_contrast(teacher_ids_BP, teacher_mask_BP, contrast_ids_BQ, contrast_mask_BQ, weight: float):
+    """(B,) bool: which rows of a micro-batch carry a contrastive signal: λ (`weight`) is not 0 and the wrong hint's
+    left-padded prompt differs from the teacher's in its real tokens, whatever the padding. A row without one has
+    the target q = p_S in exact arithmetic, but float rounding leaves ~1e-7 per logit, which Adam normalises into
+    a full step; so such rows are left out of the loss (their tokens add exactly 0 and no gradient)."""
     import torch
 
-    B = teacher_ids_BP.size(0)
     if weight == 0:
-        return torch.zeros(B, dtype=torch.bool, device=teacher_ids_BP.device)
-    differs = []
-    for b in range(B):
-        c = teacher_ids_BP[b][teacher_mask_BP[b].bool()]
-        w = contrast_ids_BQ[b][contrast_mask_BQ[b].bool()]
-        differs.append(c.shape != w.shape or not bool(torch.equal(c, w)))
-    return torch.tensor(differs, dtype=torch.bool, device=teacher_ids_BP.device)
+        return torch.zeros(teacher_ids_BP.size(0), dtype=torch.bool, device=teacher_ids_BP.device)
+    # Left padding right-aligns the real tokens: compare the last W columns, and the rest must be padding.
+    W = min(teacher_ids_BP.size(1), contrast_ids_BQ.size(1))
+    t_ids, t_mask = teacher_ids_BP[:, -W:], teacher_mask_BP[:, -W:]
+    c_ids, c_mask = contrast_ids_BQ[:, -W:], contrast_mask_BQ[:, -W:]
+    same = (t_mask == c_mask).all(1) & (t_ids * t_mask == c_ids * c_mask).all(1)
+    same &= teacher_mask_BP[:, : teacher_ids_BP.size(1) - W].sum(1) == 0
+    same &= contrast_mask_BQ[:, : contrast_ids_BQ.size(1) - W].sum(1) == 0
+    return ~same

@@ -294,6 +294,30 @@ def opsd_engine(
         owner.VLLMGeneration = original
 
 
+@contextmanager
+def trainer_engine(config, model, seeds: RolloutSeeds, clock, *, owner=None):
+    """The block in which a TRL trainer's `__init__` creates its rollout engine, as every method's trainer drives
+    it: with a colocated engine, the model's classes kept out of the engine's in-place decoration (before it
+    starts), OPSD's engine class (`opsd_engine`; `owner` as there) and a start-up failure refused in one line."""
+    from opsd.method.engine_classes import engine_start_refusal, own_classes
+
+    colocated = config.use_vllm and config.vllm_mode == "colocate"
+    if colocated and isinstance(model, torch.nn.Module):
+        own_classes(model)
+    with (
+        opsd_engine(
+            seeds,
+            clock,
+            max_num_seqs=config.vllm_max_num_seqs,
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            process_index=config.process_index,
+            owner=owner,
+        ),
+        engine_start_refusal(colocated, model, config.output_dir),
+    ):
+        yield
+
+
 @functools.cache
 def _generation_class(base: type) -> type:
     class OPSDGeneration(base):

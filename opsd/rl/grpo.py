@@ -26,8 +26,7 @@ import trl
 from transformers import TrainingArguments
 from trl.trainer import grpo_trainer as trl_grpo
 
-from opsd.method.engine import RolloutSeeds, opsd_engine
-from opsd.method.engine_classes import engine_start_refusal, own_classes
+from opsd.method.engine import RolloutSeeds, trainer_engine
 from opsd.method.prompts import PromptBuilder
 from opsd.rl.reward import CorrectAnswer
 from opsd.run.step_watch import ComputeLedger, PhaseClock, StepTimer, metrics
@@ -86,23 +85,10 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, model, args, train_dataset, processing_class, peft_config=None, prompt_builder=None):
         self.config = config = args
-        colocated = config.use_vllm and config.vllm_mode == "colocate"
-        if colocated and isinstance(model, torch.nn.Module):  # before the engine starts (opsd_trainer.py)
-            own_classes(model)
         self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         self.reward = CorrectAnswer()
-        with (
-            opsd_engine(
-                self.seeds,
-                self.clock,
-                max_num_seqs=config.vllm_max_num_seqs,
-                tensor_parallel_size=config.vllm_tensor_parallel_size,
-                process_index=config.process_index,
-                owner=trl_grpo,
-            ),
-            engine_start_refusal(colocated, model, config.output_dir),
-        ):
+        with trainer_engine(config, model, self.seeds, self.clock, owner=trl_grpo):
             super().__init__(
                 model=model,
                 reward_funcs=[self.reward],

@@ -12,27 +12,17 @@ Per optimizer step, summed over all processes:
 - `gpu_s`: `step_s` x the run's GPUs (one per process), where there is a GPU; absent on a CPU.
 
 The trainers book tokens on `opsd.run.step_watch.ComputeLedger`, which the step's `StepTimer` closes at the step's
-end (no callback of its own: the step's path through the libraries stays as it was). Each step is a row of `ledger.jsonl` in the run directory (trimmed to the checkpoint on resume, like
-metrics.jsonl) and `ledger/*` metrics in metrics.jsonl and the trackers. The experiment's report sums the rows of
-each cell (`ledger_totals`).
+end (no callback of its own: the step's path through the libraries stays as it was). Each step is a row of
+`ledger.jsonl` in the run directory (trimmed to the checkpoint on resume, like metrics.jsonl) and `ledger/*`
+metrics in metrics.jsonl and the trackers. The experiment's report reads each cell's rows
+(`opsd.experiment.cells.cell_ledger`) and sums them here (`ledger_totals`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 from opsd.run.step_watch import TOKEN_KINDS
-from opsd.rundir import LEDGER_FILE
-
-
-def read_ledger(run_dir: str | Path) -> list[dict]:
-    """The rows of a run's ledger.jsonl (none when the run wrote no ledger)."""
-    path = Path(run_dir) / LEDGER_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def ledger_totals(rows: Iterable[dict]) -> dict[str, float]:

@@ -427,3 +427,22 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_rows_with_contrast_compare_real_tokens_whatever_the_padding():
+    import torch
+
+    from opsd.method.contrast import rows_with_contrast
+    from opsd.method.hidden import left_pad
+
+    hints = [[5, 6, 7], [1, 2], [3, 0, 3]]  # 0 is also the pad id: told apart by the mask
+    ti, tm = left_pad(hints, 0, "cpu")
+    ci, cm = left_pad([[5, 6, 7], [1, 2, 9], [3, 0, 3]], 0, "cpu")
+    assert rows_with_contrast(ti, tm, ci, cm, 1.0).tolist() == [False, True, False]
+    wider_i, wider_m = (torch.cat([torch.zeros(3, 2, dtype=torch.long), x], 1) for x in (ti, tm))
+    assert rows_with_contrast(ti, tm, wider_i, wider_m, 1.0).tolist() == [False, False, False]
+    longer_i, longer_m = left_pad(
+        [[4, 5, 6, 7], [1, 2], [0, 3, 0, 3]], 0, "cpu"
+    )  # a real token more in front
+    assert rows_with_contrast(ti, tm, longer_i, longer_m, 1.0).tolist() == [True, False, True]
+    assert rows_with_contrast(ti, tm, ci, cm, 0.0).tolist() == [False, False, False]
