@@ -220,6 +220,7 @@ def one_line(res: subprocess.CompletedProcess, prefix: str, *needles: str) -> No
     lines = res.stderr.strip().splitlines()
     assert [line for line in lines if "error:" in line] == lines[-1:], res.stderr[-3000:]
     assert lines[-1].startswith(prefix) and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stdout, res.stdout[-3000:]  # libraries log to stdout too
     for needle in needles:
         assert needle in lines[-1]
 
