@@ -10,6 +10,9 @@ thinking on, 38,912 new tokens, model length 40,960) is the default:
     python eval_aime.py --dataset builtin --limit 4 --n 2 --max-tokens 256 --out runs/eval/smoke   # CPU smoke
     python eval_aime.py --model Qwen/Qwen3-1.7B --checkpoints runs/opsd --out runs/eval/opsd-sweep
                                          # sweep: the base and every complete checkpoint-N, one engine start
+    python eval_aime.py --model Qwen/Qwen3-1.7B --checkpoints runs/opsd --benchmarks aime24,aime25,hmmt25 \
+        --out runs/eval/opsd-bench       # every benchmark for the base and each checkpoint, one engine start;
+                                         # reported: the final checkpoint (--step N declares another)
 
 Comparing two recipes (one run is noise: evaluate each recipe's runs, e.g. the three capped seeds):
 
@@ -32,6 +35,11 @@ A sweep (`--checkpoints RUN_DIR` or `CKPT ...`, `--no-base` to leave out the bas
 evaluation into OUT/base, OUT/checkpoint-N as a single run would, plus a table against the base (sweep.md,
 .csv, .json) and the accuracy-vs-step curve; rerunning it skips what is finished (opsd/evaluation/sweep.py).
 `--adapter` and `--checkpoints` also take Hub adapter ids (org/name).
+
+`--benchmarks NAME,...` scores benchmarks of the table in opsd/evaluation/benchmarks.py (aime24, aime25, hmmt25,
+aime26, hmmt26, math500, amc23: each a Hub dataset at a pinned revision, read through the datasets cache; local
+copies with `--dataset NAME=FILE,...`), each at its preset protocol unless a flag sets it, into OUT/NAME, with the
+table per benchmark, the macro average and pass@k for k = 1..n in OUT/benchmarks.md (opsd/evaluation/suite.py).
 
 A LoRA checkpoint is served by vLLM's LoRA support on a GPU and merged with peft first on vLLM's CPU
 backend (LoRA serving there is slow and can crash); `--merge-adapter` / `--no-merge-adapter`

@@ -55,7 +55,7 @@ from opsd.method.hidden import (
     resolve_logit_transform,
     right_pad,
 )
-from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
+from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings, one_hint, token_rows
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
@@ -274,7 +274,7 @@ class OPSDTrainer(SDFTTrainer):
         )  # fmt: skip
         batch.update(teacher)
         self.record_metrics({"prompts/teacher_truncated": float(truncated)})
-        if self.loss_settings.contrast_weight is not None:
+        if self.loss_settings.contrast is not None:
             # The contrastive teacher's rows: the same completions after the wrong hint (opsd.method.contrast).
             contrast, _ = teacher_rows(
                 self.prompt_builder, problems, [row[CONTRAST_COLUMN] for row in inputs],
@@ -354,7 +354,7 @@ class OPSDTrainer(SDFTTrainer):
         with self.clock.part("score_loss"):
             completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
             teacher = self._prompt_part(inputs, "teacher") if settings.needs_teacher else (None, None)
-            contrast = self._prompt_part(inputs, "contrast") if settings.contrast_weight is not None else None
+            contrast = self._prompt_part(inputs, "contrast") if settings.contrast is not None else None
             hidden = self.completion_hidden_states(
                 model, inputs["prompt_ids"], inputs["prompt_mask"], *teacher, completion_ids, completion_mask,
                 contrast=contrast,
@@ -363,22 +363,21 @@ class OPSDTrainer(SDFTTrainer):
             keep_BC = self._loss_mask(completion_ids, completion_mask)
             if (
                 contrast is not None
-            ):  # a row without a contrastive signal adds exactly 0 (opsd.method.contrast)
-                keep_BC = keep_BC * rows_with_contrast(*teacher, *contrast, settings.contrast_weight)[:, None]
+            ):  # a row whose wrong hint is its hint adds exactly 0 (opsd.method.contrast)
+                keep_BC = keep_BC * rows_with_contrast(*teacher, *contrast)[:, None]
             keep_N = keep_BC[completion_mask.bool()].bool()
-
-            def kept(hidden_NH):
-                return None if hidden_NH is None else hidden_NH[keep_N]
-
             loss_sum, stats = chunked_opsd_loss(
-                kept(hidden.student_hidden_NH),
-                kept(hidden.teacher_hidden_NH),
+                *[
+                    None if h is None else h[keep_N]
+                    for h in (hidden.student_hidden_NH, hidden.teacher_hidden_NH)
+                ],
                 hidden.student_weight_VH,
                 hidden.teacher_weight_VH,
                 settings=settings,
                 target_ids_N=completion_ids[completion_mask.bool()][keep_N],
                 transform=hidden.logit_transform,
-                contrast_hidden_NH=kept(hidden.contrast_hidden_NH),
+                contrast=one_hint(hidden.contrast_hidden_NH, keep_N, self.processing_class.eos_token_id),
+                rows_N=token_rows(keep_BC),
             )
             # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
             denom = inputs["num_loss_tokens"][0].clamp(min=1).to(loss_sum.dtype)
@@ -518,7 +517,7 @@ class OPSDTrainer(SDFTTrainer):
             tokenizer=self.processing_class,
             rows=a.completions_rows,
             # The divergence shown is the one from the teacher under its reference, also with a contrast.
-            settings=dataclasses.replace(self.loss_settings, contrast_weight=None),
+            settings=dataclasses.replace(self.loss_settings, contrast=None, token_weight="none"),
         )
         completions.append(Path(a.output_dir) / COMPLETIONS_FILE, rows)
         completions.to_trackers(a.report_to, rows)

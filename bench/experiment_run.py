@@ -11,10 +11,12 @@ every cell side by side on one GPU (7 jobs at once, a fixed 1.5 GiB KV cache per
 checkpoint scored on all 100 `builtin:easy-disjoint` problems x 8 samples at 128 tokens; the first arm is the
 baseline.
 - `clip` (default): the published `element` clip against `rescale`.
-- `study`: where the teacher's gain comes from (docs/method.md §1.10-1.11), each arm one switch on the recipe
-  that learns on this model (`rescale`): `opsd` (the baseline), `answer_only` (teacher_ref=answer), `ref_half`
-  (teacher_ref_fraction=0.5), `contrast_shuffled`, `contrast_wrong` (teacher_contrast), `fixed_advantage` (no
-  teacher) and `empty_ref` (teacher_ref_pairing=empty).
+- `study`: where the teacher's gain comes from and which tokens should count (docs/method.md §1.10-1.12), each
+  arm one switch on the recipe that learns on this model (`rescale`): `opsd` (the baseline), `answer_only`
+  (teacher_ref=answer), `ref_half` (teacher_ref_fraction=0.5), `contrast_shuffled`, `contrast_wrong` (RLCSD's
+  target with those hints), `contrast_own` (RLCSD with its own wrong sibling rollouts: the hybrid, 4 rollouts per
+  problem), `fixed_advantage` (no teacher, |a| = 0.025), `empty_ref` (teacher_ref_pairing=empty) and the four
+  `token_weight` arms `weight_early`, `weight_late`, `weight_entropy`, `weight_positive`.
 - `rl`: the three methods on the study's baseline recipe (`rescale`, as above): `opsd` (the baseline), `grpo`
   (TRL's GRPO, 4 rollouts per problem, no teacher; its clip is TRL's) and `hybrid` (GRPO + 1 x OPSD's loss on the
   same 4 rollouts). A GRPO step samples 4 x 32 rollouts where OPSD samples 32: compare them per generated token
@@ -65,8 +67,15 @@ STUDY = {
     "ref_half": "TEACHER_REF_FRACTION=0.5",
     "contrast_shuffled": "TEACHER_CONTRAST=shuffled",
     "contrast_wrong": "TEACHER_CONTRAST=wrong_answer",
-    "fixed_advantage": "LOSS_TYPE=fixed_advantage",
+    # RLCSD with its own hints: 4 rollouts per problem, the hybrid (GRPO + OPSD's term on RLCSD's target)
+    "contrast_own": "METHOD=hybrid,NUM_GENERATIONS=4,TEACHER_CONTRAST=own_wrong",
+    # a tenth of the embedded model's step-0 probe/abs_advantage: -0.25 at this learning rate destroyed the model
+    "fixed_advantage": "LOSS_TYPE=fixed_advantage,FIXED_ADVANTAGE=-0.025",
     "empty_ref": "TEACHER_REF_PAIRING=empty",
+    "weight_early": "TOKEN_WEIGHT=position_early",
+    "weight_late": "TOKEN_WEIGHT=position_late",
+    "weight_entropy": "TOKEN_WEIGHT=entropy_gate",
+    "weight_positive": "TOKEN_WEIGHT=positive_only",
 }
 PRESETS = {
     "clip": ["--out", "runs/experiment_h200", "--arm", "element=" + ARM.format("element"),

@@ -249,14 +249,38 @@ def exact_value(answer: str) -> Fraction | None:
     return _as_number(normalize_answer(answer))
 
 
+# Units a competition answer may carry after its number (MATH-500 writes `5\\text{ cm}`, `\\$18.90`, `90^\\circ`).
+_UNITS = (
+    "mm", "cm", "km", "m", "meters", "meter", "centimeters", "centimeter", "kilometers", "inches", "inch", "in",
+    "feet", "foot", "ft", "yards", "yard", "miles", "mile", "units", "unit", "degrees", "degree", "dollars",
+    "dollar", "cents", "cent", "seconds", "second", "minutes", "minute", "hours", "hour", "days", "day",
+    "grams", "gram", "kg", "pounds", "pound", "mph", "sq", "square", "cubic",
+)  # fmt: skip
+_UNIT_SUFFIX = re.compile(
+    r"^(.*?\d\}?)((?:square|cubic|sq)?(?:"
+    + "|".join(sorted(_UNITS, key=len, reverse=True))
+    + r")(?:\^\{?[23]\}?)?)$"
+)
+
+
+def strip_unit(normalized: str) -> str:
+    r"""A normalised answer without a trailing unit word after a number: ``5cm`` -> ``5``,
+    ``12squareunits`` -> ``12``, ``3inches^2`` -> ``3`` (`normalize_answer` has removed spacing and
+    ``\text{}``, so ``\text{5 cm}`` arrives as ``5cm``). Anything else is returned unchanged; so is a unit
+    alone (``cm``) or text that merely ends in a unit's letters after a non-digit (``\text{Evelyn}``)."""
+    m = _UNIT_SUFFIX.match(normalized)
+    return m.group(1) if m and _as_number(m.group(1)) is not None else normalized
+
+
 def fallback_equal(predicted: str, gold: str) -> bool:
-    """Equality of normalised strings, or of their exact numeric values when both are numbers."""
+    """Equality of normalised strings, or of their exact numeric values when both are numbers (a trailing unit
+    word dropped first: `strip_unit`)."""
     p, g = normalize_answer(predicted), normalize_answer(gold)
     if not p or not g:
         return False
     if p == g:
         return True
-    pn, gn = _as_number(p), _as_number(g)
+    pn, gn = _as_number(strip_unit(p)), _as_number(strip_unit(g))
     return pn is not None and gn is not None and pn == gn
 
 

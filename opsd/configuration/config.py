@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from trl.experimental.sdft import SDFTConfig
 
 from opsd.configuration.checks.choices import CHOICES, check_choice, parse_micro_batch_size
+from opsd.configuration.checks.inert import warn_inert
 from opsd.configuration.checks.methods import check_method
 from opsd.configuration.checks.ranges import check_ranges
 from opsd.configuration.checks.trl_options import (
@@ -37,10 +38,28 @@ def _choice(name: str, text: str) -> dict:
     return {"help": text, "choices": CHOICES[name]}
 
 
+MAX_MODULE_NAMES = 1000  # far more than any model's module kinds (a name is matched against every module)
+
+
 def _module_list(value) -> list[str]:
-    """LoRA target modules from a list (YAML, CLI) or a comma-separated string, entries split on commas too."""
-    items = [value] if isinstance(value, str) else list(value or [])
-    modules = [m.strip() for item in items for m in str(item).split(",") if m.strip()]
+    """LoRA target modules from a list (YAML, CLI) or a comma-separated string, entries split on commas too.
+    Each entry is a name: a nested list or mapping (YAML) is refused, not flattened, and so are more than
+    `MAX_MODULE_NAMES` of them."""
+    items = [value] if isinstance(value, str) else value or []
+    listed = isinstance(items, (list, tuple))
+    odd = next((i for i in items if not isinstance(i, str)), None) if listed else items
+    if not listed or odd is not None:
+        # Named by its type: the text of a nested YAML value may be all its aliases expanded.
+        raise ValueError(
+            f"lora_target_modules holds a {type(odd).__name__}, not a module name; give names such as "
+            "q_proj,v_proj, all-linear or auto"
+        )
+    if len(items) > MAX_MODULE_NAMES or sum(item.count(",") for item in items) >= MAX_MODULE_NAMES:
+        raise ValueError(
+            f"lora_target_modules holds more than {MAX_MODULE_NAMES} names; give the module names of one layer "
+            "(q_proj,v_proj), all-linear or auto"
+        )
+    modules = [m.strip() for item in items for m in item.split(",") if m.strip()]
     if not modules:
         raise ValueError(
             f"lora_target_modules={value!r} names no module; give e.g. q_proj,v_proj, all-linear or auto"
@@ -225,17 +244,57 @@ class OPSDConfig(SDFTConfig):
         default="none",
         metadata=_choice(
             "teacher_contrast",
-            "Contrastive teacher (docs/method.md §1.10): none (published) | shuffled (the wrong hint is another "
-            "problem's reference, a fixed derangement drawn from seed) | wrong_answer (the problem's own "
-            "reference with its final answer replaced by another value of the same kind). One more teacher "
-            "forward per micro-batch.",
+            "Contrastive teacher, RLCSD's target (docs/method.md §1.10): none (published) | shuffled (the wrong hint "
+            "is another problem's reference, a fixed derangement drawn from seed) | wrong_answer (the problem's own "
+            "reference with its final answer replaced by another value of the same kind) | own_wrong "
+            "(method=hybrid: up to contrast_hints incorrect sibling rollouts, the hint a correct sibling or the "
+            "reference). One more teacher forward per wrong hint.",
         ),
     )
     contrast_weight: float = field(
-        default=1.0,
+        default=0.5,
         metadata=_help(
-            "lambda of the contrastive target q ~ p_S (p_T(.|c) / p_T(.|c~))^lambda (teacher_contrast); "
-            "0 = no signal."
+            "alpha of the contrastive target q ~ p_T(.|c)^(1+alpha) / max(p_T(.|c~), e^floor)^alpha "
+            "(teacher_contrast); 0 = OPSD's teacher on the same buckets."
+        ),
+    )
+    contrast_top_k: int = field(
+        default=100,
+        metadata=_help("The teacher's top-k tokens the contrastive target keeps beside a tail bucket."),
+    )
+    contrast_log_floor: float = field(
+        default=-5.0, metadata=_help("Floor on log p_T(.|c~) inside the contrastive target.")
+    )
+    contrast_kl_tau: float = field(
+        default=1.0,
+        metadata=_help("tau of the contrastive token weight KL(c||c~) / (KL + tau); 0 = no weight."),
+    )
+    contrast_hints: int = field(
+        default=4,
+        metadata=_help(
+            "teacher_contrast=own_wrong: at most this many wrong sibling rollouts per rollout (K)."
+        ),
+    )
+    contrast_rl_weight: float = field(
+        default=0.5,
+        metadata=_help(
+            "method=hybrid with a contrast: lambda of RLCSD's modulation lambda tanh(e_ctr / tau) added to the "
+            "GRPO advantage under a sign-preserving clamp; 0 = none."
+        ),
+    )
+    contrast_rl_tau: float = field(
+        default=0.02, metadata=_help("tau of RLCSD's modulation tanh(e_ctr / tau), in nats.")
+    )
+    contrast_rl_delta: float = field(
+        default=0.02, metadata=_help("RLCSD's modulation is applied where its magnitude exceeds delta.")
+    )
+    token_weight: str = field(
+        default="none",
+        metadata=_choice(
+            "token_weight",
+            "Per-token loss weight (docs/method.md §1.12): none (published) | position_early (IW-OPD) | "
+            "position_late (position-weighted OPSD) | entropy_gate (teacher entropy, with a floor) | "
+            "positive_only (tokens the teacher makes likelier).",
         ),
     )
     teacher_ref_pairing: str = field(
@@ -392,6 +451,7 @@ class OPSDConfig(SDFTConfig):
         )  # every numeric field's range, declared once in opsd/configuration/checks/ranges.py
         self.micro_batch_size = parse_micro_batch_size(self.micro_batch_size)
         check_method(self)  # before TRL's checks: they read num_generations
+        warn_inert(self, {f.name: f.default for f in fields(self)})  # a switch the others leave idle
         sdft_defaults = {f.name: f.default for f in fields(SDFTConfig)}
         for name, instead in IGNORED_SDFT_OPTIONS.items():
             if getattr(self, name) != sdft_defaults[name]:

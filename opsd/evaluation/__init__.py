@@ -3,7 +3,10 @@ r"""AIME-style evaluation (docs/method.md §4): sample n completions per problem
 Modules, in the order a run uses them (each imports only those before it; the grader is `opsd.grading`, which
 training uses too):
 
-* `metrics`: avg@n, pass@k, maj@n with standard errors, paired comparisons and aggregates across runs;
+* `metrics`: avg@n, pass@k (and its curve over k = 1..n), maj@n with standard errors, paired comparisons,
+  aggregates across runs, the macro average over benchmarks and its paired difference;
+* `benchmarks`: the benchmark table of `--benchmarks` (dataset, pinned revision, columns, answer kind, preset
+  protocol) and the loading of a benchmark from the Hub's cache or a local copy;
 * `figures`: the per-problem accuracy and accuracy-vs-step PNGs;
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
   one builder of vLLM `SamplingParams`;
@@ -22,8 +25,11 @@ training uses too):
 * `workers`: data parallel over GPUs, workers pulling from a shared claim queue;
 * `summary`: summary.json and per_problem.csv; `report`: --compare, --aggregate, --plot-steps;
 * `plan`: what an evaluation still has to generate (resume checked) and the lines that report it;
-* `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start;
-* `evaluate`: one run start to finish, or a sweep or a report mode (eval_aime.py calls
+* `sweep`: `--checkpoints`, the base model and many checkpoints scored with one engine start; the reported step,
+  declared before scoring (`--step`);
+* `suite`: `--benchmarks`, every benchmark for one model or a sweep with one engine start, the table per benchmark
+  and the macro average, and `--compare` of two such results;
+* `evaluate`: one run start to finish, or a sweep, a benchmark suite or a report mode (eval_aime.py calls
   `evaluate.run_evaluation`).
 
 Output directory (`--out DIR`):
@@ -39,6 +45,9 @@ Output directory (`--out DIR`):
   PeftModel), or null.
 * ``summary.json``: config (as in eval_config.json), versions, engine, timing and `metrics.summarize`
   under ``metrics``; ``per_problem.csv``: the per-problem table; ``per_problem.png`` with ``--plot``.
+* With ``--benchmarks``: one such directory per benchmark (DIR/NAME; eval_config.json names the benchmark, its
+  pinned ``dataset_revision`` and the ``dataset_commit`` loaded), and ``benchmarks.json``/``.md`` (the table and the
+  macro average) and ``pass_at_k.png`` beside them (`suite`).
 
 Resume. A rerun with the same ``--out`` drops a trailing partial line (a run killed mid-write), keeps
 every complete line byte for byte, and generates only the samples (problem id, sample index) that are

@@ -55,6 +55,17 @@ class EvalConfig:
         "adapter ids), each scored into --out/NAME with one engine start; the base model into --out/base.",
     )
     base: bool = _arg(True, "Sweep: also score the base model (--no-base: only the checkpoints).")
+    step: int | None = _arg(
+        None,
+        "Sweep: the checkpoint step reported as the result, declared before scoring (default: the final "
+        "checkpoint). Every step is still scored and tabled; there is no best step per benchmark.",
+    )
+    benchmarks: str = _arg(
+        "",
+        "NAME,...: score each benchmark of docs/evaluation.md's table (aime24, aime25, hmmt25, aime26, hmmt26, "
+        "math500, amc23) into --out/NAME with one engine start, each at its preset n, max tokens and thinking "
+        "(a flag given sets it for all); --dataset NAME=FILE,... gives local copies.",
+    )
     merge_adapter: str = field(
         default="auto",
         metadata={
@@ -65,7 +76,10 @@ class EvalConfig:
             "metavar": "{auto,true,false}",
         },
     )
-    dataset: str = _arg("HuggingFaceH4/aime_2024", "Hub dataset, .json/.jsonl/.parquet file, or builtin.")
+    dataset: str = _arg(
+        "HuggingFaceH4/aime_2024",
+        "Hub dataset, .json/.jsonl/.parquet file, or builtin; with --benchmarks, NAME=FILE,... (local copies).",
+    )
     split: str = _arg("train", "Split of a hub dataset.")
     limit: int = _arg(0, "Evaluate only the first L problems (smoke runs); 0 = all.")
     # Sampling
@@ -151,9 +165,27 @@ class EvalConfig:
                 f"num_gpus={self.num_gpus} is invalid with --checkpoints: a sweep runs one engine; use "
                 "--tensor-parallel-size for a large model, or one --num-gpus run per checkpoint"
             )
+        if self.step is not None and (isinstance(self.step, bool) or self.step < 0):
+            raise bad("step", "give a checkpoint step (a whole number >= 0)")
+        if self.step is not None and not self.checkpoints:
+            raise ValueError(
+                f"step={self.step} is invalid without --checkpoints: --step declares which checkpoint of a sweep "
+                "is reported"
+            )
+        if self.benchmarks:
+            from opsd.evaluation.benchmarks import parse_benchmark_names
+
+            parse_benchmark_names(self.benchmarks)  # an unknown name is refused here, before anything loads
+            if self.num_gpus > 1:
+                raise ValueError(
+                    f"num_gpus={self.num_gpus} is invalid with --benchmarks: the benchmarks share one engine; use "
+                    "--tensor-parallel-size for a large model, or one --num-gpus run per benchmark"
+                )
         if self.compare and len(self.compare) != 2:
             raise ValueError(f"compare={self.compare} is invalid: pass exactly two result directories A B")
         modes = [m for m in ("checkpoints", "compare", "aggregate", "plot_steps") if getattr(self, m)]
+        if self.benchmarks and modes and modes[0] != "checkpoints":
+            modes = ["benchmarks", *modes]
         if len(modes) > 1:
             raise ValueError(f"--{modes[0]} and --{modes[1]} are separate modes; use one at a time")
         if self.mode in ("eval", "sweep", "plot_steps") and not self.out:
@@ -189,10 +221,28 @@ TRAINING_NAMES = {
 }
 
 
+def _flag_names(argv: Sequence[str]) -> set[str]:
+    """The flags of `argv` as written, without their dashes and with underscores: `--no-thinking` -> no_thinking."""
+    return {arg.partition("=")[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+
+
+def given_flags(argv: Sequence[str]) -> set[str]:
+    """The `EvalConfig` fields `argv` sets, whatever name it uses (`--no-thinking`, `--student-thinking` and
+    `--no-student-thinking` all set ``thinking``). A benchmark's preset protocol yields to these."""
+    given = _flag_names(argv)
+    fields_ = {f.name for f in fields(EvalConfig)}
+    out = {name for name in given if name in fields_}
+    out |= {name[3:] for name in given if name.startswith("no_") and name[3:] in fields_}
+    for dest, training in TRAINING_NAMES.items():
+        if set(training) & given:
+            out.add(dest)
+    return out
+
+
 def _refuse_both_names(argv: Sequence[str]) -> None:
     """One setting given under eval's name and training's is refused, as training refuses an older name given
     beside the canonical one (`opsd.configuration.sources.aliases.canonical_flags`)."""
-    given = {arg.partition("=")[0][2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+    given = _flag_names(argv)
     for dest, training in TRAINING_NAMES.items():
         ours = {dest, f"no_{dest}"} & given
         theirs = set(training) & given
@@ -203,12 +253,19 @@ def _refuse_both_names(argv: Sequence[str]) -> None:
 
 
 def parse_eval_args(argv: Sequence[str]) -> EvalConfig:
-    """Flags (underscores or dashes) into an `EvalConfig`; invalid values raise `UserError`."""
+    """Flags (underscores or dashes) into an `EvalConfig`; invalid values raise `UserError`, and so does what
+    argparse refuses (an unknown flag, a value of the wrong type), in one line with a pointer to --help instead
+    of the whole usage. No flag may be abbreviated (`allow_abbrev=False`): `--no-thinking` cannot pass as
+    `--no-th`, and an abbreviation cannot slip past the refusal of one setting under both names."""
     from transformers import HfArgumentParser
     from transformers.hf_argparser import string_to_bool
 
-    parser = HfArgumentParser(
-        EvalConfig, description="Score a model or LoRA checkpoint on AIME-style problems."
+    class Parser(HfArgumentParser):
+        def error(self, message: str):
+            raise UserError(f"{message}; see python eval_aime.py --help")
+
+    parser = Parser(
+        EvalConfig, description="Score a model or LoRA checkpoint on AIME-style problems.", allow_abbrev=False
     )
     # merge_adapter is a three-way str (HfArgumentParser adds --no_X only for bools defaulting to True).
     parser.add_argument(
@@ -231,6 +288,9 @@ def parse_eval_args(argv: Sequence[str]) -> EvalConfig:
     for action in parser._actions:  # set by --num-gpus for its own workers, not a user flag
         if action.dest == "shard":
             action.help = argparse.SUPPRESS
+    _, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         (config,) = parser.parse_args_into_dataclasses(args=list(argv))
     except ValueError as e:
@@ -239,7 +299,8 @@ def parse_eval_args(argv: Sequence[str]) -> EvalConfig:
 
 
 # EvalConfig's fields that choose another mode or the members of a sweep, not settings of one evaluation.
-MODE_FIELDS = ("compare", "aggregate", "plot_steps", "checkpoints", "base")
+# A sweep's declared step and the benchmark list choose what is run and reported, not how one evaluation samples.
+MODE_FIELDS = ("compare", "aggregate", "plot_steps", "checkpoints", "base", "step", "benchmarks")
 
 
 @dataclass(frozen=True)
@@ -255,6 +316,11 @@ class Resolved:
     student_template: str  # the prompt template the problems are rendered with
     max_model_len_used: int  # --max-model-len, lowered to the model's max_position_embeddings
     step: int | None  # N of a checkpoint-N in the adapter or model path; None without one
+    benchmark: str | None  # the --benchmarks name this evaluation scores; None for --dataset alone
+    dataset_revision: (
+        str | None
+    )  # the benchmark's pinned revision (its table's); None for a local or unpinned set
+    dataset_commit: str | None  # the commit `datasets` loaded (a 40-digit sha), where it says; else None
 
 
 class _Settings:

@@ -48,6 +48,10 @@ def run_evaluation(argv: Sequence[str], script: str) -> list[str]:
     """Parse `argv` and run the chosen mode; returns the report lines. `script` is re-run by workers."""
     config = parse_eval_args(argv)
     check_paths(config)  # before anything loads or is written
+    if config.benchmarks and config.mode in ("eval", "sweep"):
+        from opsd.evaluation.suite import run_suite
+
+        return run_suite(config, argv)
     if config.mode == "eval":
         return run_eval(config, argv, script)
     if config.mode == "sweep":
@@ -55,6 +59,10 @@ def run_evaluation(argv: Sequence[str], script: str) -> list[str]:
     from opsd.evaluation.report import run_aggregate, run_compare, run_plot_steps
 
     if config.mode == "compare":
+        from opsd.evaluation.suite import is_suite, run_suite_compare
+
+        if all(is_suite(d) for d in config.compare):
+            return run_suite_compare(config)
         return run_compare(config)
     if config.mode == "aggregate":
         return run_aggregate(config)

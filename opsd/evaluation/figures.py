@@ -81,3 +81,62 @@ def accuracy_vs_step(points: Sequence[Mapping[str, Any]], path: str | Path, titl
     plt.close(fig)
     logger.info("wrote %s", path)
     return path
+
+
+def pass_at_k_curves(
+    curves: Mapping[str, Sequence[Mapping[str, Any]]],
+    path: str | Path,
+    title: str = "",
+    reference: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+) -> Path:
+    """pass@k against k (log2 axis), one line per benchmark with its SE band; `reference` (the base model's
+    curves) dashed in the same colour. Each curve is `opsd.evaluation.metrics.pass_at_k_curve`'s list of
+    {k, value, se} in percent. A flat curve over a rising pass@1 is the narrowing that self-distillation can bring."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (name, curve) in enumerate(curves.items()):
+        color = plt.cm.tab10(i % 10)
+        ks = [p["k"] for p in curve]
+        values = [p["value"] for p in curve]
+        se = [p["se"] or 0.0 for p in curve]
+        ax.plot(ks, values, marker="o", markersize=3, color=color, label=name)
+        ax.fill_between(ks, [v - e for v, e in zip(values, se, strict=True)],
+                        [v + e for v, e in zip(values, se, strict=True)], color=color, alpha=0.15)  # fmt: skip
+        if reference and name in reference:
+            ref = reference[name]
+            ax.plot([p["k"] for p in ref], [p["value"] for p in ref], linestyle="--", color=color, alpha=0.8,
+                    label=f"{name} (base)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k (%) ± SE over problems")
+    ax.set_ylim(0, 105)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    logger.info("wrote %s", path)
+    return path
+
+
+def benchmark_steps(
+    series: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = ""
+) -> Path:
+    """avg@n against training step, one line per benchmark and one for the macro average, each point with its SE;
+    `series` maps a name to points {step, avg, avg_se} (percent)."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (name, points) in enumerate(series.items()):
+        pts = sorted(points, key=lambda p: p["step"])
+        ax.errorbar([p["step"] for p in pts], [p["avg"] for p in pts], yerr=[p["avg_se"] or 0.0 for p in pts],
+                    marker="o", capsize=3, color="black" if name.startswith("macro") else plt.cm.tab10(i % 10),
+                    linewidth=2 if name.startswith("macro") else 1, label=name)  # fmt: skip
+    ax.set_xlabel("training step")
+    ax.set_ylabel("avg@n (%) ± SE")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    logger.info("wrote %s", path)
+    return path

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd.errors import UserError
+from opsd.evaluation.benchmarks import Loaded
 from opsd.evaluation.eval_config import EvalConfig, EvalSettings
 
 logger = logging.getLogger(__name__)
@@ -171,12 +172,16 @@ def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cud
     return "vllm-lora" if engine == "vllm" else "peft"
 
 
-def resolve_job(config: EvalConfig) -> EvalJob:
-    """Check every input before any engine starts."""
+def resolve_job(config: EvalConfig, loaded: Loaded | None = None, benchmark: str | None = None) -> EvalJob:
+    """Check every input before any engine starts. `loaded`: the problems of `benchmark`, already read
+    (`opsd.evaluation.benchmarks.load_benchmark`), instead of those of `config.dataset`."""
     from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer
 
-    problems = load_problems(config)
+    if loaded is None:
+        problems = load_problems(config)
+    else:
+        problems = loaded.problems[: config.limit] if config.limit else list(loaded.problems)
     model_path = resolve_model(config.model)
     adapter_path, adapter_cfg = read_adapter(config.adapter) if config.adapter else ("", {})
     base = adapter_cfg.get("base_model_name_or_path")
@@ -203,7 +208,7 @@ def resolve_job(config: EvalConfig) -> EvalJob:
             f"--kv-cache-dtype {config.kv_cache_dtype} needs vLLM on a GPU, and this run uses {where}; leave it "
             "at auto"
         )
-    dataset = config.dataset
+    dataset = config.dataset if loaded is None else loaded.source
     if Path(dataset).expanduser().is_file():
         dataset = str(Path(dataset).expanduser().resolve())
     adapter_mode = resolve_adapter_mode(config.merge_adapter, engine, bool(adapter_path), cuda_available())
@@ -228,5 +233,8 @@ def resolve_job(config: EvalConfig) -> EvalJob:
         student_template=builder.student_template,
         max_model_len_used=effective_max_len(model_path, config.max_model_len),
         step=adapter_step(config.adapter, config.model),
+        benchmark=benchmark,
+        dataset_revision=None if loaded is None else loaded.revision,
+        dataset_commit=None if loaded is None else loaded.commit,
     )
     return EvalJob(settings, problems, tokenizer, builder, Path(config.out).expanduser())

@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 SAMPLE_KEYS = ("correct", "extracted", "has_box", "n_tokens", "truncated")
 
 
-def t_critical_975(df: int) -> float:
+def t_critical_975(df: float) -> float:
     """Two-sided 95% critical value t_{0.975, df} of Student's t (scipy; the experiment's intervals take any
-    level through `opsd.experiment.stats.t_critical`, which sits above evaluation and is not imported here)."""
+    level through `opsd.experiment.stats.t_critical`, which sits above evaluation and is not imported here).
+    `df` may be fractional (the Welch-Satterthwaite df of `macro_paired`)."""
     from scipy import stats
 
     if df < 1:
@@ -79,6 +80,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         prod *= 1.0 - k / i
     return 1.0 - prod
+
+
+def pass_at_k_curve(correct_counts: Sequence[int], n: int) -> list[dict[str, Any]]:
+    """The unbiased pass@k for every k = 1..n, in percent, each with its SE over problems.
+
+    correct_counts[p] is c_p, the correct samples of problem p out of n. For each k:
+    value_k = 100 * mean_p pass_at_k(n, c_p, k) and se_k = 100 * std_p(ddof=1) / sqrt(P) (None for one
+    problem). pass@1 is avg@n; pass@n is the share of problems with any correct sample. Returns
+    ``[{"k": 1, "value": ..., "se": ...}, ..., {"k": n, ...}]``.
+    """
+    if not correct_counts:
+        raise ValueError("pass_at_k_curve needs at least one problem")
+    curve = []
+    for k in range(1, n + 1):
+        value, se = _rate([pass_at_k(n, c, k) for c in correct_counts])
+        curve.append({"k": k, "value": value, "se": se})
+    return curve
 
 
 def _field(sample: Mapping[str, Any], key: str) -> Any:
@@ -153,7 +171,7 @@ def summarize(per_problem: Mapping[str, Sequence[Mapping[str, Any]]], k: int | N
 
     Keys: ``n_problems``, ``n`` (samples per problem), ``k``; ``avg``, ``pass_at_k``, ``maj``,
     ``format_rate``, ``truncation_rate`` (percent) and ``mean_tokens`` (tokens), each with an ``_se``
-    twin (None for one problem); ``labels`` (e.g. {"avg": "avg@12", "pass_at_k": "pass@12",
+    twin (None for one problem); ``pass_at_k_curve`` (`pass_at_k_curve`: pass@1 .. pass@n); ``labels`` (e.g. {"avg": "avg@12", "pass_at_k": "pass@12",
     "maj": "maj@12"}); ``problems``: one dict per problem with ``id``, ``n``, ``n_correct``,
     ``accuracy``, ``pass_at_k`` (fractions), ``maj`` (bool), ``format_rate``, ``truncation_rate``
     (fractions) and ``mean_tokens``.
@@ -186,6 +204,7 @@ def summarize(per_problem: Mapping[str, Sequence[Mapping[str, Any]]], k: int | N
         summary[name], summary[f"{name}_se"] = _rate([float(r[key]) for r in rows])
     tokens = [r["mean_tokens"] for r in rows]
     summary["mean_tokens"], summary["mean_tokens_se"] = mean(tokens), standard_error(tokens)
+    summary["pass_at_k_curve"] = pass_at_k_curve([r["n_correct"] for r in rows], n)
     summary["labels"] = {"avg": f"avg@{n}", "pass_at_k": f"pass@{k}", "maj": f"maj@{n}"}
     summary["problems"] = rows
     return summary
@@ -279,3 +298,58 @@ def aggregate_runs(values: Sequence[float]) -> dict[str, Any]:
         "n": len(values),
         "note": "SE undefined for a single run" if se is None else None,
     }
+
+
+# --- several benchmarks: the macro average -----------------------------------------------------------
+
+
+def macro_average(rates: Sequence[tuple[float, float | None]]) -> dict[str, Any]:
+    """Unweighted mean of B benchmarks' rates (percent), each given as (rate, SE), with its SE.
+
+    The benchmarks are independent problem sets, so the variance of the mean is the sum of the variances over B^2:
+    macro = (1/B) * sum_b r_b,  SE = sqrt(sum_b SE_b^2) / B. The SE is None when any benchmark's is (one
+    problem). Every benchmark weighs alike, whatever its size (MATH-500's 500 problems count as much as
+    AIME's 30). Returns ``n_benchmarks``, ``value``, ``se``.
+    """
+    if not rates:
+        raise ValueError("macro_average needs at least one benchmark")
+    b = len(rates)
+    value = math.fsum(r for r, _ in rates) / b
+    ses = [se for _, se in rates]
+    se = None if any(x is None for x in ses) else math.sqrt(math.fsum(x * x for x in ses)) / b
+    return {"n_benchmarks": b, "value": value, "se": se}
+
+
+def macro_paired(diffs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The macro average of B per-benchmark paired differences (each a `paired_compare` result), in points.
+
+    mean_diff = (1/B) * sum_b d_b and SE = sqrt(sum_b se_b^2) / B (independent benchmarks). The 95% interval
+    is mean_diff ± t_{0.975, df} * SE with the Welch-Satterthwaite degrees of freedom of a sum of independent
+    t-distributed terms, df = (sum_b se_b^2)^2 / sum_b (se_b^4 / df_b), df_b = P_b - 1; with one benchmark
+    that is its own df. mean_a and mean_b are the macro averages of each side. SE, df and the interval are
+    None when a benchmark has none (one problem); with SE 0 the interval is the point and df is None.
+    Returns ``n_benchmarks``, ``mean_a``, ``mean_b``, ``mean_diff``, ``se``, ``df``, ``t_crit``,
+    ``ci_low``, ``ci_high``.
+    """
+    if not diffs:
+        raise ValueError("macro_paired needs at least one benchmark")
+    b = len(diffs)
+    out: dict[str, Any] = {
+        "n_benchmarks": b,
+        "mean_a": math.fsum(d["mean_a"] for d in diffs) / b,
+        "mean_b": math.fsum(d["mean_b"] for d in diffs) / b,
+        "mean_diff": math.fsum(d["mean_diff"] for d in diffs) / b,
+        "se": None, "df": None, "t_crit": None, "ci_low": None, "ci_high": None,
+    }  # fmt: skip
+    if any(d["se"] is None for d in diffs):
+        return out
+    variance = math.fsum(d["se"] ** 2 for d in diffs)  # b^2 * Var(mean_diff)
+    out["se"] = math.sqrt(variance) / b
+    if variance == 0:
+        out["ci_low"] = out["ci_high"] = out["mean_diff"]
+        return out
+    out["df"] = variance**2 / math.fsum(d["se"] ** 4 / d["df"] for d in diffs if d["se"] > 0)
+    out["t_crit"] = t_critical_975(out["df"])
+    out["ci_low"] = out["mean_diff"] - out["t_crit"] * out["se"]
+    out["ci_high"] = out["mean_diff"] + out["t_crit"] * out["se"]
+    return out

@@ -26,10 +26,10 @@ SEED_STRIDE = 1 << 16  # seeds of one problem's samples; n above this would reus
 RESUME_KEYS = (
     "model_path", "adapter_path", "adapter_mode", "engine_used", "dataset_source", "split", "n",
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_model_len_used", "thinking",
-    "student_template", "seed", "kv_cache_dtype",
+    "student_template", "seed", "kv_cache_dtype", "dataset_revision",
 )  # fmt: skip
 # Settings added after runs were saved without them: a saved run that lacks one ran at this value.
-RESUME_DEFAULTS = {"kv_cache_dtype": "auto"}
+RESUME_DEFAULTS = {"kv_cache_dtype": "auto", "dataset_revision": None}
 
 
 def sample_seed(seed: int, problem_index: int, sample_index: int) -> int:

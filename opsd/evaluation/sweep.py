@@ -37,6 +37,13 @@ Outputs at OUT: sweep.json (one row per evaluation: avg@n, format and truncation
 paired difference in accuracy against the base with its 95% CI (`opsd.evaluation.metrics.paired_compare`);
 the engine starts and times), sweep.csv and sweep.md (the same table), accuracy_vs_step.png/.json (the
 curve of --plot-steps; the base at step 0, checkpoints without a step, such as Hub adapters, left out).
+
+The reported step (`declare_step`). Every step is scored and tabled, but one checkpoint is the result: the one
+declared before anything is scored, the final checkpoint by default (the largest step; without step numbers, the
+last checkpoint listed), or `--step N`. It is logged before scoring and printed last with its numbers, and
+sweep.json holds it under ``declared``. A step past the last checkpoint, or one the sweep does not hold, is
+refused in one line before any engine starts. Picking the best step after scoring, per benchmark or at all,
+would report the maximum of noisy numbers (docs/evaluation.md, The reported step).
 """
 
 from __future__ import annotations
@@ -152,10 +159,54 @@ def expand(args: list[str], with_base: bool) -> list[Entry]:
     return entries
 
 
+def entry_step(entry: Entry) -> int | None:
+    """The training step of an entry: N of its checkpoint-N path; 0 for the base model; None for a checkpoint
+    without one (a Hub adapter, a directory of another name)."""
+    from opsd.rundir import step_in_path
+
+    if entry.kind == "base":
+        return 0
+    return step_in_path(entry.source) if entry.source else None
+
+
+def declare_step(entries: list[Entry], step: int | None) -> tuple[Entry | None, str]:
+    """The evaluation a sweep reports, chosen before anything is scored, and why (module docstring): `--step`'s
+    checkpoint, else the final one. UserError for a step past the last checkpoint or not in the sweep."""
+    ckpts = [e for e in entries if e.kind != "base"]
+    stepped = {entry_step(e): e for e in ckpts if entry_step(e) is not None}
+    if step is None:
+        if stepped:
+            last = max(stepped)
+            return stepped[last], f"step {last}, the final checkpoint; --step N declares another"
+        if ckpts:
+            return ckpts[-1], f"{ckpts[-1].name}, the last checkpoint listed; no checkpoint has a step number"
+        return None, "the base model alone"
+    if not stepped:
+        raise UserError(
+            f"--step {step}: no checkpoint of this sweep has a step (checkpoint-N); leave --step out"
+        )
+    if step > max(stepped):
+        raise UserError(
+            f"--step {step} is past the last checkpoint (step {max(stepped)}); declare one of the steps "
+            f"{', '.join(map(str, sorted(stepped)))}"
+        )
+    if step not in stepped:
+        raise UserError(
+            f"--step {step} is not a checkpoint of this sweep; declare one of the steps "
+            f"{', '.join(map(str, sorted(stepped)))}"
+        )
+    return stepped[step], f"step {step}, declared with --step"
+
+
 def child_config(config: EvalConfig, entry: Entry) -> EvalConfig:
     """The single evaluation an entry stands for: `--adapter CKPT` (LoRA), `--model CKPT` (full
     fine-tune) or the base model, into OUT/NAME."""
-    changes: dict[str, Any] = {"checkpoints": [], "base": True, "out": str(Path(config.out) / entry.name)}
+    changes: dict[str, Any] = {
+        "checkpoints": [],
+        "base": True,
+        "step": None,
+        "out": str(Path(config.out) / entry.name),
+    }
     if entry.kind == "lora":
         changes["adapter"] = entry.source
     else:
@@ -320,6 +371,8 @@ def run_sweep(config: EvalConfig) -> list[str]:
     t0 = time.perf_counter()
     out = Path(config.out).expanduser()
     entries = expand(config.checkpoints, config.base)
+    declared, why = declare_step(entries, config.step)
+    logger.info("reported result, declared before scoring: %s", why)
     # Every input is checked, and every result directory's settings, before the engine starts.
     jobs = [resolve_job(child_config(config, e)) for e in entries]
     base_path = resolve_model(config.model)
@@ -369,6 +422,7 @@ def run_sweep(config: EvalConfig) -> list[str]:
         "engine_starts": served.starts if served is not None else sum(1 for p in plans if p),
         "weight_loads": served.loads if served is not None else 0,
         "engine_start_s": engine_start_s,
+        "declared": {"name": declared.name if declared else None, "why": why},
         "wall_time_s": time.perf_counter() - t0,
         "evaluations": [
             {"name": e.name, "dir": str(j.out), "sampled": bool(p)}
@@ -379,5 +433,10 @@ def run_sweep(config: EvalConfig) -> list[str]:
     points = [step_point(str(j.out), s) for e, j, s in zip(entries, jobs, summaries, strict=True)
               if e.kind == "base" or s.get("step") is not None]  # fmt: skip
     png = write_step_plot(points, out)
+    head = next(r for r in rows if declared is None or r["name"] == declared.name)
+    vs = head["vs_base"]
+    diff = "" if not vs else f", {vs['mean_diff']:+.2f} vs base [{_fmt(vs['ci_low'])}, {_fmt(vs['ci_high'])}]"
     return [*lines, "", *table, "", f"table: {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / SWEEP_FILE}",
-            f"plot: {png}", f"engine starts: {extra['engine_starts']}"]  # fmt: skip
+            f"plot: {png}", f"engine starts: {extra['engine_starts']}",
+            f"reported: {head['name']}, declared before scoring ({why})",
+            f"  {head['label']} {head['avg']:.2f} ± {_fmt(head['avg_se'])}{diff}"]  # fmt: skip

@@ -52,13 +52,40 @@ def check_name(name: str, what: str) -> None:
         )
 
 
+# Recipe settings that name a file: read relative to the directory the command is given in (as train_capped.sh
+# reads a recipe's paths), and recorded absolute, since the arm's cells run in the checkout.
+PATH_SETTINGS = ("student_prompt_file", "teacher_prompt_file")
+
+
 def overrides_to_recipe(overrides) -> dict[str, str]:
     return {o.field: o.value for o in overrides}
 
 
+def absolute_paths(recipe: dict[str, str], cwd: Path) -> dict[str, str]:
+    """`recipe` with each of its `PATH_SETTINGS` made absolute against `cwd` (an empty one is unset)."""
+    import os
+
+    return {
+        k: os.path.abspath(cwd / Path(v).expanduser()) if k in PATH_SETTINGS and v else v
+        for k, v in recipe.items()
+    }
+
+
+def effective_recipe(settings: dict[str, object]) -> dict[str, object]:
+    """The method an arm trains: a dry run's resolved settings (field -> value) restricted to the method's keys
+    (`RECIPE_KEYS`), less the fields those settings leave without effect
+    (`opsd.configuration.checks.inert.inert_fields`). Two arms with equal effective recipes train alike."""
+    from opsd.configuration.checks.inert import inert_fields
+    from opsd.configuration.sources.keys import RECIPE_KEYS
+
+    idle = inert_fields(settings)
+    return {k: v for k, v in sorted(settings.items()) if k in RECIPE_KEYS and k not in idle}
+
+
 def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
     """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`, None: the defaults) into an Arm;
-    UserError if bad, a missing `base_recipe` included."""
+    UserError if bad, a missing `base_recipe` included. Paths (the file, `PATH_SETTINGS`) are read relative to
+    `cwd` and recorded absolute."""
     from opsd.configuration.sources.recipe import RecipeError, parse_recipe
 
     name, sep, rest = text.partition("=")
@@ -72,13 +99,15 @@ def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
     rest = rest.strip()
     try:
         if "=" not in rest:
-            path = (cwd / rest).expanduser()
+            path = cwd / Path(rest).expanduser()
             if not path.is_file():
                 raise UserError(
                     f"--arm {name}={rest}: no recipe file at {path}; give an existing recipe file or "
                     "KEY=VALUE overrides"
                 )
-            return Arm(name, overrides_to_recipe(parse_recipe(path)), str(rest))
+            return Arm(
+                name, absolute_paths(overrides_to_recipe(parse_recipe(path)), cwd), str(path.absolute())
+            )
         recipe = overrides_to_recipe(parse_recipe(base_recipe)) if base_recipe is not None else {}
     except RecipeError as err:
         raise UserError(f"--arm {name}: {err}".replace("\n", " ")) from None
@@ -92,4 +121,5 @@ def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
         except RecipeError as err:
             shown = str(err).replace(f"{inline}: ", "", 1).replace(f"{inline}:", "item ").replace("\n", " ")
             raise UserError(f"--arm {name}={rest}: {' '.join(shown.split())}") from None
-    return Arm(name, recipe, f"{base_recipe} + {rest}" if base_recipe is not None else rest)
+    source = f"{(cwd / base_recipe).absolute()} + {rest}" if base_recipe is not None else rest
+    return Arm(name, absolute_paths(recipe, cwd), source)

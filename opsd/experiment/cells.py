@@ -14,12 +14,21 @@ most `MAX_SAMPLES`, a label one line of plain text, a key of failed.json a job k
 nothing a disk can hold reaches the statistics, the figures or report.md unchecked. A run's compute ledger
 (`cell_ledger`) is checked alike, but one that is damaged leaves that cell's compute columns n/a, with why, rather
 than refusing the report: the verdict does not read it. `check_links` refuses a link
-under the directory that leads out of it: the report reads there and the runner writes and prunes there.
+under the directory that leads out of it (the report reads there and the runner writes and prunes there), one that
+would read another cell's files as its own, and a loop. A cut last line of DIR/jobs.jsonl (a stop mid-append) is
+skipped and counted.
+
+Benchmarks. When the experiment's evaluation flags name `--benchmarks` (`spec_benchmarks`), each evaluation
+directory holds one evaluation per benchmark (DIR/NAME/summary.json, samples.jsonl) and benchmarks.json, written
+once all of them are; such a directory counts as scored by that file (`evaluation_done`), and each benchmark's
+evaluation is read and checked as a single one is (`read_evals`). The step reported is the one the flags declare
+with `--step`, the final checkpoint otherwise (`declared_step`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -29,12 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.errors import UserError
+from opsd.evaluation.benchmarks import BENCHMARKS_FILE, parse_benchmark_names
 from opsd.evaluation.report import AGGREGATE_METRICS
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
 from opsd.experiment.arms import BASE, check_name
 from opsd.paths import GIB, MIB, FileKind, read_bytes, shown, write_atomically
 from opsd.rundir import EMA_TEACHER_FILE, METRICS_FILE, checkpoint_step, checkpoints, is_complete
+
+logger = logging.getLogger(__name__)
 
 FAILED_FILE = "failed.json"  # DIR/failed.json: jobs that failed every attempt, with their logs
 JOBS_FILE = "jobs.jsonl"  # DIR/jobs.jsonl: one line per finished attempt (job, devices, start, seconds, exit)
@@ -182,22 +194,41 @@ def prune_cell(directory: Path, arm: str, seed: int, *, keep_adapters: bool) -> 
     return freed
 
 
+def spec_benchmarks(spec: S.Spec) -> list[str]:
+    """The benchmarks the experiment's evaluation flags name (`--benchmarks`), in order; [] for one table."""
+    value = S.eval_flag_value(spec.eval_flags, "--benchmarks")
+    return parse_benchmark_names(value) if value else []
+
+
+def declared_step(spec: S.Spec) -> int:
+    """The checkpoint step the verdict reports: `--step N` of the evaluation flags, else the final one."""
+    value = S.eval_flag_value(spec.eval_flags, "--step")
+    return int(value) if value is not None and value.isdigit() else S.STEPS
+
+
+def evaluation_done(path: Path) -> bool:
+    """A finished evaluation: one table's summary.json, or the benchmarks.json of a --benchmarks evaluation
+    (written once every benchmark's summary is)."""
+    return (path / SUMMARY_FILE).is_file() or (path / BENCHMARKS_FILE).is_file()
+
+
 def scored_steps(eval_dir: Path) -> dict[int, Path]:
-    """step -> the checkpoint-N evaluation under a cell's sweep directory that has its summary."""
+    """step -> the checkpoint-N evaluation under a cell's sweep directory that is finished (`evaluation_done`)."""
     found = {}
     if eval_dir.is_dir():
         for sub in sorted(eval_dir.iterdir()):
             step = checkpoint_step(sub)
-            if step is not None and (sub / SUMMARY_FILE).is_file():
+            if step is not None and evaluation_done(sub):
                 found[step] = sub
     return found
 
 
 def count_samples(eval_dir: Path) -> int:
     total = 0
-    for path in eval_dir.glob(f"*/{SAMPLES_FILE}"):
-        with path.open("rb") as f:
-            total += sum(1 for _ in f)
+    for pattern in (f"*/{SAMPLES_FILE}", f"*/*/{SAMPLES_FILE}"):  # one table, or one per benchmark
+        for path in eval_dir.glob(pattern):
+            with path.open("rb") as f:
+                total += sum(1 for _ in f)
     return total
 
 
@@ -219,7 +250,7 @@ def all_scored(directory: Path, arm: str, seed: int) -> bool:
 
 def base_scored(directory: Path, seed: int) -> bool:
     """The base model is scored with training seed `seed`'s sampling seeds."""
-    return (S.base_eval_dir(directory, seed) / SUMMARY_FILE).is_file()
+    return evaluation_done(S.base_eval_dir(directory, seed))
 
 
 METRICS = AGGREGATE_METRICS  # what eval_aime.py aggregates over runs: avg, pass@k, maj, format rate (percent)
@@ -247,18 +278,32 @@ MAX_START = 100 * 365 * 86400.0  # its start, in seconds since 1970: before 2070
 _LABEL = re.compile(r"[A-Za-z0-9@%.+_-]{1,40}")
 
 
-def _json_lines(path: Path, kind: FileKind) -> list[tuple[int, object]]:
-    """(line number, parsed value) of every non-blank line; UserError naming the first line that is not JSON."""
+def _json_lines(path: Path, kind: FileKind, *, cut: list[int] | None = None) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line; UserError naming the first line that is not JSON.
+    With `cut` (an append-only log), a last line without its newline that is not JSON, a write cut short by a
+    stop, is skipped with a warning instead and its number appended to `cut`, as `opsd.rundir.read_step_log`
+    skips one of metrics.jsonl."""
+    skip_cut = cut is not None
+    data = read_bytes(path, kind)
     try:
-        text = read_bytes(path, kind).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"{path} is not UTF-8 text (byte {err.start})") from None
+        # A cut can split a character, and only in the last line.
+        if not (skip_cut and err.start > data.rfind(b"\n")):
+            raise UserError(f"{path} is not UTF-8 text (byte {err.start})") from None
+        text = data[: data.rfind(b"\n") + 1].decode("utf-8") + "\ufffd"
     out = []
-    for lineno, line in enumerate(text.split("\n"), 1):
+    lines = text.split("\n")
+    for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
                 out.append((lineno, S.parse_json(line)))
             except ValueError as err:
+                if skip_cut and lineno == len(lines):  # the last piece: no newline after it
+                    logger.warning("%s line %d is cut short (a write stopped midway); skipped: %r", path, lineno,
+                                   line[:80])  # fmt: skip
+                    cut.append(lineno)
+                    continue
                 raise UserError(f"{path} line {lineno} is not JSON ({S.json_error(err)})") from None
     return out
 
@@ -346,10 +391,10 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
         metrics = summary["metrics"]
         labels = metrics["labels"]
         ok = isinstance(metrics, dict) and isinstance(labels, dict)
+    except UserError as err:  # over its cap, unreadable: before ValueError, which InvalidValue also is
+        raise UserError(f"{err}; {redo}") from None
     except (ValueError, KeyError, TypeError):
         ok = False
-    except UserError as err:
-        raise UserError(f"{err}; {redo}") from None
     if not ok:
         raise UserError(f"{where} is not an eval_aime.py summary; {redo}")
     problem = _summary_problem(metrics, labels)
@@ -416,6 +461,8 @@ def read_failed(directory: Path) -> dict[str, dict]:
     fix = f"it was edited or damaged: delete {path} (a rerun records failures again)"
     try:
         data = S.parse_json(read_bytes(path, RESULT_FILE).decode("utf-8", errors="replace"))
+    except UserError as err:  # over its cap, unreadable: named as such, not as JSON
+        raise UserError(f"{err}; {fix}") from None
     except ValueError as err:
         raise UserError(f"{path} is not valid JSON ({S.json_error(err)}); {fix}") from None
     good = isinstance(data, dict) and all(
@@ -457,14 +504,16 @@ def cell_failure(failed: dict[str, dict], arm: str, seed: int) -> tuple[JobKey, 
     return None
 
 
-def read_jobs(directory: Path) -> list[dict]:
-    """DIR/jobs.jsonl's records (kind, start, seconds, ...); [] when absent; UserError when a line is damaged."""
+def read_jobs(directory: Path) -> tuple[list[dict], int]:
+    """(DIR/jobs.jsonl's records (kind, start, seconds, ...), 1 when its last line was cut by a stop mid-append and
+    is skipped, else 0); ([], 0) when absent; UserError when a line is damaged."""
     path = directory / JOBS_FILE
     if not path.is_file():
-        return []
+        return [], 0
     fix = f"it was edited or damaged: delete {path} (it only times the report)"
+    cut: list[int] = []
     try:
-        lines = _json_lines(path, RESULT_FILE)
+        lines = _json_lines(path, RESULT_FILE, cut=cut)
     except UserError as err:
         raise UserError(f"{err}; {fix}") from None
     for lineno, r in lines:
@@ -478,7 +527,7 @@ def read_jobs(directory: Path) -> list[dict]:
                 f"{S.shown_value(r['seconds'])} is out of range (a time since 1970, a duration of at most "
                 f"{MAX_JOB_SECONDS:.0f} s); {fix}"
             )
-    return [r for _, r in lines]
+    return [r for _, r in lines], len(cut)
 
 
 def write_failed(directory: Path, failed: dict[str, dict]) -> None:
@@ -492,8 +541,11 @@ def _read_and_written(directory: Path, spec: S.Spec) -> Iterator[Path]:
     for name in (S.EXPERIMENT_FILE, FAILED_FILE, JOBS_FILE, S.RECIPES, S.RUNS, S.EVALS, S.LOGS):
         yield directory / name
     yield directory / S.EVALS / BASE
+    benchmarks = spec_benchmarks(spec)
     for seed in spec.seeds:
         yield from _with_entries(S.base_eval_dir(directory, seed))
+        for name in benchmarks:
+            yield from _with_entries(S.base_eval_dir(directory, seed) / name)
         yield directory / S.LOGS / f"{JobKey('base', seed)}.log"
     for arm in spec.arm_names:
         yield from (S.recipe_path(directory, arm), directory / S.RUNS / arm, directory / S.EVALS / arm)
@@ -502,7 +554,9 @@ def _read_and_written(directory: Path, spec: S.Spec) -> Iterator[Path]:
             for sweep in _with_entries(S.eval_dir(directory, arm, seed)):
                 yield sweep
                 if checkpoint_step(sweep) is not None:
-                    yield from (sweep / SUMMARY_FILE, sweep / SAMPLES_FILE)
+                    yield from (sweep / SUMMARY_FILE, sweep / SAMPLES_FILE, sweep / BENCHMARKS_FILE)
+                    for name in benchmarks:
+                        yield from _with_entries(sweep / name)
             for kind in ("train", "eval"):
                 yield directory / S.LOGS / f"{JobKey(kind, seed, arm)}.log"
 
@@ -513,20 +567,52 @@ def _with_entries(path: Path) -> Iterator[Path]:
         yield from sorted(path.iterdir())
 
 
+# The entries an experiment directory's layout holds: a link into any of them would make one path of the layout
+# read another's files (a seed's evaluation paired with another seed's cells).
+LAYOUT_NAMES = (S.EXPERIMENT_FILE, FAILED_FILE, JOBS_FILE, S.RECIPES, S.RUNS, S.EVALS, S.LOGS)
+
+
 def check_links(directory: Path, spec: S.Spec) -> None:
-    """Refuse a link under the experiment directory that leads out of it (an evaluation directory replaced by a
-    link to /etc): the report would read there, and a run would write, prune and append logs there. A link that
-    stays inside is followed. UserError naming the first such link."""
+    """Refuse a link under the experiment directory that could change which cell a file belongs to, in one line
+    naming it: a link out of the directory (an evaluation directory replaced by a link to /etc: the report would
+    read there, and a run would write, prune and append logs there); a link into the directory's own layout
+    (`evals/a/seed1` to `evals/a/seed2` would pair seed 2's evaluation with seed 1's); two paths of the layout
+    leading to one place; a loop (read as absent, it would drop a cell or a curve without a word). What is left
+    is a link to a place inside the directory but outside its layout (a directory moved aside, `DIR/evals-B`, and
+    linked back as `DIR/evals/B`): only that path leads there, so its files stay its cell's, and it is followed."""
+    import errno
+
     root = Path(os.path.realpath(directory))
+    seen: dict[Path, Path] = {}  # where a path of the layout leads -> that path
     for path in _read_and_written(directory, spec):
         if not os.path.lexists(path):
             continue
+        try:
+            os.stat(path)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UserError(
+                    f"{shown(path)} is a link that leads back to itself (a loop); delete it (a rerun makes what "
+                    "belongs there again)"
+                ) from None
         real = Path(os.path.realpath(path))
         if real != root and root not in real.parents:
             raise UserError(
                 f"{shown(path)} is a link to {shown(real)}, outside the experiment {shown(directory)}; an "
                 "experiment reads and writes only inside its directory: put what it links to in its place, or "
                 "delete the link (a rerun makes it again)"
+            )
+        linked = real != Path(os.path.realpath(path.parent)) / path.name
+        if linked and (real == root or real.relative_to(root).parts[0] in LAYOUT_NAMES):
+            raise UserError(
+                f"{shown(path)} is a link to {shown(real)}, inside the experiment's own layout: its files would be "
+                "read as another cell's; put what belongs there in its place, or delete the link (a rerun makes it "
+                "again)"
+            )
+        if seen.setdefault(real, path) != path:
+            raise UserError(
+                f"{shown(path)} and {shown(seen[real])} both lead to {shown(real)}: one place would be read as two "
+                "cells'; keep one of them, and delete the other (a rerun makes it again)"
             )
 
 
@@ -535,10 +621,18 @@ def check_directory(directory: Path, spec: S.Spec) -> None:
     links (`check_links`), so that a damaged one is refused before a run adds to the directory."""
     check_links(directory, spec)
     read_failed(directory)
-    read_jobs(directory)
+    read_jobs(directory)  # a cut last line is skipped here as in the report
+    benchmarks = spec_benchmarks(spec)
     for seed in spec.seeds:
         if base_scored(directory, seed):
-            read_eval(S.base_eval_dir(directory, seed))
+            read_evals(S.base_eval_dir(directory, seed), benchmarks)
         for arm in spec.arm_names:
             for where in scored_steps(S.eval_dir(directory, arm, seed)).values():
-                read_eval(where)
+                read_evals(where, benchmarks)
+
+
+def read_evals(eval_dir: Path, benchmarks: list[str]) -> dict[str | None, tuple[dict, dict]]:
+    """`read_eval` of one finished evaluation ({None: ...}), or of each benchmark's under it ({name: ...})."""
+    if not benchmarks:
+        return {None: read_eval(eval_dir)}
+    return {name: read_eval(eval_dir / name) for name in benchmarks}

@@ -15,7 +15,9 @@ SEED's sampling seeds; the base model is scored once per seed the same way.
 Rerunning the command resumes: finished cells are skipped, interrupted ones continue. Without `--arm` and
 `--seeds` a rerun takes the directory's own. Results: DIR/report.md, DIR/summary.json, DIR/verdict.png,
 DIR/curves.png, also written by `report` from whatever has finished. Bad input: one line, exit status 2.
-SIGTERM stops the command as Ctrl-C does: its jobs are stopped and its temporary files removed.
+SIGTERM and SIGHUP stop the command as Ctrl-C does: its jobs are stopped and its temporary files removed.
+Paths (--model, --dataset, --recipe, recipe files, the paths inside --eval-flags and in recipes) are read
+where the command is given and recorded absolute.
 """
 
 from __future__ import annotations
@@ -195,8 +197,11 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
     profile = a.profile or (old.profile if old else "full")
     if profile not in PROFILES:
         raise UserError(f"--profile {profile!r}: choose one of {', '.join(sorted(PROFILES))}")
+    # Every path a user gives is read where it was given, and recorded absolute: the jobs run in the checkout.
     eval_flags = (
-        split_eval_flags(a.eval_flags) if a.eval_flags is not None else (old.eval_flags if old else [])
+        S.absolute_eval_flags(split_eval_flags(a.eval_flags))
+        if a.eval_flags is not None
+        else (old.eval_flags if old else [])
     )
     S.check_eval_flags(eval_flags)
     gpus_per_run = (
@@ -218,13 +223,13 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         from opsd.paths import RECIPE_FILE, check_file
 
         S.check_text(a.recipe, "--recipe")  # an inline arm's source names it
-        base_recipe = check_file(a.recipe, RECIPE_FILE)
+        base_recipe = check_file(a.recipe, RECIPE_FILE).absolute()
     if len(a.arm) > S.MAX_ARMS:
         raise UserError(f"{len(a.arm)} --arm flags: an experiment holds at most {S.MAX_ARMS} arms; split it")
     arms = {}
     for text in a.arm:
         S.check_text(text, "--arm")  # its text is recorded as the arm's source
-        arm = parse_arm(text, base_recipe)
+        arm = parse_arm(text, base_recipe, Path.cwd())
         if arm.name.lower() in {n.lower() for n in arms}:
             raise UserError(
                 f"--arm {arm.name} is given twice (names differ in case at most); every arm needs its own name"
@@ -246,6 +251,9 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
     )
     prof = PROFILES[profile]
+    for value, what in ((a.model, "--model"), (a.dataset, "--dataset")):
+        if value is not None:
+            S.check_text(value, what)  # before it is read as a path: a NUL byte is no path
     accelerate = old.accelerate_config if old and a.accelerate_config is None else (a.accelerate_config or "")
     if accelerate:
         from opsd.paths import ACCELERATE_CONFIG, check_file
@@ -254,30 +262,129 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         S.check_text(accelerate, "--accelerate-config")
     return S.Spec(
         profile=profile,
-        model=a.model if a.model is not None else (old.model if old else prof.model),
-        dataset=a.dataset if a.dataset is not None else (old.dataset if old else prof.dataset),
+        model=S.absolute_path(a.model) if a.model is not None else (old.model if old else prof.model),
+        dataset=S.absolute_path(a.dataset, data=True) if a.dataset is not None else (old.dataset if old else prof.dataset),
         eval_flags=eval_flags, gpus_per_run=gpus_per_run, arms=arms or dict(old.arms), seeds=seeds,
         accelerate_config=accelerate,
     )  # fmt: skip
 
 
-def dry_run_arms(spec: S.Spec, arms: list[str]) -> None:
-    """`train_capped.sh --dry-run` of each new arm: its recipe is checked exactly as a real run will check it,
-    before the experiment directory is written."""
+def dry_run_argv(scratch: Path, spec: S.Spec, arm: str) -> list[str]:
+    """The dry run of `arm`'s first cell, laid out under `scratch` as the experiment lays out its directory."""
+    argv = S.train_argv(scratch, spec, arm, spec.seeds[0])
+    argv.insert(2, "--dry-run")
+    return argv
+
+
+def dry_run_arms(directory: Path, spec: S.Spec, arms: list[str]) -> dict[str, dict]:
+    """`train_capped.sh --dry-run` of each of `arms`: its recipe is checked exactly as a real run will check it,
+    before the experiment directory is written. {arm: the settings its cells will train with (the dry run's
+    resolved keys)}. Each dry run is a process group of its own, stopped whole when the command is (a signal, a
+    Ctrl-C), and its temporary recipe removed; a refusal names the arm's own settings and the directory the
+    cells will use, not the temporary copy."""
+    import json
     import tempfile
 
+    resolved = {}
     for arm in arms:
         with tempfile.TemporaryDirectory() as tmp:
             scratch = Path(tmp)
+            text = spec.arm(arm).recipe_text()
             S.recipe_path(scratch, arm).parent.mkdir(parents=True)
-            S.recipe_path(scratch, arm).write_text(spec.arm(arm).recipe_text())
-            argv = S.train_argv(scratch, spec, arm, spec.seeds[0])
-            argv.insert(2, "--dry-run")
+            S.recipe_path(scratch, arm).write_text(text)
             env = {**os.environ, "PYTHON": sys.executable}
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=S.ROOT)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-            raise UserError(f"arm {arm!r} ({spec.arms[arm]['source']}): {last}")
+            rc, out, err = run_group(dry_run_argv(scratch, spec, arm), env=env, cwd=S.ROOT)
+            if rc != 0:
+                last = (err.strip().splitlines() or ["(no message)"])[-1]
+                last = without_scratch(last, scratch, directory, arm, text)
+                raise UserError(f"arm {arm!r} ({spec.arms[arm]['source']}): {last}")
+        try:
+            resolved[arm] = json.loads(out)["resolved"]
+        except (ValueError, KeyError, TypeError):  # the dry run's own output: a bug if it is not its plan
+            raise RuntimeError(
+                f"arm {arm!r}: train_capped.sh --dry-run printed no plan: {out[-500:]!r}"
+            ) from None
+    return resolved
+
+
+def run_group(argv: list[str], *, env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `argv`, run as a process group of its own: whatever stops this command
+    (an exception, Ctrl-C, SIGTERM or SIGHUP raised as KeyboardInterrupt) stops the whole group, whatever the
+    child started included, before it propagates."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc.returncode, out, err
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to `proc`'s process group, 10 s for its leader to end, then SIGKILL to whatever of the group is
+    left (a grandchild that outlived it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def without_scratch(message: str, scratch: Path, directory: Path, arm: str, recipe_text: str) -> str:
+    """A dry run's message with its temporary files named as the user knows them: a line of the temporary
+    recipe by its setting (`--arm b's FIXED_ADVANTAGE=1.0`), the recipe as the arm's, and the scratch layout as
+    the experiment directory, where the cells will write."""
+    import re
+
+    lines = recipe_text.splitlines()
+    recipe = str(S.recipe_path(scratch, arm))
+
+    def line(match: re.Match) -> str:
+        n = int(match[1])
+        return f"--arm {arm}'s {lines[n - 1]}" if 1 <= n <= len(lines) else f"--arm {arm}'s recipe"
+
+    message = re.sub(re.escape(recipe) + r":([0-9]+)", line, message)
+    return message.replace(recipe, f"--arm {arm}'s recipe").replace(str(scratch), str(directory))
+
+
+def check_distinct_arms(spec: S.Spec, resolved: dict[str, dict], fresh: list[str]) -> None:
+    """Refuse a new arm that trains exactly as another (its resolved settings equal once the fields they leave
+    without effect are set aside: `arms.effective_recipe`), in one line naming the settings it sets that do
+    nothing; log a warning for each such setting of an arm that differs all the same."""
+    from dataclasses import fields
+
+    from opsd.configuration.checks.inert import inert_fields
+    from opsd.configuration.config import OPSDConfig
+    from opsd.experiment.arms import effective_recipe
+
+    defaults = {f.name: f.default for f in fields(OPSDConfig)}
+    effective = {arm: effective_recipe(settings) for arm, settings in resolved.items()}
+    for arm in fresh:
+        idle = inert_fields(resolved[arm])
+        # The arm's own settings that do nothing (a recipe's line at the default says nothing either way).
+        notes = [
+            f"{k.upper()}={v} has no effect: {idle[k]}"
+            for k, v in spec.arms[arm]["recipe"].items()
+            if k in idle and resolved[arm].get(k) != defaults.get(k)
+        ]
+        for other in spec.arm_names:
+            if other == arm or other not in effective:
+                continue
+            if other in fresh and spec.arm_names.index(other) > spec.arm_names.index(arm):
+                continue  # a pair of new arms is named once, at the later one
+            if effective[arm] == effective[other]:
+                why = f": {'; '.join(notes)}" if notes else ""
+                raise UserError(
+                    f"arm {arm!r} ({spec.arms[arm]['source']}) trains exactly as arm {other!r}: their settings are "
+                    f"equal once those without effect are set aside{why}; change a setting that acts, or drop the arm"
+                )
+        for note in notes:
+            logger.warning("arm %s: %s", arm, note)
 
 
 def print_commands(directory: Path, spec: S.Spec, every_checkpoint: bool) -> None:
@@ -324,7 +431,8 @@ def run(a: argparse.Namespace) -> int:
         C.check_links(directory, spec)  # an existing --out may hold links already
     S.recordable(directory, spec)  # before the dry runs, which take seconds an arm
     fresh = [n for n in spec.arm_names if old is None or n not in old.arms]
-    dry_run_arms(spec, fresh)
+    if fresh:  # the arms already there are dry-run too, to compare the new ones with
+        check_distinct_arms(spec, dry_run_arms(directory, spec, spec.arm_names), fresh)
     S.save(directory, spec)
     if a.print_commands:
         print_commands(directory, spec, a.every_checkpoint)
@@ -400,9 +508,10 @@ def write_report(directory: Path, a: argparse.Namespace) -> None:
 
 
 def unpaired_evaluations(directory: Path) -> str | None:
-    """The first two finished evaluations of one training seed (the base model's, each arm's final
-    checkpoint's) whose samples cannot be paired, in one line naming both files and the fix; None when every
-    pair can be.
+    """The first two finished evaluations of one training seed (the base model's, each arm's at the reported
+    step) whose samples cannot be paired, in one line naming both files and the fix; None when every pair can
+    be. With `--benchmarks` in the evaluation flags each benchmark's evaluations are paired among themselves
+    (`cells.read_evals`), as the verdict pairs them.
 
     Every evaluation of an experiment is scored with its --eval-flags, so any two share their problems and
     their sample count; one scored by hand with other flags (another dataset, another --n) breaks the pairing
@@ -416,29 +525,37 @@ def unpaired_evaluations(directory: Path) -> str | None:
     if spec is None:
         return None
     fix = "delete that one's evaluation directory and rerun the experiment to score it again"
+    step, benchmarks = C.declared_step(spec), C.spec_benchmarks(spec)
     for seed in spec.seeds:
         found = [S.base_eval_dir(directory, seed)] if C.base_scored(directory, seed) else []
         found += [
             where
             for arm in spec.arm_names
-            if (where := C.scored_steps(S.eval_dir(directory, arm, seed)).get(S.STEPS)) is not None
+            if (where := C.scored_steps(S.eval_dir(directory, arm, seed)).get(step)) is not None
         ]
-        read = [(shown(where / SAMPLES_FILE), *C.read_eval(where)) for where in found]
-        for i, (a_file, a_metrics, a_scores) in enumerate(read):
-            for b_file, b_metrics, b_scores in read[i + 1 :]:
-                a_ids, b_ids = a_scores["correct"].keys(), b_scores["correct"].keys()
-                if not a_ids & b_ids:
-                    return (
-                        f"{a_file} and {b_file} share no problem id ({len(a_ids)} and {len(b_ids)} "
-                        f"problems), so seed {seed}'s samples cannot be paired: one was scored on other "
-                        f"problems than the experiment's --eval-flags give; {fix}"
-                    )
-                if a_metrics["n"] != b_metrics["n"]:
-                    return (
-                        f"{a_file} holds {a_metrics['n']} samples per problem and {b_file} "
-                        f"{b_metrics['n']}, so seed {seed}'s samples cannot be paired: one was scored with "
-                        f"another --n than the experiment's --eval-flags give; {fix}"
-                    )
+        # benchmark (None: the one table) -> (samples file, metrics, scores) of each evaluation found
+        tables: dict[str | None, list] = {}
+        for where in found:
+            for name, (metrics, scores) in C.read_evals(where, benchmarks).items():
+                samples = (where / name if name else where) / SAMPLES_FILE
+                tables.setdefault(name, []).append((shown(samples), metrics, scores))
+        for name, read in tables.items():
+            what = f"seed {seed}'s samples of {name}" if name else f"seed {seed}'s samples"
+            for i, (a_file, a_metrics, a_scores) in enumerate(read):
+                for b_file, b_metrics, b_scores in read[i + 1 :]:
+                    a_ids, b_ids = a_scores["correct"].keys(), b_scores["correct"].keys()
+                    if not a_ids & b_ids:
+                        return (
+                            f"{a_file} and {b_file} share no problem id ({len(a_ids)} and {len(b_ids)} "
+                            f"problems), so {what} cannot be paired: one was scored on other problems than the "
+                            f"experiment's --eval-flags give; {fix}"
+                        )
+                    if a_metrics["n"] != b_metrics["n"]:
+                        return (
+                            f"{a_file} holds {a_metrics['n']} samples per problem and {b_file} "
+                            f"{b_metrics['n']}, so {what} cannot be paired: one was scored with another --n "
+                            f"than the experiment's --eval-flags give; {fix}"
+                        )
     return None
 
 
@@ -470,13 +587,17 @@ def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+# Signals that stop the command as Ctrl-C does: SIGTERM (a scheduler, `kill`) and SIGHUP (the terminal or SSH
+# session closed). Their default would end the process where it stands, leaving an arm's dry-run recipe in its
+# temporary directory, its dry run orphaned and a half-written file behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug, argv = split_debug(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # SIGTERM unwinds like Ctrl-C: its default would end the process where it stands, leaving an arm's dry-run
-    # recipe in its temporary directory and a half-written file behind.
-    previous = signal.signal(signal.SIGTERM, _stop)
+    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
     try:
         a = parse(argv)
         return a.func(a)
@@ -486,4 +607,5 @@ def main(argv: list[str] | None = None) -> int:
         print("opsd.experiment: stopped; rerun the same command to resume", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -79,6 +79,27 @@ def make_slots(gpus: list[str], gpus_per_run: int, cells_per_gpu: int) -> list[S
     ]
 
 
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line appended to an append-only log (DIR/jobs.jsonl). A last line cut by a stop mid-append (no
+    newline at its end) is dropped first, with a warning quoting it, so that the new record starts a line of its
+    own instead of continuing the cut one: a report skips a cut last line, and refuses a damaged line inside."""
+    data = path.read_bytes() if path.is_file() else b""
+    line = (json.dumps(record) + "\n").encode()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        try:
+            S.parse_json(data[keep:])  # a whole record that only lacks its newline (an edit by hand) stays
+            line = b"\n" + line
+        except ValueError:
+            logger.warning(
+                "%s: its last line was cut by a stop mid-write; dropped: %r", path, data[keep:][:200]
+            )
+            with path.open("r+b") as f:
+                f.truncate(keep)
+    with path.open("ab") as f:
+        f.write(line)
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """How this machine runs the jobs, from the command line; fixed for the whole run."""
@@ -211,8 +232,7 @@ class Runner:
         ok = rc == 0 and self._outputs_exist(job)
         record = {"job": key.name, "kind": key.kind, "arm": key.arm, "seed": key.seed, "attempt": job.attempts,
                   "devices": job.slot.devices, "start": job.started, "seconds": seconds, "exit": rc, "ok": ok}  # fmt: skip
-        with (self.directory / C.JOBS_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.directory / C.JOBS_FILE, record)
         if ok:
             logger.info("done %s in %.0f s", key.name, seconds)
             p.failed.pop(str(key), None)
@@ -280,7 +300,7 @@ class Runner:
 
     def run(self, show: Callable[[Status], object]) -> None:
         """Run every planned job; `show(status)` gets the status when a cell changes state (and every
-        status_every_s). Stopping the experiment (Ctrl-C, SIGTERM) stops every job it started."""
+        status_every_s). Stopping the experiment (Ctrl-C, SIGTERM, SIGHUP) stops every job it started."""
         p = self.progress
         p.failed = C.read_failed(self.directory)
         last_start, last_shown, shown = 0.0, 0.0, None
@@ -288,7 +308,7 @@ class Runner:
         def stop(signum, frame):
             raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, stop)
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             while p.queued or p.running:
                 now = time.time()
@@ -312,7 +332,8 @@ class Runner:
                     job.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(job.proc.pid, signal.SIGKILL)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self) -> Status:

@@ -183,6 +183,82 @@ def _parse_eval_flags(flags: list[str]) -> EvalConfig:
     return config
 
 
+# eval_aime.py's flags that name a file or directory, by each of their spellings, and the EvalConfig field each
+# sets: `absolute_eval_flags` records them absolute.
+PATH_EVAL_FLAGS = {
+    "--dataset": "dataset", "--prompt-file": "prompt_file", "--prompt_file": "prompt_file",
+    "--student-prompt-file": "prompt_file", "--student_prompt_file": "prompt_file",
+}  # fmt: skip
+
+
+def absolute_path(value: str, *, data: bool = False, always: bool = False) -> str:
+    """`value` as every job must read it, whatever directory it runs in: a local path, given relative to the
+    directory of this command, made absolute. A built-in set (`data`: `builtin`, `builtin:NAME`, "") and the
+    embedded model ("", `embedded`) are kept, and so is a hub id: a name that is no local path here (a data
+    name with a data file's suffix is local either way). `always`: a path whatever exists (a prompt file)."""
+    import os
+
+    from opsd.data.builtin import BUILTIN, BUILTIN_SETS
+    from opsd.data.loading import is_local
+
+    if value in ("", "embedded") or (data and (value in BUILTIN_SETS or value.startswith(BUILTIN + ":"))):
+        return value
+    path = Path(value).expanduser()
+    local = always or path.is_absolute() or value.startswith((".", "~")) or path.exists()
+    if local or (data and is_local(value)):
+        return os.path.abspath(path)
+    return value
+
+
+def eval_flag_value(flags: list[str], name: str) -> str | None:
+    """What the last `NAME VALUE` or `NAME=VALUE` of `flags` gives (argparse's rule: the last one wins); None
+    when absent."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.partition("=")[2]
+    return value
+
+
+def absolute_copies(value: str) -> str:
+    """`--dataset` beside `--benchmarks`, NAME=FILE[,NAME=FILE...], with each FILE made absolute as a path
+    whatever exists (a local copy is a file) and each NAME= kept; an item of another form is kept as it is, for
+    `check_spec_inputs` to refuse (`benchmarks.parse_local_copies`)."""
+    items = []
+    for item in value.split(","):
+        name, eq, path = item.partition("=")
+        items.append(f"{name}={absolute_path(path.strip(), always=True)}" if eq and path.strip() else item)
+    return ",".join(items)
+
+
+def absolute_eval_flags(flags: list[str]) -> list[str]:
+    """`--eval-flags` with the value of every path flag (`PATH_EVAL_FLAGS`, as `--flag VALUE` or `--flag=VALUE`)
+    made absolute (`absolute_path`); with `--benchmarks`, `--dataset`'s local copies NAME=FILE,... each have their
+    FILE made absolute (`absolute_copies`). eval_aime.py takes no shortened flag (`--data x`), which would pass
+    here unchanged: every path it reads is one of these."""
+    for flag in flags:  # before any is read as a path: a NUL byte is no path
+        check_text(flag, "--eval-flags item")
+    copies = bool(eval_flag_value(flags, "--benchmarks"))
+    out, i = [], 0
+    while i < len(flags):
+        name, eq, value = flags[i].partition("=")
+        field = PATH_EVAL_FLAGS.get(name)
+        if field is not None and (eq or i + 1 < len(flags)):
+            value = value if eq else flags[i + 1]
+            if field == "dataset" and copies:
+                value = absolute_copies(value)
+            else:
+                value = absolute_path(value, data=field == "dataset", always=field == "prompt_file")
+            out += [f"{name}={value}"] if eq else [name, value]
+            i += 1 if eq else 2
+        else:
+            out.append(flags[i])
+            i += 1
+    return out
+
+
 def _check_hub_id(name: str, what: str) -> None:
     """A name that is neither built-in nor local is a hub id, which no job could load unless it has the hub's
     form (`org/name` of letters, digits, `-_.`); whether the hub has it, a job on the machine that runs it
@@ -208,7 +284,8 @@ def check_spec_inputs(spec: Spec, *, fetch: bool) -> None:
     here; without, for `--print-commands`, only its form, the plan being for another machine). The training
     data: a built-in set, an existing local path (its rows are checked by each new arm's dry run) or a hub id of
     a valid form. The evaluation's problems: a local or built-in set is loaded and checked as eval_aime.py loads
-    it (`load_problems`); a hub id is checked for its form. Its prompt file as eval_aime.py checks it."""
+    it (`load_problems`); a hub id is checked for its form. With `--benchmarks`, each benchmark as eval_aime.py
+    reads it (`check_benchmarks`). Its prompt file as eval_aime.py checks it."""
     from opsd.evaluation.job import load_problems
     from opsd.models import check_model_source, resolve_model_path
     from opsd.paths import PROMPT_FILE, check_file
@@ -225,11 +302,53 @@ def check_spec_inputs(spec: Spec, *, fetch: bool) -> None:
     config = check_eval_flags(spec.eval_flags)
     if config.prompt_file:
         check_file(config.prompt_file, PROMPT_FILE)
-    if _check_data_name(config.dataset, "--eval-flags --dataset"):
+    if config.benchmarks:
+        check_benchmarks(config, fetch=fetch)
+    elif _check_data_name(config.dataset, "--eval-flags --dataset"):
         try:
             load_problems(config)
         except UserError as err:
             raise UserError(f"--eval-flags --dataset: {err}") from None
+
+
+def check_benchmarks(config: EvalConfig, *, fetch: bool) -> None:
+    """The benchmarks of `--eval-flags --benchmarks` and `--dataset`'s local copies, read as eval_aime.py reads
+    them before its engine starts (`benchmarks.load_benchmark`): every name known and listed once, every copy an
+    existing file with the benchmark's columns and rows. A benchmark without a copy is read from the datasets
+    cache, or the Hub, only with `fetch` (the jobs run here); a plan printed for another machine does not depend
+    on this one's cache. UserError in one line otherwise."""
+    import datasets
+
+    from opsd.evaluation.benchmarks import (
+        BENCHMARKS,
+        load_benchmark,
+        parse_benchmark_names,
+        parse_local_copies,
+    )
+    from opsd.evaluation.eval_config import EvalConfig
+
+    try:
+        names = parse_benchmark_names(config.benchmarks)
+        copies = parse_local_copies(config.dataset, names, default=EvalConfig.dataset)
+    except UserError as err:
+        raise UserError(f"--eval-flags {err}") from None
+    for name, copy in copies.items():  # every copy there before any is read
+        if not Path(copy).expanduser().exists():
+            raise MissingPath(
+                f"--eval-flags --dataset {name}={copy}: {shown(copy)} does not exist; give an existing local copy "
+                f"of {name} (.json/.jsonl/.csv/.parquet with its columns), or drop it to read the datasets cache"
+            )
+    bars_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a refusal is one line: no progress bar of the sets read before it
+    try:
+        for name in names:
+            if name in copies or fetch:
+                load_benchmark(BENCHMARKS[name], copies.get(name))
+    except UserError as err:
+        raise UserError(f"--eval-flags: {err}") from None
+    finally:
+        if not bars_off:
+            datasets.enable_progress_bars()
 
 
 def _check_data_name(name: str, what: str) -> bool:
@@ -259,6 +378,8 @@ def load(directory: Path) -> Spec | None:
         return None
     try:
         data = parse_json(read_text(path, EXPERIMENT_KIND))
+    except UserError as err:  # over its cap, not UTF-8, unreadable: named with its cap, not as bad JSON
+        raise UserError(f"{err}; {_REWRITE}") from None
     except ValueError as err:
         raise UserError(f"{path} is not valid JSON ({json_error(err)}); {_REWRITE}") from None
     if not isinstance(data, dict):
@@ -329,8 +450,10 @@ def _check_data(data: dict) -> str | None:
             copy.write_text(Arm(name, recipe, arm["source"]).recipe_text())
             try:
                 parsed = overrides_to_recipe(parse_recipe(copy))
-            except RecipeError as err:
-                return f"arm {name!r}'s recipe does not parse ({' '.join(str(err).split())[:200]})"
+            except RecipeError as err:  # its lines named by their text: the copy is gone when this is read
+                why = re.sub(re.escape(str(copy)) + r":([0-9]+)", r"line \1", str(err))
+                why = " ".join(why.replace(f"{copy}: ", "").replace(str(copy), "the recipe").split())
+                return f"arm {name!r}'s recipe does not parse ({why[:200]})"
         if parsed != recipe:
             return f"arm {name!r}'s recipe is not in the normalised form a run writes"
     return None

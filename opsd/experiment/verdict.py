@@ -32,6 +32,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from opsd.errors import UserError
 from opsd.experiment import cells as C
 from opsd.experiment import power, stats
@@ -97,9 +99,89 @@ def compare(a: stats.CellScores, b: stats.CellScores, target: float, reps: int, 
     }
 
 
+def _at(where: Path, benchmark: str | None) -> Path:
+    return where if benchmark is None else where / benchmark
+
+
+def _read_table(
+    directory: Path, spec: S.Spec, failed: dict, step: int, benchmark: str | None
+) -> dict[str, Any]:
+    """Every finished evaluation of one table (the experiment's single one, or one benchmark's): the base model's
+    metrics and per-sample scores per seed, each arm's at the reported `step` per seed, and why a seed is missing."""
+    base_metrics: dict[int, dict] = {}
+    base_scores: dict[str, dict] = {key: {} for key, _ in COMPARED}
+    for seed in spec.seeds:  # the base model, once per training seed with that seed's sampling seeds
+        if C.base_scored(directory, seed):
+            base_metrics[seed], values = C.read_eval(_at(S.base_eval_dir(directory, seed), benchmark))
+            for key, by_problem in values.items():
+                base_scores[key][seed] = by_problem
+    table: dict[str, Any] = {"base_metrics": base_metrics, "base_scores": base_scores, "arm_metrics": {},
+                             "arm_scores": {key: {} for key, _ in COMPARED}, "missing": {}, "trained": {},
+                             "labels": None}  # fmt: skip
+    for arm in spec.arm_names:
+        per_seed, missing, trained = {}, {}, []
+        for seed in spec.seeds:
+            state = C.cell_state(directory, arm, seed)
+            if state.trained:
+                trained.append(seed)
+            if step in state.scored:
+                summary, values = C.read_eval(_at(state.scored[step], benchmark))
+                table["labels"] = table["labels"] or summary["labels"]
+                per_seed[seed] = summary
+                for key, by_problem in values.items():
+                    table["arm_scores"][key].setdefault(arm, {})[seed] = by_problem
+            else:
+                missing[seed] = _why_missing(failed, arm, seed, state)
+                if state.final_scored and step != S.STEPS:
+                    missing[seed] = f"step {step} not scored (its sweep needs --every-checkpoint)"
+        table["arm_metrics"][arm], table["missing"][arm], table["trained"][arm] = per_seed, missing, trained
+    return table
+
+
+def _assemble(table: dict[str, Any], spec: S.Spec, baseline: str, target_diff: float, reps: int,
+              cmp=None, var=None) -> dict[str, Any]:  # fmt: skip
+    """A table's part of summary.json: the base model, each arm's seeds, mean and gain over the base, and each arm
+    against the baseline (`cmp`: `compare`, or `compare_macro`; `var`: the matching variance split)."""
+    cmp = cmp or compare
+    var = var or stats.variance_components
+    base = table["base_metrics"]
+    out: dict[str, Any] = {
+        "base": {k: _mean_se([m[k] for m in base.values()])["mean"] for k in METRICS} if base else None,
+        "base_per_seed": {str(s): {k: m[k] for k in METRICS} for s, m in base.items()},
+        "arms": {}, "comparisons": {},
+    }  # fmt: skip
+    scores = table["arm_scores"]
+    for arm in spec.arm_names:
+        per_seed = table["arm_metrics"][arm]
+        entry: dict[str, Any] = {"per_seed": {str(s): {k: m[k] for k in METRICS} for s, m in per_seed.items()},
+                                 "missing": {str(s): v for s, v in table["missing"][arm].items()}}  # fmt: skip
+        if per_seed:
+            entry["mean"] = {k: _mean_se([m[k] for m in per_seed.values()]) for k in METRICS}
+            if set(per_seed) & set(base):  # each seed against the base scored with that seed's sampling seeds
+                entry["vs_base"] = {
+                    name: cmp(table["base_scores"][key], scores[key][arm], target_diff, reps, name)
+                    for key, name in COMPARED
+                }
+            entry["variance"] = var(scores["correct"][arm])
+        out["arms"][arm] = entry
+    out["labels"] = table["labels"]
+    for arm in spec.arm_names:
+        if arm == baseline or not (scores["correct"].get(arm) and scores["correct"].get(baseline)):
+            continue
+        if not _common_seeds(scores["correct"][baseline], scores["correct"][arm]):
+            continue
+        out["comparisons"][arm] = {
+            name: cmp(scores[key][baseline], scores[key][arm], target_diff, reps, name)
+            for key, name in COMPARED
+        }
+    return out
+
+
 def build(directory: Path, *, baseline: str | None = None, target_diff: float = 1.0,
           reps: int = 10000) -> dict[str, Any]:  # fmt: skip
-    """summary.json's content: every finished evaluation of the experiment, compared."""
+    """summary.json's content: every finished evaluation of the experiment, compared. With `--benchmarks` in the
+    evaluation flags, the top-level table is the macro average over the benchmarks (`macro_table`) and
+    ``benchmarks`` holds each benchmark's own table, with the same statistics."""
     spec = S.load(directory)
     if spec is None:
         raise UserError(f"{directory} holds no {S.EXPERIMENT_FILE}: pass an experiment directory")
@@ -109,63 +191,167 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
         raise UserError(f"--baseline {baseline!r} is not an arm of {directory}; its arms: {', '.join(arms)}")
     C.check_links(directory, spec)
     failed = C.read_failed(directory)
-    # The base model, once per training seed with that seed's sampling seeds.
-    base_metrics, base = {}, {}
-    for seed in spec.seeds:
-        if C.base_scored(directory, seed):
-            base_metrics[seed], base[seed] = C.read_eval(S.base_eval_dir(directory, seed))
+    step, benchmarks = C.declared_step(spec), C.spec_benchmarks(spec)
     result: dict[str, Any] = {
         "directory": str(directory), "baseline": baseline, "target_diff": target_diff,
         "settings": {k: getattr(spec, k) for k in S.Spec.SHARED}, "seeds_planned": spec.seeds,
-        "base": {k: _mean_se([m[k] for m in base_metrics.values()])["mean"] for k in METRICS} if base else None,
-        "base_per_seed": {str(s): {k: m[k] for k in METRICS} for s, m in base_metrics.items()},
-        "arms": {}, "comparisons": {},
     }  # fmt: skip
-    scores: dict[str, dict[str, stats.CellScores]] = {key: {} for key, _ in COMPARED}
-    labels = None
+    if not benchmarks:
+        table = _read_table(directory, spec, failed, step, None)
+        result.update(_assemble(table, spec, baseline, target_diff, reps))
+    else:
+        tables = {name: _read_table(directory, spec, failed, step, name) for name in benchmarks}
+        per_benchmark = {name: _assemble(t, spec, baseline, target_diff, reps) for name, t in tables.items()}
+        table = macro_table(tables)
+        result.update(_assemble(table, spec, baseline, target_diff, reps, compare_macro, macro_variance))
     for arm in arms:
-        per_seed, missing, trained = {}, {}, []
-        for seed in spec.seeds:
-            state = C.cell_state(directory, arm, seed)
-            if state.trained:
-                trained.append(seed)
-            if state.final_scored:
-                summary, values = C.read_eval(state.scored[S.STEPS])
-                labels = labels or summary["labels"]
-                per_seed[seed] = {k: summary[k] for k in METRICS}
-                for key, by_problem in values.items():
-                    scores[key].setdefault(arm, {})[seed] = by_problem
-            else:
-                missing[seed] = _why_missing(failed, arm, seed, state)
-        entry: dict[str, Any] = {"recipe": spec.arms[arm]["recipe"], "source": spec.arms[arm]["source"],
-                                 "per_seed": {str(s): v for s, v in per_seed.items()},
-                                 "missing": {str(s): v for s, v in missing.items()}}  # fmt: skip
-        if per_seed:
-            entry["mean"] = {k: _mean_se([v[k] for v in per_seed.values()]) for k in METRICS}
-            paired = [s for s in per_seed if s in base]
-            if paired:  # each seed against the base scored with that seed's sampling seeds
-                entry["vs_base"] = {
-                    name: compare(
-                        {s: base[s][key] for s in paired}, scores[key][arm], target_diff, reps, name
-                    )
-                    for key, name in COMPARED
-                }
-            entry["variance"] = stats.variance_components(scores["correct"][arm])
-        entry["ledger"] = ledger(directory, spec.arms[arm]["recipe"], arm, trained, entry.get("vs_base"))
+        entry = result["arms"][arm]
+        entry = {"recipe": spec.arms[arm]["recipe"], "source": spec.arms[arm]["source"], **entry}
+        entry["ledger"] = ledger(
+            directory, spec.arms[arm]["recipe"], arm, table["trained"][arm], entry.get("vs_base")
+        )
         result["arms"][arm] = entry
-    result["labels"] = labels
-    for arm in arms:
-        if arm == baseline or not (scores["correct"].get(arm) and scores["correct"].get(baseline)):
-            continue
-        if not set(scores["correct"][arm]) & set(scores["correct"][baseline]):
-            continue
-        result["comparisons"][arm] = {
-            name: compare(scores[key][baseline], scores[key][arm], target_diff, reps, name)
-            for key, name in COMPARED
-        }
     result["curves"], result["curve_points_skipped"] = _curves(directory, spec)
-    result["timing"] = timing(directory)
+    records, result["jobs_lines_skipped"] = C.read_jobs(directory)
+    result["timing"] = timing(records)
+    result["step"] = step
+    result["benchmarks"] = per_benchmark if benchmarks else None
     return result
+
+
+def _common_seeds(a: Any, b: Any) -> list[int]:
+    """The seeds both hold: of two `CellScores`, or of two {benchmark: CellScores} (seeds every benchmark holds)."""
+    if a and isinstance(next(iter(a)), str):
+        return sorted(set.intersection(*(set(a[n]) & set(b.get(n, {})) for n in a)))
+    return sorted(set(a) & set(b))
+
+
+# -- the macro average over benchmarks ---------------------------------------------------------------------------
+
+
+def macro_table(tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The macro average of per-benchmark tables (`_read_table`), as a table of the same form: each seed's metrics
+    are the mean over the benchmarks (each weighs alike; a seed counts where every benchmark has it), and the
+    per-sample scores stay per benchmark ({benchmark: CellScores}) for `compare_macro`."""
+    names = list(tables)
+    first = tables[names[0]]
+
+    def mean_of(per_benchmark: list[dict]) -> dict:
+        return {k: math.fsum(m[k] for m in per_benchmark) / len(per_benchmark) for k in METRICS}
+
+    base_seeds = set.intersection(*(set(t["base_metrics"]) for t in tables.values()))
+    out: dict[str, Any] = {
+        "base_metrics": {s: mean_of([t["base_metrics"][s] for t in tables.values()]) for s in sorted(base_seeds)},
+        "base_scores": {key: {n: t["base_scores"][key] for n, t in tables.items()} for key, _ in COMPARED},
+        "arm_metrics": {}, "arm_scores": {key: {} for key, _ in COMPARED},
+        "missing": first["missing"], "trained": first["trained"],
+        "labels": {"avg": "macro avg@n", "pass_at_k": "macro pass@k", "maj": "macro maj@n"},
+    }  # fmt: skip
+    for arm in first["arm_metrics"]:
+        seeds = set.intersection(*(set(t["arm_metrics"][arm]) for t in tables.values()))
+        out["arm_metrics"][arm] = {
+            s: mean_of([t["arm_metrics"][arm][s] for t in tables.values()]) for s in sorted(seeds)
+        }
+        if seeds:
+            for key, _ in COMPARED:
+                out["arm_scores"][key][arm] = {n: t["arm_scores"][key][arm] for n, t in tables.items()}
+    return out
+
+
+def compare_macro(a: dict[str, stats.CellScores], b: dict[str, stats.CellScores], target: float, reps: int,
+                  what: str) -> dict[str, Any]:  # fmt: skip
+    """b - a of the macro average over benchmarks ({benchmark: CellScores} each), over the seeds every benchmark of
+    both holds, with `compare`'s statistics: each seed's difference is the mean over benchmarks of its paired
+    difference (`stats.paired_seed_diffs`), and the reported interval the seed-paired t over those; with one seed,
+    the macro of the per-benchmark paired t intervals over problems (SE = sqrt(sum SE_b^2) / B, Welch-Satterthwaite
+    df). The hierarchical bootstrap is per benchmark only (``bootstrap`` None here)."""
+    names = list(a)
+    seeds = _common_seeds(a, b)
+    per_benchmark = {
+        n: stats.paired_seed_diffs({s: a[n][s] for s in seeds}, {s: b[n][s] for s in seeds}) for n in names
+    }
+    diffs = {s: math.fsum(per_benchmark[n][s] for n in names) / len(names) for s in seeds}
+    if len(seeds) >= 2:
+        reported = stats.seed_paired_t(list(diffs.values()))
+    else:
+        reported = _macro_over_problems(
+            [stats.paired_over_problems(a[n][seeds[0]], b[n][seeds[0]]) for n in names]
+        )
+    var = macro_variance(
+        {n: {s: a[n][s] for s in seeds} for n in names}, {n: {s: b[n][s] for s in seeds} for n in names}
+    )
+    plan = power.plan(var["total_sd"], var["within_sd"], len(seeds), target)
+    return {
+        "seeds": seeds,
+        "per_seed": {str(s): d for s, d in diffs.items()},
+        "per_benchmark": {n: {str(s): d for s, d in v.items()} for n, v in per_benchmark.items()},
+        "interval": _interval(reported),
+        "bootstrap": None,
+        "variance": var,
+        "mde_80": plan["mde"],
+        "target_diff": target,
+        "seeds_needed": plan["seeds_needed"],
+        "plan": plan,
+        "planning": power.describe_plan(plan, len(seeds), target),
+        "verdict": stats.describe(reported, what=f"macro {what}"),
+    }
+
+
+def _macro_over_problems(intervals: list[stats.Interval], level: float = 0.95) -> stats.Interval:
+    """One seed: the macro average of B per-benchmark paired t intervals over problems. estimate = mean of the
+    estimates, SE = sqrt(sum SE_b^2) / B, df = (sum SE_b^2)^2 / sum(SE_b^4 / df_b) (Welch-Satterthwaite); no
+    bounds where a benchmark has none, or where every SE is 0 (identical differences: their spread is unknown)."""
+    b = len(intervals)
+    estimate = math.fsum(iv.estimate for iv in intervals) / b
+    method = "macro of paired t over problems"
+    if any(iv.se is None for iv in intervals):
+        return stats.Interval(estimate, None, None, None, None, method, 1)
+    variance = math.fsum(iv.se**2 for iv in intervals)
+    if variance == 0:
+        return stats.Interval(estimate, None, None, 0.0, None, method, 1)
+    df = variance**2 / math.fsum(iv.se**4 / iv.df for iv in intervals if iv.se > 0)
+    se = math.sqrt(variance) / b
+    half = stats.t_critical(df, level) * se
+    return stats.Interval(estimate, estimate - half, estimate + half, se, round(df), method, 1)
+
+
+def macro_variance(a: dict[str, stats.CellScores], b: dict[str, stats.CellScores] | None = None) -> dict:
+    """`stats.variance_components` of the macro average: the per-seed values are the mean over benchmarks of one
+    arm's seed means (b None) or of the paired differences; the within-seed part is the mean over seeds of
+    (1/B^2) * sum_b W_{b,s} (`stats.within_seed_variance`; the benchmarks' samples are independent)."""
+    names = list(a)
+    seeds = _common_seeds(a, a if b is None else b)
+    if not seeds:
+        raise ValueError("macro_variance: no seed common to every benchmark")
+    if b is None:
+        means = {n: stats.seed_means({s: a[n][s] for s in seeds}) for n in names}
+    else:
+        means = {
+            n: stats.paired_seed_diffs({s: a[n][s] for s in seeds}, {s: b[n][s] for s in seeds})
+            for n in names
+        }
+    values = np.array([math.fsum(means[n][s] for n in names) / len(names) for s in seeds])  # (S,)
+    sides = [a] if b is None else [a, b]
+    n_min = min(stats.min_samples({s: side[n][s] for s in seeds}) for side in sides for n in names)
+    within = None
+    if n_min >= 2:
+        per_seed = [
+            math.fsum(stats.within_seed_variance(a[n][s], None if b is None else b[n][s]) for n in names)
+            / len(names) ** 2
+            for s in seeds
+        ]
+        within = float(np.mean(per_seed))
+    total = float(values.var(ddof=1)) if values.size >= 2 else None
+    between = None if total is None or within is None else max(0.0, total - within)
+
+    def sd(v: float | None) -> float | None:
+        return None if v is None else math.sqrt(v)
+
+    return {
+        "n_seeds": int(values.size), "total_var": total, "within_var": within, "between_var": between,
+        "between_floored": between is not None and total < within, "total_sd": sd(total), "within_sd": sd(within),
+        "between_sd": sd(between), "min_samples": n_min,
+    }  # fmt: skip
 
 
 def ledger(directory: Path, recipe: dict[str, str], arm: str, trained: list[int],
@@ -226,11 +412,12 @@ def _sd(values: list[float]) -> float | None:
     return math.sqrt(math.fsum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
-def timing(directory: Path) -> dict[str, dict[str, float]]:
+def timing(records: list[dict]) -> dict[str, dict[str, float]]:
     """Per kind of job (base, train, eval): attempts, summed seconds and the wall-clock span from the first start
-    to the last end, from DIR/jobs.jsonl (jobs that ran side by side overlap, so the span is what you waited)."""
+    to the last end, from DIR/jobs.jsonl's records (`cells.read_jobs`; jobs that ran side by side overlap, so the
+    span is what you waited)."""
     out: dict[str, dict[str, float]] = {}
-    for r in C.read_jobs(directory):
+    for r in records:
         t = out.setdefault(
             r["kind"], {"attempts": 0, "job_s": 0.0, "first_start": r["start"], "last_end": 0.0}
         )
@@ -413,6 +600,32 @@ def _ledger_lines(result: dict[str, Any], planned: int) -> list[str]:
     return lines
 
 
+def _benchmark_lines(result: dict[str, Any]) -> list[str]:
+    """report.md's per-benchmark section: each benchmark's arms (mean ± between-seed SE, gain over the base) and
+    each arm against the baseline, with the statistics of the macro verdict above."""
+    if not result.get("benchmarks"):
+        return []
+    planned = len(result["seeds_planned"])
+    lines = ["## Per benchmark", ""]
+    for name, t in result["benchmarks"].items():
+        labels = t["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
+        heads = [labels.get(k, "format") for k in METRICS]
+        lines += [f"### {name}", "", "| arm | seeds | " + " | ".join(heads) + " | accuracy vs base |",
+                  "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
+        for arm, e in t["arms"].items():
+            vs_base = _ci(e.get("vs_base", {}).get("accuracy", {}).get("interval"))
+            means = " | ".join(_pm(e.get("mean", {}).get(k)) for k in METRICS)
+            lines.append(f"| {arm} | {len(e['per_seed'])} of {planned} | {means} | {vs_base} |")
+        lines.append("")
+        for arm, comp in t["comparisons"].items():
+            for c in comp.values():
+                lines.append(
+                    f"- {arm} − {result['baseline']}: {c['verdict']}; bootstrap {_ci(c['bootstrap'])}"
+                )
+        lines.append("")
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     labels = result["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
     names = {
@@ -432,6 +645,12 @@ def markdown(result: dict[str, Any]) -> str:
         n_base = len(result["base_per_seed"])
         lines += [f"Base model (mean over its {n_base} evaluation(s), one per seed's sampling seeds): "
                   + ", ".join(f"{names[k]} {b[k]:.2f}" for k in METRICS), ""]  # fmt: skip
+    if result.get("benchmarks"):
+        lines += [f"Benchmarks: {', '.join(result['benchmarks'])}. The tables and the verdict below are on their macro "
+                  "average (each benchmark weighs alike; its SE combines the benchmarks' as independent); each "
+                  "benchmark's own follow under Per benchmark.", ""]  # fmt: skip
+    if result.get("step", S.STEPS) != S.STEPS:
+        lines += [f"Reported step: {result['step']}, declared with --step in the evaluation flags.", ""]
     lines += ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
               "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
     for arm, e in result["arms"].items():
@@ -448,6 +667,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"The training curves leave out {result['curve_points_skipped']} point(s) of metrics.jsonl that "
                   f"cannot be drawn (not a number, not finite, or beyond ±{PLOT_LIMIT:g}, or at a step that is not a "
                   "whole number)."]  # fmt: skip
+    if result["jobs_lines_skipped"]:
+        lines += ["", "The job timings leave out the last line of jobs.jsonl, cut short by a stop mid-write."]
     lines += ["", f"## Against the baseline `{result['baseline']}`", ""]
     if not result["comparisons"]:
         lines += ["No comparison yet: the baseline and another arm need at least one common scored seed.", ""]
@@ -465,6 +686,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"  - {_split(c['variance'])}")
             lines.append(f"  - {c['planning']}")
         lines.append("")
+    lines += _benchmark_lines(result)
     lines += _ledger_lines(result, len(planned))
     lines += ["## How to read this", "",
               "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "

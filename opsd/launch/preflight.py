@@ -73,7 +73,7 @@ def build_paired_dataset(config: OPSDConfig):
 
     table = ds.map(to_trainer_row, remove_columns=ds.column_names)
     answers = list(ds["Answer"])
-    if config.teacher_contrast != "none":
+    if config.teacher_contrast in ("shuffled", "wrong_answer"):  # own_wrong's hints are drawn in training
         wrong, record = contrast_references(
             list(table["privileged_context"]), answers, config.teacher_contrast, seed=config.seed
         )

@@ -12,15 +12,18 @@ Modules, in the order a step uses them:
 * `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution), and the
   `[teacher prompt ; completion]` rows;
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
-* `contrast`: the wrong hint of the contrastive teacher (`teacher_contrast`: another problem's reference, or
-  the problem's own with its final answer replaced);
+* `contrast`: the hints of the contrastive teacher (`teacher_contrast`: another problem's reference, the
+  problem's own with its final answer replaced, or the model's own correct and wrong sibling rollouts);
 * `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
 * `hidden`: rows laid out for one role (positions, padding), the final hidden states of completion tokens
   (`CompletionHiddenStates`: both roles'), and what turns them into the model's logits (the lm_head, then the
   model's own scale or soft-cap, found against its logits);
+* `contrast_target`: RLCSD's target (anchored on the teacher, on its top-k plus a tail bucket, KL-weighted) and
+  its modulation of GRPO advantages;
+* `token_weights`: the per-token loss weights (`token_weight`);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
-  arguments: `LossSettings`, built from the config by `loss_settings`), the contrastive target and the
-  teacher-free fixed advantage, and its `opsd/*` metrics;
+  arguments: `LossSettings`, built from the config by `loss_settings`), against the teacher or the contrastive
+  target, the teacher-free fixed advantage, and its `opsd/*` metrics;
 * `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;
 * `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
 """

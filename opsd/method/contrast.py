@@ -165,6 +165,8 @@ def contrast_references(
     as a warning when not zero.
 
     Raises InvalidValue when `wrong_answer` can replace no row's answer, or `shuffled` cannot pair rows."""
+    if mode not in ("shuffled", "wrong_answer"):
+        raise ValueError(f"contrast_references makes the hints of shuffled and wrong_answer, not {mode!r}")
     n = len(references)
     if mode == "shuffled":
         perm = derangement(n, seed, answer_groups(answers), switch="teacher_contrast")
@@ -180,14 +182,6 @@ def contrast_references(
         elif answer_mentions(w, gold):
             mentioning += 1
         wrong.append(ref if w is None else w)
-    if len(unreplaced) == n:
-        shown = str(answers[0])[:40] if n else ""
-        raise InvalidValue(
-            f"teacher_contrast=wrong_answer could replace the final answer in none of the {n} references (an "
-            f"integer, a decimal or a fraction stated in the reference is needed, and a reference cut by "
-            f"teacher_ref_max_chars must keep its boxed answer; e.g. Answer {shown!r}); use "
-            "teacher_contrast=shuffled, a larger teacher_ref_max_chars, or data whose Answer column holds such values"
-        )
     record = {
         "teacher_contrast": mode,
         "rows": n,
@@ -195,23 +189,7 @@ def contrast_references(
         "answer_cut_off_rows": cut_off,
         "hints_mentioning_answer": mentioning,
     }
-    if unreplaced:
-        logger.warning(
-            "teacher_contrast=wrong_answer: %d of %d rows keep their own reference as the wrong hint (%d lost their "
-            "final answer to teacher_ref_max_chars; the others' answer is not a number or fraction stated in the "
-            "reference), so they add no contrastive signal",
-            len(unreplaced),
-            n,
-            cut_off,
-        )
-    if mentioning:
-        logger.warning(
-            "teacher_contrast=wrong_answer: %d of %d wrong hints still mention the true answer's value outside the "
-            "replaced answer and results (an operand or a number in prose equal to it), so c~ does not hide it "
-            "entirely",
-            mentioning,
-            n - len(unreplaced),
-        )
+    _report_wrong_answers(record, answers)
     skipped = set(unreplaced)
     first = next(i for i in range(n) if i not in skipped)
     logger.info(
@@ -222,15 +200,43 @@ def contrast_references(
     return wrong, record
 
 
-def rows_with_contrast(teacher_ids_BP, teacher_mask_BP, contrast_ids_BQ, contrast_mask_BQ, weight: float):
-    """(B,) bool: which rows of a micro-batch carry a contrastive signal: λ (`weight`) is not 0 and the wrong hint's
-    left-padded prompt differs from the teacher's in its real tokens, whatever the padding. A row without one has
-    the target q = p_S in exact arithmetic, but float rounding leaves ~1e-7 per logit, which Adam normalises into
-    a full step; so such rows are left out of the loss (their tokens add exactly 0 and no gradient)."""
-    import torch
+def _report_wrong_answers(record: dict, answers: Sequence[Any]) -> None:
+    """Refuse a table where no answer could be replaced; warn about the rows left without a wrong hint and the
+    hints that still mention the answer."""
+    n, unreplaced, mentioning = record["rows"], record["unreplaced_rows"], record["hints_mentioning_answer"]
+    if unreplaced == n:
+        shown = str(answers[0])[:40] if n else ""
+        raise InvalidValue(
+            f"teacher_contrast=wrong_answer could replace the final answer in none of the {n} references (an "
+            f"integer, a decimal or a fraction stated in the reference is needed, and a reference cut by "
+            f"teacher_ref_max_chars must keep its boxed answer; e.g. Answer {shown!r}); use "
+            "teacher_contrast=shuffled, a larger teacher_ref_max_chars, or data whose Answer column holds such values"
+        )
+    if unreplaced:
+        logger.warning(
+            "teacher_contrast=wrong_answer: %d of %d rows keep their own reference as the wrong hint (%d lost their "
+            "final answer to teacher_ref_max_chars; the others' answer is not a number or fraction stated in the "
+            "reference), so they add no contrastive signal",
+            unreplaced,
+            n,
+            record["answer_cut_off_rows"],
+        )
+    if mentioning:
+        logger.warning(
+            "teacher_contrast=wrong_answer: %d of %d wrong hints still mention the true answer's value outside the "
+            "replaced answer and results (an operand or a number in prose equal to it), so c~ does not hide it "
+            "entirely",
+            mentioning,
+            n - unreplaced,
+        )
 
-    if weight == 0:
-        return torch.zeros(teacher_ids_BP.size(0), dtype=torch.bool, device=teacher_ids_BP.device)
+
+def rows_with_contrast(teacher_ids_BP, teacher_mask_BP, contrast_ids_BQ, contrast_mask_BQ):
+    """(B,) bool: which rows of a micro-batch carry a contrastive signal: the wrong hint's left-padded prompt
+    differs from the teacher's in its real tokens, whatever the padding. A row without one has p_w = p_c, so its KL
+    weight is 0 in exact arithmetic, but float rounding leaves ~1e-7 per logit, which Adam normalises into a full
+    step (and without the KL weight, `contrast_kl_tau=0`, the row would train as plain OPSD); so such rows are left
+    out of the loss (their tokens add exactly 0 and no gradient)."""
     # Left padding right-aligns the real tokens: compare the last W columns, and the rest must be padding.
     W = min(teacher_ids_BP.size(1), contrast_ids_BQ.size(1))
     t_ids, t_mask = teacher_ids_BP[:, -W:], teacher_mask_BP[:, -W:]
@@ -239,3 +245,60 @@ def rows_with_contrast(teacher_ids_BP, teacher_mask_BP, contrast_ids_BQ, contras
     same &= teacher_mask_BP[:, : teacher_ids_BP.size(1) - W].sum(1) == 0
     same &= contrast_mask_BQ[:, : contrast_ids_BQ.size(1) - W].sum(1) == 0
     return ~same
+
+
+def sibling_hints(
+    texts: Sequence[str],
+    rewards: Sequence[float | None],
+    references: Sequence[str | None],
+    group_size: int,
+    *,
+    max_hints: int,
+    seed: str,
+) -> tuple[list[str | None], list[list[str]], dict[str, float]]:
+    """`teacher_contrast=own_wrong`: each rollout's hints from the other rollouts of its problem (RLCSD's choice).
+
+    The rollouts come in groups of `group_size` consecutive rows, one group per problem, graded by `rewards` (1.0
+    correct, 0.0 wrong, None ungraded). For rollout i, among the other rollouts of its group:
+    - the hint c: a correct one drawn at random; where there is none, the problem's reference (None if it has none);
+    - the wrong hints c~: the wrong ones that state a boxed answer (`extract_boxed`), up to `max_hints` (K), one drawn
+      at random and then the others in a random order. The rollout itself is never its own hint.
+    A rollout without both (no wrong sibling with an answer; no correct sibling and no reference) has no pair: it
+    gets no contrast (RLCSD drops it from the update; here its GRPO term stays, and its OPSD term is left out).
+    Draws come from `seed` and the row index, so a resumed step draws the same hints.
+
+    Returns (hint per row, wrong hints per row, record): the record counts `rows`, `rows_with_pair`,
+    `hint_from_reference` (rows whose c is the reference) and `wrong_hints` (their total over the paired rows)."""
+    from opsd.grading import extract_boxed
+
+    n = len(texts)
+    if n % group_size:
+        raise ValueError(f"{n} rollouts do not split into groups of {group_size} (num_generations)")
+    boxed = [extract_boxed(t) is not None for t in texts]
+    hints: list[str | None] = []
+    wrongs: list[list[str]] = []
+    record = {"rows": float(n), "rows_with_pair": 0.0, "hint_from_reference": 0.0, "wrong_hints": 0.0}
+    for i in range(n):
+        rng = random.Random(f"own_wrong:{seed}:{i}")
+        start = i - i % group_size
+        others = [j for j in range(start, start + group_size) if j != i]
+        right = [j for j in others if rewards[j] == 1.0]
+        wrong = [j for j in others if rewards[j] == 0.0 and boxed[j]]
+        reference = references[i] if references[i] else None
+        hint = texts[rng.choice(right)] if right else reference
+        chosen: list[str] = []
+        if wrong:
+            first = rng.choice(wrong)
+            rest = [j for j in wrong if j != first]
+            rng.shuffle(rest)
+            chosen = [texts[j] for j in [first, *rest][:max_hints]]
+        if hint is None or not chosen:
+            hints.append(None)
+            wrongs.append([])
+            continue
+        hints.append(hint)
+        wrongs.append(chosen)
+        record["rows_with_pair"] += 1
+        record["hint_from_reference"] += not right
+        record["wrong_hints"] += len(chosen)
+    return hints, wrongs, record

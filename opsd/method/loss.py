@@ -19,24 +19,43 @@ exact. Teacher inputs are always detached. The same loss computed the reference 
 
 Two variants replace the teacher (docs/method.md §1.10-1.11):
 
-- Contrastive target (`settings.contrast_weight` = lambda, a second teacher forward under a wrong hint c~):
-  the teacher's distribution is replaced by q = softmax(sg(log p_S) + lambda (log p_T(.|c) - log p_T(.|c~))),
-  and the divergence and its clip are computed against q exactly as against p_T. With sampled_token the
-  advantage is A = lambda (log p_T(y|c) - log p_T(y|c~)).
+- The contrastive target (`settings.contrast`, teacher forwards under wrong hints c~): RLCSD's q ∝
+  p_T(.|c)^(1+α) / max(p_w, e^floor)^α on the teacher's top-k plus a tail bucket, each token weighted by
+  KL(p_T(.|c) ‖ p_w) / (KL + τ) (`opsd.method.contrast_target`); the divergence, its clip and the sampled-token
+  advantage are computed against q on those buckets exactly as against p_T.
 - `loss_type="fixed_advantage"`: no teacher; loss_N = -a log p_S(y) with the constant a < 0.
+
+`settings.token_weight` multiplies each token's loss by a detached weight (`opsd.method.token_weights`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from opsd.method import token_weights
+from opsd.method.contrast_target import bucket_index, contrast_support
 from opsd.method.hidden import IDENTITY, LogitTransform
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree", "abs_advantage")
+# Logged with a contrastive target (`ContrastSupport.stats`), and with a token weight its mean.
+CONTRAST_STAT_KEYS = ("contrast_kl", "argmax_differs", "contrast_weight", "eos_target", "eos_student")
+
+
+@dataclass(frozen=True)
+class ContrastSettings:
+    """RLCSD's target (`opsd.method.contrast_target`): alpha >= 0 (`contrast_weight`), the teacher's top_k >= 1
+    tokens bucketed beside the tail (`contrast_top_k`), the floor <= 0 on log p_w (`contrast_log_floor`) and the
+    KL weight's tau >= 0 (`contrast_kl_tau`; 0 = no weight)."""
+
+    alpha: float = 0.5
+    top_k: int = 100
+    floor: float = -5.0
+    kl_tau: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,10 +66,10 @@ class LossSettings:
     clip_mode (opsd.configuration.checks.choices.CLIP_MODES) the clip of the divergence; teacher_support_k:
     both distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
     loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time;
-    contrast_weight: None for OPSD's teacher, else lambda >= 0 of the contrastive target (a second teacher
-    forward under a wrong hint, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of
-    loss_type="fixed_advantage" (no teacher). The config checks every value where it enters
-    (opsd/configuration/checks/ranges.py, choices.py); nothing here does again.
+    contrast: None for OPSD's teacher, else RLCSD's target (`ContrastSettings`; teacher forwards under wrong
+    hints, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of loss_type="fixed_advantage" (no
+    teacher); token_weight: the per-token weight (`opsd.method.token_weights.TOKEN_WEIGHTS`). The config checks
+    every value where it enters (opsd/configuration/checks/ranges.py, choices.py); nothing here does again.
     """
 
     beta: float
@@ -60,19 +79,33 @@ class LossSettings:
     teacher_support_k: int
     loss_type: str
     chunk_size: int
-    contrast_weight: float | None = None
+    contrast: ContrastSettings | None = None
     fixed_advantage: float = -0.25
+    token_weight: str = "none"
 
     @property
     def needs_teacher(self) -> bool:
         """Whether the loss reads a teacher at all (fixed_advantage reads none)."""
         return self.loss_type != "fixed_advantage"
 
+    def stat_keys(self) -> tuple[str, ...]:
+        """The per-token statistics the loss sums (`opsd/<key>` metrics, per token)."""
+        contrast = CONTRAST_STAT_KEYS if self.contrast is not None else ()
+        return STAT_KEYS + contrast + (("token_weight",) if self.token_weight != "none" else ())
+
 
 def loss_settings(config) -> LossSettings:
     """The loss's arguments from an `OPSDConfig`, for every caller of the loss (trainer, probe, completions
     log, benchmarks). Here rather than on the config: the config sits a floor below the method (its fields
     checked there), and what the loss reads of them is the loss's business."""
+    contrast = None
+    if config.teacher_contrast != "none":
+        contrast = ContrastSettings(
+            alpha=config.contrast_weight,
+            top_k=config.contrast_top_k,
+            floor=config.contrast_log_floor,
+            kl_tau=config.contrast_kl_tau,
+        )
     return LossSettings(
         beta=config.beta,
         temperature=config.loss_temperature or config.temperature,
@@ -81,8 +114,9 @@ def loss_settings(config) -> LossSettings:
         teacher_support_k=config.top_k_loss,
         loss_type=config.loss_type,
         chunk_size=config.loss_chunk_size,
-        contrast_weight=None if config.teacher_contrast == "none" else config.contrast_weight,
+        contrast=contrast,
         fixed_advantage=config.fixed_advantage,
+        token_weight=config.token_weight,
     )
 
 
@@ -148,11 +182,50 @@ def log_prob_at(
     return scaled_logits_NV.gather(-1, ids_N[:, None]).squeeze(-1) - support_NK.logsumexp(-1)
 
 
-def contrastive_target(x_NV: torch.Tensor, log_ratio_NV: torch.Tensor, weight: float) -> torch.Tensor:
-    """log q up to a constant per row, q = softmax(log p_S + lambda (log p_T(.|c) - log p_T(.|c~))), from the
-    student's temperature-scaled logits x (N, V) and the teacher's log-ratio log p_T(.|c) - log p_T(.|c~) (N, V).
-    The student's part is treated as a constant (q is a target; no gradient flows through it)."""
-    return F.log_softmax(x_NV, -1).add_(log_ratio_NV, alpha=weight)
+def jsd_dlogp(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor, beta: float) -> torch.Tensor:
+    """a = d D_beta / d log p_S over a support (N, K), unclipped:
+    beta = 0:      -p_T                               (forward KL)
+    beta = 1:       p_S (log p_S - log p_T + 1)       (reverse KL)
+    0 < beta < 1:  (1 - beta) p_S (log p_S - log M)"""
+    if beta == 0.0:
+        return logp_t_NK.exp().neg_()
+    if beta == 1.0:
+        return (logp_s_NK - logp_t_NK).add_(1.0).mul_(logp_s_NK.exp())
+    log_m_NK = torch.logaddexp(logp_t_NK + math.log(beta), logp_s_NK + math.log1p(-beta))
+    return (logp_s_NK - log_m_NK).mul_(logp_s_NK.exp()).mul_(1.0 - beta)
+
+
+@dataclass(frozen=True)
+class ContrastHidden:
+    """The teacher's final hidden states under each wrong hint (J, N, H), which hints each token has (J, N) bool
+    (a row may have fewer than J), and the end-of-sequence token id for the EOS diagnostics (None: not logged)."""
+
+    hidden_JNH: torch.Tensor
+    valid_JN: torch.Tensor
+    eos_token_id: int | None = None
+
+    def kept(self, keep_N: torch.Tensor) -> ContrastHidden:
+        return ContrastHidden(self.hidden_JNH[:, keep_N], self.valid_JN[:, keep_N], self.eos_token_id)
+
+
+def one_hint(hidden_NH: torch.Tensor | None, keep_N: torch.Tensor, eos_token_id: int | None):
+    """`ContrastHidden` of a single wrong hint per row (`shuffled`, `wrong_answer`), for the tokens `keep_N` of the
+    flat hidden states (N, H); None without them."""
+    if hidden_NH is None:
+        return None
+    kept_NH = hidden_NH[keep_N]
+    valid_JN = torch.ones(1, kept_NH.shape[0], dtype=torch.bool, device=kept_NH.device)
+    return ContrastHidden(kept_NH[None], valid_JN, eos_token_id)
+
+
+def token_rows(mask_BC: torch.Tensor) -> torch.Tensor:
+    """(N,) the row of each token of a (B, C) mask, in the order the flat tokens come (row-major)."""
+    rows_BC = torch.arange(mask_BC.shape[0], device=mask_BC.device)[:, None].expand_as(mask_BC)
+    return rows_BC[mask_BC.bool()]
+
+
+def _scaled(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
 
 
 def token_divergence_with_grad(
@@ -162,103 +235,126 @@ def token_divergence_with_grad(
     settings: LossSettings,
     target_ids_N: torch.Tensor | None,
     need_grad: bool,
-    contrast_logits_NV: torch.Tensor | None = None,
+    contrast: tuple | None = None,
+    weights_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """Per-token OPSD loss on flat tokens, and d(loss_N.sum())/d(student logits) (N, V) in float32 written out
     in closed form instead of recorded by autograd (the chunked loss's inner step); math in float32.
 
-    Both distributions are log_softmax(logits / temperature), restricted to the teacher's top-k entries and
-    renormalised over them when ``settings.teacher_support_k > 0``.
-    loss_type="jsd": loss_N = the clipped sum_v term_v (`clip_divergence`, module docstring).
-    loss_type="sampled_token": loss_N = -sg(A) * log p_S(y), A = log p_T(y) - log p_S(y), y = target_ids_N,
-      log-probs normalised over the same support as the JSD path (a y outside the top-k gets
-      logit_y / tau - logsumexp(top-k)); the clip is not applied.
-    loss_type="fixed_advantage": loss_N = -a * log p_S(y) with a = settings.fixed_advantage (full vocabulary);
-      no teacher is read (teacher_logits_NV may be None).
-    With ``settings.contrast_weight`` = lambda (contrast_logits_NV: the teacher's logits under the wrong hint)
-    the teacher is replaced by the target q (`contrastive_target`, over the full vocabulary) for jsd, and
-    A = lambda (log p_T(y) - log p_T~(y)) for sampled_token.
+    The loss's target is the teacher (`_teacher_loss`: both distributions log_softmax(logits / temperature), over
+    the teacher's top-k when ``settings.teacher_support_k > 0``), RLCSD's q with ``settings.contrast`` (`contrast`:
+    the wrong hints' logits (J, N, V), valid (J, N), eos id; `_contrast_loss`), or none (`_fixed_advantage`).
+    loss_type="jsd": the clipped sum_v term_v (`clip_divergence`); "sampled_token": -sg(A) log p_S(y) with
+    A = log p_target(y) - log p_S(y), y = target_ids_N, unclipped; "fixed_advantage": -a log p_S(y). A token
+    weight (`settings.token_weight`) multiplies loss and gradient; the row-wise ones come as `weights_N`.
 
-    Gradient: with x = student logits / tau over the support and logp = log_softmax(x), every mode's loss is a
-    function of logp; a_v = dL/dlogp_v is
-      jsd, beta = 0:      -p_T(v)                      (forward KL)
-      jsd, beta = 1:       p_S(v) (log p_S(v) - log p_T(v) + 1)   (reverse KL)
-      jsd, 0 < beta < 1:  (1 - beta) p_S(v) (log p_S(v) - log M(v))
-    times the clip's weight (`clip_divergence`). Through log_softmax, dL/dx = a - softmax(x) sum(a);
-    sampled_token and fixed_advantage: dL/dx = -A (onehot(y) - softmax(x) over the support). Then
-    dL/dlogits = dL/dx / tau, scattered back to the vocabulary for top-k. No autograd graph is kept, so a chunk
-    costs a few (N, V) float32 buffers.
+    Gradient: with x = student logits / tau and a = dL/dlogp over the support (`jsd_dlogp` times the clip's
+    weight), dL/dx = a - softmax(x) sum(a) through log_softmax (`bucket_gradient` through the buckets);
+    sampled_token and fixed_advantage: dL/dx = -A (onehot(y) - softmax(x) over the support); dL/dlogits =
+    dL/dx / tau. No autograd graph is kept, so a chunk costs a few (N, V) float32 buffers.
 
-    Args: student_logits_NV (N, V); teacher_logits_NV (N, V); target_ids_N (N,) long, read by sampled_token and
-    fixed_advantage (and by the abs_advantage statistic when given).
-    Returns: loss_N (N,) float32, no reduction; stats, float32 (N,) tensors without a graph:
-      "divergence": unclipped D_beta against the target (p_T, or q with a contrast; over the top-k support when
-        teacher_support_k > 0); 0.0 for fixed_advantage,
-      "clipped_frac": as `clip_divergence` says; 0.0 for sampled_token and fixed_advantage,
-      "top1_agree": 1.0 where full-vocab argmax of student == teacher (under the reference); 0.0 without one,
-      "abs_advantage": |A| of the sampled token (A as sampled_token would use it; |a| for fixed_advantage;
-        0.0 without target ids);
-    and the gradient (None unless need_grad).
+    Returns: loss_N (N,) float32, no reduction; stats (N,) without a graph: "divergence" (unclipped D_beta against
+    the target; 0 for fixed_advantage), "clipped_frac", "top1_agree" (argmax of student == teacher's under the
+    reference), "advantage" and "abs_advantage" (A of the sampled token; a for fixed_advantage; 0 without ids),
+    with a contrast `ContrastSupport.stats`, with a token weight "token_weight"; the gradient (None unless
+    need_grad).
     """
-    beta, temperature = settings.beta, settings.temperature
     if settings.loss_type == "fixed_advantage":
         return _fixed_advantage(student_logits_NV, settings, target_ids_N, need_grad)
     with torch.no_grad():
-        x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
-        xt_NV = teacher_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
+        x_NV = _scaled(student_logits_NV, settings.temperature)
+        xt_NV = _scaled(teacher_logits_NV, settings.temperature)
         top1_agree_N = (x_NV.argmax(-1) == xt_NV.argmax(-1)).float()
-        advantage_N = None
-        if settings.contrast_weight is not None:
-            xw_NV = contrast_logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
-            # Each teacher's log-softmax once: the sampled-token advantage and the target both read the ratio.
-            log_ratio_NV = F.log_softmax(xt_NV, -1).sub_(F.log_softmax(xw_NV, -1))
-            del xw_NV
-            if target_ids_N is not None:
-                advantage_N = (
-                    log_ratio_NV.gather(-1, target_ids_N[:, None]).squeeze(-1) * settings.contrast_weight
-                )
-            xt_NV = contrastive_target(x_NV, log_ratio_NV, settings.contrast_weight)
-            del log_ratio_NV
-        x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
-        logp_s_NK = F.log_softmax(x_NK, -1)
-        logp_t_NK = F.log_softmax(xt_NK, -1)
-        if advantage_N is None and target_ids_N is not None:
-            advantage_N = log_prob_at(xt_NV, xt_NK, target_ids_N) - log_prob_at(x_NV, x_NK, target_ids_N)
-        del xt_NV, xt_NK
-        terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, beta)
-        divergence_N = terms_NK.sum(-1)
-        abs_advantage_N = torch.zeros_like(divergence_N) if advantage_N is None else advantage_N.abs()
-
-        grad_NV = None
-        if settings.loss_type == "jsd":
-            loss_N, clipped_frac_N, weight = clip_divergence(
-                terms_NK, clip=settings.clip, clip_mode=settings.clip_mode
-            )
-            if need_grad:
-                if beta == 0.0:
-                    a_NK = logp_t_NK.exp_().neg_()
-                elif beta == 1.0:
-                    a_NK = (logp_s_NK - logp_t_NK).add_(1.0).mul_(logp_s_NK.exp())
-                else:
-                    log_m_NK = torch.logaddexp(logp_t_NK + math.log(beta), logp_s_NK + math.log1p(-beta))
-                    a_NK = (logp_s_NK - log_m_NK).mul_(logp_s_NK.exp()).mul_(1.0 - beta)
-                    del log_m_NK
-                a_NK.mul_(weight)
-                grad_NV = _through_log_softmax(a_NK, logp_s_NK, idx_NK, x_NV.shape, temperature)
+        if settings.contrast is None:
+            loss_N, stats, grad_NV = _teacher_loss(x_NV, xt_NV, settings, target_ids_N, need_grad)
         else:
-            loss_N = -advantage_N * log_prob_at(x_NV, x_NK, target_ids_N)
-            clipped_frac_N = torch.zeros_like(divergence_N)
-            if need_grad:
-                grad_NV = _policy_gradient(
-                    logp_s_NK, advantage_N, idx_NK, x_NV.shape, target_ids_N, temperature
-                )
-    stats = {
-        "divergence": divergence_N,
-        "clipped_frac": clipped_frac_N,
-        "top1_agree": top1_agree_N,
-        "abs_advantage": abs_advantage_N,
-    }
+            loss_N, stats, grad_NV = _contrast_loss(x_NV, xt_NV, contrast, settings, target_ids_N, need_grad)
+        stats["top1_agree"] = top1_agree_N
+        advantage_N = stats["advantage"]
+        if advantage_N is None:
+            stats["advantage"] = advantage_N = torch.zeros_like(loss_N)
+        stats["abs_advantage"] = advantage_N.abs()
+        w_N = _token_weights(settings.token_weight, xt_NV, advantage_N, weights_N)
+        if w_N is not None:
+            loss_N = loss_N * w_N
+            grad_NV = None if grad_NV is None else grad_NV.mul_(w_N[:, None])
+            stats["token_weight"] = w_N
     return loss_N, stats, grad_NV
+
+
+def _teacher_loss(x_NV, xt_NV, settings: LossSettings, ids_N, need_grad: bool):
+    """OPSD's teacher p_T: the loss, stats and dL/dx over the full vocabulary or the teacher's top-k."""
+    tau = settings.temperature
+    x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
+    logp_s_NK = F.log_softmax(x_NK, -1)
+    logp_t_NK = F.log_softmax(xt_NK, -1)
+    advantage_N = None
+    if ids_N is not None:
+        advantage_N = log_prob_at(xt_NV, xt_NK, ids_N) - log_prob_at(x_NV, x_NK, ids_N)
+    terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, settings.beta)
+    stats = {"divergence": terms_NK.sum(-1), "advantage": advantage_N}
+    grad_NV = None
+    if settings.loss_type == "jsd":
+        loss_N, stats["clipped_frac"], weight = clip_divergence(
+            terms_NK, clip=settings.clip, clip_mode=settings.clip_mode
+        )
+        if need_grad:
+            a_NK = jsd_dlogp(logp_s_NK, logp_t_NK, settings.beta).mul_(weight)
+            grad_NV = _through_log_softmax(a_NK, logp_s_NK, idx_NK, x_NV.shape, tau)
+    else:
+        loss_N = -advantage_N * log_prob_at(x_NV, x_NK, ids_N)
+        stats["clipped_frac"] = torch.zeros_like(loss_N)
+        if need_grad:
+            grad_NV = _policy_gradient(logp_s_NK, advantage_N, idx_NK, x_NV.shape, ids_N, tau)
+    return loss_N, stats, grad_NV
+
+
+def _contrast_loss(x_NV, xt_NV, contrast: tuple, settings: LossSettings, ids_N, need_grad: bool):
+    """RLCSD's target q on the buckets (`opsd.method.contrast_target`): the loss against q, times the KL weight."""
+    logits_JNV, valid_JN, eos_token_id = contrast
+    c = settings.contrast
+    xw_JNV = _scaled(logits_JNV, settings.temperature)
+    sup = contrast_support(
+        x_NV, xt_NV, xw_JNV, valid_JN, alpha=c.alpha, top_k=c.top_k, floor=c.floor, kl_tau=c.kl_tau
+    )
+    del xw_JNV
+    terms_NB = pointwise_jsd_terms(sup.logp_s_NB, sup.log_q_NB, settings.beta)
+    stats = {"divergence": terms_NB.sum(-1), **sup.stats(eos_token_id), "advantage": None}
+    if ids_N is not None:
+        bucket_N1 = bucket_index(sup.idx_NK, ids_N)[:, None]
+        logp_y_N = sup.logp_s_NB.gather(-1, bucket_N1)[:, 0]
+        stats["advantage"] = sup.log_q_NB.gather(-1, bucket_N1)[:, 0] - logp_y_N
+    a_NB = None
+    if settings.loss_type == "jsd":
+        loss_N, stats["clipped_frac"], weight = clip_divergence(
+            terms_NB, clip=settings.clip, clip_mode=settings.clip_mode
+        )
+        if need_grad:
+            a_NB = jsd_dlogp(sup.logp_s_NB, sup.log_q_NB, settings.beta).mul_(weight)
+    else:
+        advantage_N = stats["advantage"]
+        loss_N = -advantage_N * logp_y_N
+        stats["clipped_frac"] = torch.zeros_like(loss_N)
+        if need_grad:
+            a_NB = torch.zeros_like(sup.logp_s_NB).scatter_(-1, bucket_N1, -advantage_N[:, None])
+    grad_NV = None
+    if a_NB is not None:
+        grad_NV = sup.gradient(a_NB.mul_(sup.weight_N[:, None])).div_(settings.temperature)
+    return loss_N * sup.weight_N, stats, grad_NV
+
+
+def _token_weights(mode: str, xt_NV, advantage_N, given_N):
+    """The token weight (N,) of `mode` (`opsd.method.token_weights`), or None for none. The row-wise weights
+    are computed by the caller, who knows the rows (`given_N`)."""
+    if mode == "none":
+        return None
+    if mode in token_weights.ROW_WEIGHTS:
+        if given_N is None:
+            raise ValueError(f"token_weight={mode} weighs tokens by their place in their row: pass rows_N")
+        return given_N
+    if mode == "entropy_gate":
+        return token_weights.entropy_gate(F.log_softmax(xt_NV, -1))
+    return token_weights.positive_only(advantage_N)
 
 
 def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, need_grad: bool):
@@ -266,7 +362,7 @@ def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, ne
     if target_ids_N is None:
         raise ValueError("loss_type='fixed_advantage' needs the sampled token ids")
     with torch.no_grad():
-        x_NV = student_logits_NV.detach().to(torch.float32, copy=True).div_(settings.temperature)
+        x_NV = _scaled(student_logits_NV, settings.temperature)
         logp_NV = F.log_softmax(x_NV, -1)  # once: the loss reads it at y, the gradient everywhere
         del x_NV
         advantage_N = torch.full_like(logp_NV[:, 0], settings.fixed_advantage)
@@ -280,6 +376,7 @@ def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, ne
         "clipped_frac": zeros_N,
         "top1_agree": zeros_N,
         "abs_advantage": advantage_N.abs(),
+        "advantage": advantage_N,
     }
     return loss_N, stats, grad_NV
 
@@ -317,49 +414,26 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
     """Loss sum and its gradients computed chunk by chunk in forward; backward only rescales them."""
 
     @staticmethod
-    def forward(
-        ctx,
-        student_hidden_NH,
-        teacher_hidden_NH,
-        student_weight_VH,
-        teacher_weight_VH,
-        target_ids_N,
-        settings,
-        transform,
-        grad_enabled,
-        contrast_hidden_NH,
-    ):
+    def forward(ctx, student_hidden_NH, student_weight_VH, inputs, grad_enabled):
         # needs_input_grad ignores the caller's no_grad, so eval passes grad_enabled=False to skip grad work.
         need_h = grad_enabled and ctx.needs_input_grad[0]
-        need_w = grad_enabled and ctx.needs_input_grad[2]
+        need_w = grad_enabled and ctx.needs_input_grad[1]
         w_s_VH = student_weight_VH.detach()
-        teacher = settings.needs_teacher
-        w_t_VH = teacher_weight_VH.detach() if teacher else None
-        h_t_NH = teacher_hidden_NH.detach() if teacher else None
-        h_w_NH = None if contrast_hidden_NH is None else contrast_hidden_NH.detach()
+        keys = inputs.stat_keys()
         loss_sum = student_hidden_NH.new_zeros((), dtype=torch.float32)
-        stat_sums_K = student_hidden_NH.new_zeros(len(STAT_KEYS), dtype=torch.float32)
+        stat_sums_K = student_hidden_NH.new_zeros(len(keys), dtype=torch.float32)
         grad_h_NH = torch.zeros_like(student_hidden_NH) if need_h else None
         # float32 accumulator: summing many bf16 chunk products in bf16 would lose precision.
         grad_w_VH = torch.zeros_like(w_s_VH, dtype=torch.float32) if need_w else None
 
-        for start in range(0, student_hidden_NH.shape[0], settings.chunk_size):
-            end = start + settings.chunk_size
+        for start in range(0, student_hidden_NH.shape[0], inputs.settings.chunk_size):
+            end = start + inputs.settings.chunk_size
             h_s_CH = student_hidden_NH[start:end].detach()
-            s_logits_CV = _chunk_logits(h_s_CH, w_s_VH, transform)
-            # The teacher's logits (under the reference, and under the wrong hint for a contrast) exist for
-            # this chunk only, like the student's: never a (N, V) tensor of any of the three distributions.
-            t_logits_CV = None if h_t_NH is None else _chunk_logits(h_t_NH[start:end], w_t_VH, transform)
-            w_logits_CV = None if h_w_NH is None else _chunk_logits(h_w_NH[start:end], w_t_VH, transform)
-            ids_C = None if target_ids_N is None else target_ids_N[start:end]
-            loss_C, stats, g_CV = token_divergence_with_grad(
-                s_logits_CV, t_logits_CV, settings=settings, target_ids_N=ids_C, need_grad=need_h or need_w,
-                contrast_logits_NV=w_logits_CV,
-            )  # fmt: skip
-            if g_CV is not None and not transform.identity:
-                g_CV = transform.backward_(g_CV, s_logits_CV)  # through the transform, to h @ W.T
-            del s_logits_CV, t_logits_CV, w_logits_CV
-            chunk_loss = loss_C.sum()
+            s_logits_CV = _chunk_logits(h_s_CH, w_s_VH, inputs.transform)
+            loss_C, stats, g_CV = inputs.chunk(start, end, s_logits_CV, need_grad=need_h or need_w)
+            if g_CV is not None and not inputs.transform.identity:
+                g_CV = inputs.transform.backward_(g_CV, s_logits_CV)  # through the transform, to h @ W.T
+            del s_logits_CV
             if g_CV is not None:
                 # d(chunk loss)/d(logits) in closed form; the lm_head matmul is then differentiated by hand.
                 if need_h:
@@ -367,8 +441,8 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
                 if need_w:
                     grad_w_VH.addmm_(g_CV.T, h_s_CH.float())
                 del g_CV
-            loss_sum += chunk_loss.detach()
-            stat_sums_K += torch.stack([stats[k].sum() for k in STAT_KEYS])
+            loss_sum += loss_C.sum().detach()
+            stat_sums_K += torch.stack([stats[k].sum() for k in keys])
 
         ctx.save_for_backward(grad_h_NH, grad_w_VH)
         ctx.weight_dtype = student_weight_VH.dtype
@@ -382,7 +456,50 @@ class _ChunkedOPSDLoss(torch.autograd.Function):
             grad_h_NH = grad_h_NH * grad_loss.to(grad_h_NH.dtype)
         if grad_w_VH is not None:
             grad_w_VH = (grad_w_VH * grad_loss).to(ctx.weight_dtype)
-        return grad_h_NH, None, grad_w_VH, None, None, None, None, None, None
+        return grad_h_NH, grad_w_VH, None, None
+
+
+@dataclass
+class _TeacherSide:
+    """What every chunk of the loss reads besides the student: the teachers' hidden states and weight, the
+    sampled tokens, the settings, the logit transform and the row-wise token weights."""
+
+    settings: LossSettings
+    transform: LogitTransform
+    teacher_hidden_NH: torch.Tensor | None
+    teacher_weight_VH: torch.Tensor | None
+    target_ids_N: torch.Tensor | None
+    contrast: ContrastHidden | None
+    weights_N: torch.Tensor | None = None
+
+    def stat_keys(self) -> tuple[str, ...]:
+        """The settings' statistics, without the EOS diagnostics where no end-of-sequence token was given."""
+        keys = self.settings.stat_keys()
+        if self.contrast is None or self.contrast.eos_token_id is None:
+            keys = tuple(k for k in keys if not k.startswith("eos_"))
+        return keys
+
+    def chunk(self, start: int, end: int, s_logits_CV: torch.Tensor, *, need_grad: bool):
+        """The loss, stats and gradient of tokens [start, end): the teacher's logits (under the reference, and
+        under each wrong hint for a contrast) exist for this chunk only, like the student's."""
+        w_t_VH = None if self.teacher_weight_VH is None else self.teacher_weight_VH.detach()
+        t_logits_CV = None
+        if self.settings.needs_teacher:
+            t_logits_CV = _chunk_logits(self.teacher_hidden_NH[start:end].detach(), w_t_VH, self.transform)
+        contrast = None
+        if self.contrast is not None:
+            h_JCH = self.contrast.hidden_JNH[:, start:end].detach()
+            logits_JCV = torch.stack([_chunk_logits(h_CH, w_t_VH, self.transform) for h_CH in h_JCH])
+            contrast = (logits_JCV, self.contrast.valid_JN[:, start:end], self.contrast.eos_token_id)
+        return token_divergence_with_grad(
+            s_logits_CV,
+            t_logits_CV,
+            settings=self.settings,
+            target_ids_N=None if self.target_ids_N is None else self.target_ids_N[start:end],
+            need_grad=need_grad,
+            contrast=contrast,
+            weights_N=None if self.weights_N is None else self.weights_N[start:end],
+        )
 
 
 def chunked_opsd_loss(
@@ -394,7 +511,8 @@ def chunked_opsd_loss(
     settings: LossSettings,
     target_ids_N: torch.Tensor | None,
     transform: LogitTransform = IDENTITY,
-    contrast_hidden_NH: torch.Tensor | None = None,
+    contrast: ContrastHidden | None = None,
+    rows_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed OPSD loss from final hidden states without materialising all (N, V) logits (the training path).
 
@@ -410,36 +528,68 @@ def chunked_opsd_loss(
     Args: hidden states (N, H) of valid tokens only (after the final norm), lm_head weights (V, H); the
     teacher weight may be the student's own tensor (fixed teacher) or another one (EMA teacher); teacher
     hidden and weight never get gradients. target_ids_N (N,): the sampled tokens, which loss_type
-    "sampled_token" and "fixed_advantage" need. contrast_hidden_NH (N, H): the teacher's hidden states under the
-    wrong hint, required when settings.contrast_weight is set (scored with the teacher's weight); the teacher's
-    hidden states and weight may be None for "fixed_advantage", which reads no teacher.
-    Returns (loss_sum, stats_sums): a float32 scalar; detached 0-dim float32 tensors "divergence",
-    "clipped_frac", "top1_agree", "abs_advantage" (sums over tokens of the per-token stats) and "num_tokens".
-    N = 0 gives a zero loss attached to the graph.
+    "sampled_token" and "fixed_advantage" need. contrast: the teacher's hidden states under the wrong hints,
+    required when settings.contrast is set (scored with the teacher's weight); the teacher's hidden states and
+    weight may be None for "fixed_advantage", which reads no teacher. rows_N (N,): each token's row (tokens in
+    order, rows contiguous), which the row-wise token weights need (`position_early` runs a first pass without
+    gradients for the advantages its weights accumulate).
+    Returns (loss_sum, stats_sums): a float32 scalar; detached 0-dim float32 tensors, the sums over tokens of
+    the per-token stats `settings.stat_keys()`, and "num_tokens". N = 0 gives a zero loss attached to the graph.
     """
     if settings.loss_type != "jsd" and target_ids_N is None:
         raise ValueError(f"loss_type={settings.loss_type!r} needs the sampled token ids")
-    if (settings.contrast_weight is None) != (contrast_hidden_NH is None):
-        raise ValueError("a contrastive target needs the wrong-hint teacher's hidden states, and only it")
+    if (settings.contrast is None) != (contrast is None):
+        raise ValueError("a contrastive target needs the wrong hints' hidden states, and only it")
+    side = _TeacherSide(settings, transform, teacher_hidden_NH, teacher_weight_VH, target_ids_N, contrast)
+    side.weights_N = _row_weights(side, student_hidden_NH, student_weight_VH, rows_N)
     loss_sum, stat_sums_K = _ChunkedOPSDLoss.apply(
-        student_hidden_NH,
-        teacher_hidden_NH,
-        student_weight_VH,
-        teacher_weight_VH,
-        target_ids_N,
-        settings,
-        transform,
-        torch.is_grad_enabled(),
-        contrast_hidden_NH,
+        student_hidden_NH, student_weight_VH, side, torch.is_grad_enabled()
     )
-    stats_sums = dict(zip(STAT_KEYS, stat_sums_K.unbind(), strict=True))
+    stats_sums = dict(zip(side.stat_keys(), stat_sums_K.unbind(), strict=True))
     stats_sums["num_tokens"] = torch.tensor(float(student_hidden_NH.shape[0]), device=loss_sum.device)
     return loss_sum, stats_sums
+
+
+def _row_weights(side: _TeacherSide, student_hidden_NH, student_weight_VH, rows_N):
+    """The row-wise token weights (N,) of `side.settings.token_weight`, or None."""
+    mode = side.settings.token_weight
+    if mode not in token_weights.ROW_WEIGHTS:
+        return None
+    if rows_N is None:
+        raise ValueError(f"token_weight={mode} weighs tokens by their place in their row: pass rows_N")
+    if mode == "position_late":
+        return token_weights.position_late(rows_N)
+    # position_early: the advantages first, without gradients and without the weight they make.
+    plain = dataclasses.replace(side, settings=dataclasses.replace(side.settings, token_weight="none"))
+    advantage_N = student_hidden_NH.new_zeros(student_hidden_NH.shape[0], dtype=torch.float32)
+    w_s_VH = student_weight_VH.detach()
+    for start in range(0, student_hidden_NH.shape[0], side.settings.chunk_size):
+        end = start + side.settings.chunk_size
+        s_logits_CV = _chunk_logits(student_hidden_NH[start:end].detach(), w_s_VH, side.transform)
+        advantage_N[start:end] = plain.chunk(start, end, s_logits_CV, need_grad=False)[1]["advantage"]
+    return token_weights.position_early(advantage_N, rows_N)
+
+
+def token_log_probs(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_N: torch.Tensor, *, transform: LogitTransform,
+    temperature: float, chunk_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """(N,) float32 log p(y) of the tokens `ids_N` over the full vocabulary at `temperature`, from final hidden
+    states (N, H), `chunk_size` tokens' logits at a time; no gradient."""
+    out_N = hidden_NH.new_empty(hidden_NH.shape[0], dtype=torch.float32)
+    with torch.no_grad():
+        for start in range(0, hidden_NH.shape[0], chunk_size):
+            end = start + chunk_size
+            x_CV = _scaled(
+                _chunk_logits(hidden_NH[start:end].detach(), weight_VH.detach(), transform), temperature
+            )
+            out_N[start:end] = F.log_softmax(x_CV, -1).gather(-1, ids_N[start:end, None])[:, 0]
+    return out_N
 
 
 def loss_metrics(loss_sum: torch.Tensor, stats: dict, *, teacher: bool = True) -> dict[str, float]:
     """The `opsd/*` metrics of one micro-batch: `chunked_opsd_loss`'s sums per valid token (without the
     teacher's statistics when the loss read no teacher)."""
     n = max(float(stats["num_tokens"]), 1.0)
-    keys = STAT_KEYS if teacher else ("abs_advantage",)
+    keys = [k for k in stats if k != "num_tokens"] if teacher else ["abs_advantage"]
     return {**{f"opsd/{k}": float(stats[k]) / n for k in keys}, "opsd/loss_per_token": float(loss_sum) / n}

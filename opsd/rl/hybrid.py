@@ -1,7 +1,9 @@
 """`HybridTrainer`: TRL's GRPO loss plus `sd_weight` x the OPSD loss on the same rollouts (`method=hybrid`;
-docs/method.md §6; SDPG-style, arXiv 2606.04036, without its reference KL, which is TRL's `beta`, 0 by default).
+docs/method.md §6; SDPG-style, arXiv 2606.04036, without its reference KL, which is TRL's `beta`, 0 by default),
+and with a contrastive teacher RLCSD (arXiv 2606.11709, docs/method.md §1.10).
 
     python opsd_train.py --method hybrid --sd_weight 1 --max_steps 2
+    python opsd_train.py --method hybrid --teacher_contrast own_wrong --num_generations 4 --max_steps 2
 
 Each problem gets G rollouts (`num_generations`), graded by the evaluation's grader; TRL turns the grades into
 group-normalised advantages and its GRPO loss (`GRPOTrainer`, unchanged). The same rollouts are also scored by
@@ -13,6 +15,12 @@ switched off (every advantage 0: a step whose groups are all right or all wrong)
 rollouts. The teacher is the initial policy (`teacher_mode=fixed`: the adapters off) or the student itself
 (`dynamic`). Cost: the student's forward runs twice per micro-batch (TRL's for its log-probabilities and OPSD's for
 the divergence), plus one teacher forward; the compute ledger counts the teacher's tokens.
+
+With `teacher_contrast` the teacher also reads wrong hints (one forward per hint and micro-batch): the OPSD term's
+target becomes RLCSD's (`opsd.method.contrast_target`), and with `contrast_rl_weight` > 0 each token's GRPO
+advantage gets RLCSD's bounded modulation from the sampled token's contrastive log-ratio. `own_wrong` takes the
+hints from the G rollouts themselves (`opsd.method.contrast.sibling_hints`): a correct sibling (or the reference)
+as c, up to `contrast_hints` wrong siblings as c~.
 """
 
 from __future__ import annotations
@@ -22,15 +30,26 @@ import logging
 
 import torch
 
+from opsd.method.contrast import rows_with_contrast, sibling_hints
+from opsd.method.contrast_target import modulated_advantages, sampled_log_ratio
 from opsd.method.hidden import (
     completion_hidden,
     eval_mode,
+    left_pad,
     lm_head_weight,
     loss_token_mask,
     one_transform,
     resolve_logit_transform,
 )
-from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings
+from opsd.method.loss import (
+    ContrastHidden,
+    chunked_opsd_loss,
+    loss_metrics,
+    loss_settings,
+    token_log_probs,
+    token_rows,
+)
+from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import teacher_rows
 from opsd.rl.grpo import GRPOTrainer
 
@@ -38,35 +57,96 @@ logger = logging.getLogger(__name__)
 
 
 class HybridTrainer(GRPOTrainer):
-    """GRPO (TRL's) + sd_weight x OPSD on the same G rollouts per problem (module docstring)."""
+    """GRPO (TRL's) + sd_weight x OPSD on the same G rollouts per problem, with RLCSD's contrast (module
+    docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.sd_weight = float(self.config.sd_weight)
-        self.loss_settings = loss_settings(self.config)
+        c = self.config
+        self.sd_weight = float(c.sd_weight)
+        self.loss_settings = loss_settings(c)
+        self.contrast = c.teacher_contrast
+        # RLCSD's modulation of the GRPO advantages: with a contrast and a weight.
+        self.modulate = self.contrast != "none" and c.contrast_rl_weight > 0
+        self.teacher_rows_needed = self.loss_settings.needs_teacher and (self.sd_weight > 0 or self.modulate)
         # The loss's logit transform (opsd.method.hidden), picked on the first forward and checked on it.
         self.logit_transform = None
 
     # -- the batch: TRL's, plus the teacher's rows ------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        if self.sd_weight == 0:
+        if not self.teacher_rows_needed:
             return out
         completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
-        builder = self.prompt_builder if self.loss_settings.needs_teacher else None
+        problems = [x["prompt"] for x in inputs]
+        hints, wrongs = self._hints(inputs)
+        pad_id = self._tokenizer.pad_token_id
         rows, truncated = teacher_rows(
-            builder, [x["prompt"] for x in inputs], [x.get("privileged_context") for x in inputs],
-            completion_ids, completion_mask, self._tokenizer.pad_token_id,
+            self.prompt_builder, problems, [h if h is not None else "" for h in hints], completion_ids,
+            completion_mask, pad_id,
         )  # fmt: skip
         out.update(rows)
+        if wrongs is not None:
+            out.update(self._wrong_hint_rows(problems, hints, wrongs, completion_ids))
         # The OPSD term's denominator: its loss tokens over the whole step and every process (as OPSD's trainer).
         local = self._sd_mask(completion_ids, completion_mask).sum()
         out["sd_num_tokens"] = self.accelerator.reduce(local.clone(), reduction="sum")
         if self.model.training:
             self._metrics["train"]["prompts/teacher_truncated"].append(float(truncated))
-            if builder is not None:
-                self.ledger.add(teacher=int(rows["teacher_attention_mask"].sum()))
+            hint_tokens = 0
+            if wrongs is not None:  # each scored hint's forward reads its prompt and the completion
+                valid_BJ = out["contrast_valid"]
+                prompts = (out["contrast_attention_mask"].sum(-1) * valid_BJ).sum()
+                hint_tokens = int(prompts + (valid_BJ.sum(1) * completion_mask.sum(1)).sum())
+            self.ledger.add(teacher=int(rows["teacher_attention_mask"].sum()) + hint_tokens)
         return out
+
+    def _hints(self, inputs):
+        """(the hint c per row, the wrong hints c~ per row or None without a contrast). A row without a pair
+        (`own_wrong`) has c = None and no wrong hint."""
+        references = [x.get("privileged_context") for x in inputs]
+        if self.contrast == "none":
+            return references, None
+        if self.contrast != "own_wrong":
+            return references, [[x[CONTRAST_COLUMN]] for x in inputs]
+        texts, rewards = self.reward.last
+        prompts = [x["prompt"] for x in inputs]
+        G = self.config.num_generations
+        if any(prompts[i] != prompts[i - i % G] for i in range(len(prompts))):
+            raise RuntimeError(
+                f"teacher_contrast=own_wrong needs each problem's {G} rollouts side by side in a process's batch, and "
+                "this batch splits a group; report this with the run's configuration"
+            )
+        seed = f"{self.config.seed}:{self.state.global_step}:{self.accelerator.process_index}"
+        hints, wrongs, record = sibling_hints(
+            texts, rewards, references, G, max_hints=self.config.contrast_hints, seed=seed
+        )
+        if self.model.training:
+            paired = max(record["rows_with_pair"], 1.0)
+            window = self._metrics["train"]
+            window["contrast/rows_with_pair"].append(record["rows_with_pair"] / record["rows"])
+            window["contrast/hints_per_row"].append(record["wrong_hints"] / paired)
+            window["contrast/hint_from_reference"].append(record["hint_from_reference"] / paired)
+        return hints, wrongs
+
+    def _wrong_hint_rows(self, problems, hints, wrongs, completion_ids) -> dict:
+        """The wrong hints' prompts, (B, J, P) left-padded, and which exist (B, J): J = the most hints of a row."""
+        J = max(1, max(len(w) for w in wrongs))
+        prompts, valid = [], []
+        for problem, hint, row in zip(problems, hints, wrongs, strict=True):
+            for j in range(J):
+                valid.append(j < len(row))
+                # a missing hint takes the row's hint in its place; it is never scored (`contrast_valid`)
+                prompts.append(
+                    self.prompt_builder.teacher_ids(problem, row[j] if j < len(row) else hint or "").ids
+                )
+        ids, mask = left_pad(prompts, self._tokenizer.pad_token_id, completion_ids.device)
+        B = len(problems)
+        return {
+            "contrast_input_ids": ids.view(B, J, -1),
+            "contrast_attention_mask": mask.view(B, J, -1),
+            "contrast_valid": torch.tensor(valid, device=completion_ids.device).view(B, J),
+        }
 
     def _sd_mask(self, completion_ids, completion_mask) -> torch.Tensor:
         c = self.config
@@ -77,46 +157,104 @@ class HybridTrainer(GRPOTrainer):
 
     # -- the loss --------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
+        teachers = self._teacher_hidden(model, inputs) if self.teacher_rows_needed else None
+        if self.modulate:
+            inputs = {**inputs, "advantages": self._modulated_advantages(model, inputs, teachers)}
         grpo = super()._compute_loss(model, inputs)
         if self.sd_weight == 0:
             return grpo
-        sd = self.sd_loss(model, inputs)
+        sd = self.sd_loss(model, inputs, teachers)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["hybrid/grpo_loss"].append(float(grpo.detach()))
         self._metrics[mode]["hybrid/sd_loss"].append(float(sd.detach()))
         return grpo + self.sd_weight * sd
 
-    def sd_loss(self, model, inputs) -> torch.Tensor:
+    def _teacher_hidden(self, model, inputs):
+        """(the teacher's hidden states under c, (N, H) over every completion token; the wrong hints', a
+        `ContrastHidden` over the same tokens, or None; the rows that have a contrast (B,) or None)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
+        teacher_ids, teacher_mask = (
+            inputs["teacher_input_ids"][:, :width],
+            inputs["teacher_attention_mask"][:, :width],
+        )
+        with torch.no_grad(), self._teacher(unwrapped):
+            teacher_NH = self._hidden(unwrapped, teacher_ids, teacher_mask, inputs).detach()
+            if "contrast_input_ids" not in inputs:
+                return teacher_NH, None, None
+            ids_BJP, mask_BJP, valid_BJ = (inputs[k] for k in ("contrast_input_ids", "contrast_attention_mask",
+                                                               "contrast_valid"))  # fmt: skip
+            rows_N = token_rows(completion_mask)
+            valid_JN = valid_BJ[rows_N].T.contiguous()
+            hidden_JNH = teacher_NH.new_zeros((valid_BJ.size(1), *teacher_NH.shape))
+            for j in range(valid_BJ.size(1)):
+                rows_B = valid_BJ[:, j]
+                if rows_B.any():
+                    part = {
+                        "completion_ids": completion_ids[rows_B],
+                        "completion_mask": completion_mask[rows_B],
+                    }
+                    h = self._hidden(unwrapped, ids_BJP[rows_B, j], mask_BJP[rows_B, j], part)
+                    hidden_JNH[j, valid_JN[j]] = h.detach()
+        # A row has a contrast when it has a wrong hint and that hint is not its hint (shuffled, wrong_answer).
+        has_B = valid_BJ.any(1) & rows_with_contrast(teacher_ids, teacher_mask, ids_BJP[:, 0], mask_BJP[:, 0])
+        eos = self._tokenizer.eos_token_id
+        return teacher_NH, ContrastHidden(hidden_JNH, valid_JN, eos), has_B
+
+    def _modulated_advantages(self, model, inputs, teachers) -> torch.Tensor:
+        """RLCSD's per-token advantages (B, T) (`opsd.method.contrast_target.modulated_advantages`)."""
+        teacher_NH, contrast, has_B = teachers
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask_BT = completion_mask.bool()
+        ids_N = completion_ids[mask_BT]
+        weight_VH = lm_head_weight(self.accelerator.unwrap_model(model)).detach()
+        kw = dict(transform=self.logit_transform, temperature=self.loss_settings.temperature,
+                  chunk_size=self.loss_settings.chunk_size)  # fmt: skip
+        with torch.no_grad():
+            logp_c_N = token_log_probs(teacher_NH, weight_VH, ids_N, **kw)
+            logp_w_JN = torch.stack([token_log_probs(h, weight_VH, ids_N, **kw) for h in contrast.hidden_JNH])
+            e_BT = torch.zeros_like(completion_mask, dtype=logp_c_N.dtype)
+            e_BT[mask_BT] = sampled_log_ratio(logp_c_N, logp_w_JN, contrast.valid_JN)
+        c = self.config
+        advantages_BT, selected_BT = modulated_advantages(
+            inputs["advantages"], e_BT, has_B[:, None] & mask_BT, weight=c.contrast_rl_weight,
+            tau=c.contrast_rl_tau, delta=c.contrast_rl_delta,
+        )  # fmt: skip
+        if self.model.training:
+            n = max(int(mask_BT.sum()), 1)
+            window = self._metrics["train"]
+            window["contrast/rl_selected"].append(float(selected_BT.sum()) / n)
+            window["contrast/rl_shift"].append(
+                float((advantages_BT - inputs["advantages"][:, None]).abs()[mask_BT].sum()) / n
+            )
+        return advantages_BT
+
+    def sd_loss(self, model, inputs, teachers) -> torch.Tensor:
         """The OPSD term of a micro-batch: its clipped divergence summed over its loss tokens, divided by the
         step's loss tokens over all processes, times the processes (DDP/DeepSpeed average the gradients)."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
-        teacher_NH = teacher_weight_VH = None
         unwrapped = self.accelerator.unwrap_model(model)
-        if self.loss_settings.needs_teacher:
-            width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
-            with torch.no_grad(), self._teacher(unwrapped):
-                teacher_NH = self._hidden(
-                    unwrapped,
-                    inputs["teacher_input_ids"][:, :width],
-                    inputs["teacher_attention_mask"][:, :width],
-                    inputs,
-                ).detach()
-            teacher_weight_VH = lm_head_weight(unwrapped).detach()
-        keep_N = self._sd_mask(completion_ids, completion_mask)[completion_mask.bool()].bool()
+        teacher_NH, contrast, has_B = teachers if teachers is not None else (None, None, None)
+        keep_BC = self._sd_mask(completion_ids, completion_mask)
+        if has_B is not None:  # a row without a contrast (no hint pair, or c~ = c) adds exactly 0
+            keep_BC = keep_BC * has_B[:, None]
+        keep_N = keep_BC[completion_mask.bool()].bool()
+        needs_teacher = self.loss_settings.needs_teacher
         loss_sum, stats = chunked_opsd_loss(
             student_NH[keep_N],
             None if teacher_NH is None else teacher_NH[keep_N],
             lm_head_weight(unwrapped),
-            teacher_weight_VH,
+            lm_head_weight(unwrapped).detach() if needs_teacher else None,
             settings=self.loss_settings,
             target_ids_N=completion_ids[completion_mask.bool()][keep_N],
             transform=self.logit_transform,
+            contrast=None if contrast is None else contrast.kept(keep_N),
+            rows_N=token_rows(keep_BC),
         )
         mode = "train" if self.model.training else "eval"
-        for key, value in loss_metrics(
-            loss_sum.detach(), stats, teacher=self.loss_settings.needs_teacher
-        ).items():
+        for key, value in loss_metrics(loss_sum.detach(), stats, teacher=needs_teacher).items():
             self._metrics[mode][key].append(value)
         denom = inputs["sd_num_tokens"].clamp(min=1).to(loss_sum.dtype)
         return loss_sum / denom * self.accelerator.num_processes

@@ -31,6 +31,8 @@ class CorrectAnswer:
     def __init__(self):
         # [correct, graded, boxed, rows, tokens] of the last call: opsd.run.step_watch.metrics' sums
         self.sums: list[float] | None = None
+        # The last call's completions and rewards, in order (`teacher_contrast=own_wrong` picks hints from them).
+        self.last: tuple[list[str], list[float | None]] | None = None
 
     def __call__(self, prompts, completions, completion_ids, answer=None, **kwargs) -> list[float | None]:
         answers = answer if answer is not None else [""] * len(completions)
@@ -45,4 +47,5 @@ class CorrectAnswer:
             float(len(completions)),
             float(tokens),
         ]
+        self.last = (list(completions), rewards)
         return rewards

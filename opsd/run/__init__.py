@@ -9,5 +9,6 @@
 * `ledger`: the compute ledger (tokens and seconds per step, every method; ledger.jsonl) and a run's totals;
 * `callbacks`: metrics.jsonl, checkpoint marks, tail weight averaging;
 * `probe`: the held-out probe (is the student moving towards its teacher?);
+* `logprob_gap`: `rollout/logprob_gap`, the rollout engine's log-probs of its samples against the trainer's;
 * `curves`: the training curves of a run as one PNG (`python -m opsd.run.curves DIR`).
 """

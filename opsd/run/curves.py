@@ -4,7 +4,7 @@
     python -m opsd.run.curves runs/a runs/b --out cmp.png   # several runs, one line each
 
 One panel per group of metrics that the run logged (loss, divergence, agreement, the probe, rollout
-correctness and lengths, time and tokens per step); groups without data are left out, so the same command serves runs with and
+correctness and lengths, the rollout engine's log-prob gap to the trainer, time and tokens per step); groups without data are left out, so the same command serves runs with and
 without the probe. A resumed run's metrics.jsonl holds each step once (opsd_train.py trims it on resume);
 should a step still appear twice, the last record wins. A line that is not a JSON object is skipped with a
 warning naming its line (`opsd.rundir.read_step_log`).
@@ -28,6 +28,18 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("teacher-token log-prob (probe)", ("probe/teacher_token_logp",)),
     ("rollout correctness (graded like the evaluation)", ("rollout/correct", "rollout/boxed")),
     ("rollout length (tokens)", ("completions/mean_length", "completions/max_length")),
+    (
+        "contrastive target (per token): KL(q || p_S), end-of-sequence mass, argmax differs",
+        ("opsd/contrast_kl", "opsd/eos_target", "opsd/eos_student", "opsd/argmax_differs"),
+    ),
+    (
+        "contrastive hints and weights",
+        ("contrast/rows_with_pair", "contrast/hints_per_row", "opsd/contrast_weight", "opsd/token_weight"),
+    ),
+    (
+        "|log p engine - log p trainer|, sampled tokens",
+        ("rollout/logprob_gap/mean", "rollout/logprob_gap/p99", "rollout/logprob_gap/max"),
+    ),
     ("seconds per step", ("time/step_s", "time/rollout_s", "time/train_micro_s", "time/probe_s")),
     (
         "tokens per step (compute ledger)",

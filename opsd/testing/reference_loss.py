@@ -35,7 +35,7 @@ def token_divergence(
     left to autograd. Args: student_logits_NV (N, V) with grad; teacher_logits_NV (N, V), detached here;
     target_ids_N (N,) long, for loss_type="sampled_token". Returns loss_N (N,) and detached (N,) stats.
     """
-    if settings.loss_type == "fixed_advantage" or settings.contrast_weight is not None:
+    if settings.loss_type == "fixed_advantage" or settings.contrast is not None:
         raise ValueError("the reference code's loss has one teacher: no contrast, no fixed advantage")
     s_NV = student_logits_NV.float() / settings.temperature
     t_NV = teacher_logits_NV.detach().float() / settings.temperature

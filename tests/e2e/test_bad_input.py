@@ -227,7 +227,7 @@ def one_line(res: subprocess.CompletedProcess, prefix: str, *needles: str) -> No
 
 def test_train_bad_config_value_is_one_line(tmp_path):
     res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--learning_rate", "-1"], tmp_path)
-    one_line(res, "opsd_train.py: error:", "learning_rate=-1.0 is out of range", "must be > 0")
+    one_line(res, "opsd_train.py: error:", "learning_rate=-1.0 is out of range", "must be in (0, 1]")
     res = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--beta", "abc"], tmp_path)
     one_line(res, "opsd_train.py: error:", "--beta: invalid float value", "--help")
 
@@ -424,7 +424,7 @@ def test_hub_dataset_offline_and_missing_split(tmp_path, monkeypatch):
     [
         (["--top_p", "1.5"], "top_p=1.5 is out of range: must be in (0, 1]"),
         (["--lora_dropout", "1.5"], "lora_dropout=1.5 is out of range: must be in [0, 1)"),
-        (["--learning_rate=inf"], "learning_rate=inf is out of range: must be finite and > 0"),
+        (["--learning_rate=inf"], "learning_rate=inf is out of range: must be finite and in (0, 1]"),
         (["--teacher_update_rate", "0.5"], "teacher_update_rate=0.5 is a TRL option that OPSD sets itself"),
     ],
 )

@@ -51,8 +51,8 @@ def one_error_line(err: str) -> str:
         ("JSD_TOKEN_CLIP", "-1", "divergence_clip=-1.0 is out of range"),  # the older name, the same check
         ("TOP_K_LOSS", "-3", "top_k_loss=-3 is out of range"),
         ("LOSS_TEMPERATURE", "-1", "loss_temperature=-1.0 is out of range"),
-        ("LEARNING_RATE", "-1", "learning_rate=-1.0 is out of range: must be > 0"),
-        ("LEARNING_RATE", "0", "learning_rate=0.0 is out of range: must be > 0"),
+        ("LEARNING_RATE", "-1", "learning_rate=-1.0 is out of range: must be in (0, 1]"),
+        ("LEARNING_RATE", "0", "learning_rate=0.0 is out of range: must be in (0, 1]"),
     ],
 )
 def test_dry_run_validates_values_as_training_does(tmp_path, key, value, message):

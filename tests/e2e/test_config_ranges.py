@@ -25,7 +25,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "max_grad_norm": (1.0, 0.0, -0.1),
     "adam_beta1": (0.9, 0.0, 1.0),
     "adam_beta2": (0.999, 0.0, 1.0),
-    "adam_epsilon": (1e-8, 0.0, -1e-8),
+    "adam_epsilon": (1e-8, 1e-30, 0.0),  # 0: Adam's 0 / 0 wherever a gradient is 0
     "max_steps": (50, 1, 0),
     "per_device_train_batch_size": (4, 1, 0),
     "gradient_accumulation_steps": (2, 1, 0),
@@ -62,6 +62,13 @@ CASES: dict[str, tuple[object, object, object]] = {
     "teacher_ref_max_chars": (100, 0, -1),
     "teacher_ref_fraction": (0.5, 1e-9, 1e-12),  # below 1e-9, f x n rounds to no token (1.0: the default)
     "contrast_weight": (0.5, 0.0, -0.5),
+    "contrast_top_k": (20, 1, 0),
+    "contrast_log_floor": (-5.0, 0.0, 1.0),
+    "contrast_kl_tau": (1.0, 0.0, -1.0),
+    "contrast_hints": (4, 1, 0),
+    "contrast_rl_weight": (0.5, 2.0, 2.5),  # RLCSD clips its modulation at 2
+    "contrast_rl_tau": (0.02, 1e-6, 0.0),
+    "contrast_rl_delta": (0.02, 0.0, -0.1),
     "sd_weight": (0.5, 0.0, -0.5),
     "fixed_advantage": (-0.5, -1e-6, 0.0),  # zero would be no control at all, a positive one its opposite
     "max_teacher_prompt_length": (2048, 0, -1),
@@ -84,7 +91,33 @@ CROSS = {
 
 # Fields only one method reads (opsd.configuration.checks.methods), set with it in every entry path: alone they
 # would be refused for that reason, not their range.
-CONTEXT = {"sd_weight": {"method": "hybrid"}}
+CONTEXT = {
+    name: {"method": "hybrid"}
+    for name in (
+        "sd_weight",
+        "contrast_rl_weight",
+        "contrast_rl_tau",
+        "contrast_rl_delta",
+        "teacher_contrast",
+    )
+}  # teacher_contrast's last choice, own_wrong, draws its hints from a hybrid's rollouts
+
+
+# Upper bounds (and the lower bounds above 0) of the magnitudes that reach the loss or the update, each at the edge
+# that holds in float32 and just past it (opsd/configuration/checks/ranges.py gives each its reason;
+# tests/integration/test_inputs_extremes.py runs a step at every edge).
+BOUNDS: dict[str, tuple[object, object]] = {
+    "learning_rate": (1.0, 1.5),
+    "weight_decay": (1.0, 1.5),
+    "temperature": (1000.0, 1001.0),
+    "loss_temperature": (0.001, 0.0009),  # 0 is allowed: the rollout temperature
+    "divergence_clip": (1e4, 1.5e4),
+    "sd_weight": (1e4, 1.5e4),
+    "fixed_advantage": (-1e4, -1e308),
+    "num_loss_tokens_to_skip": (2**24, 2**24 + 1),
+    "lora_r": (2**14, 2**14 + 1),
+    "lora_alpha": (10_000, 10_001),
+}
 
 
 def expected_refusal(name: str, value: object) -> str:
@@ -100,6 +133,32 @@ def test_cases_cover_the_table():
         range_error("warmup_steps", -1.0)
         == "warmup_steps=-1.0 is out of range: must be >= 0 (a value below 1 is a fraction of max_steps)"
     )
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_the_bounds_that_hold_in_float32(name, tmp_path, monkeypatch):
+    """Each bound through an OPSD_* variable (every path reaches the same check: the test above), the value past
+    it refused in one line naming its range, before the run writes anything."""
+    monkeypatch.delenv("OPSD_DEBUG", raising=False)
+    edge, outside = BOUNDS[name]
+    assert range_error(name, edge) is None and range_error(name, outside) is not None
+    assert getattr(_via("env", name, edge, tmp_path, None), name) == edge
+    with pytest.raises(UserError) as info:
+        _via("env", name, outside, tmp_path, None)
+    assert str(info.value) == f"{range_error(name, outside)} (from env OPSD_{name.upper()})"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_fixed_advantage_that_overflows_float32_is_refused_with_the_bound():
+    """-1e308 once passed every check and died at step 1 ("cannot be converted to type float without overflow");
+    -1e38 fit in float32 but made every step non-finite, silently."""
+    for value in (-1e308, -1e38):
+        assert range_error("fixed_advantage", value) == (
+            f"fixed_advantage={value!r} is out of range: must be in [-10000, 0) (a negative constant: sampled tokens "
+            "are pushed down)"
+        )
+    assert range_error("loss_temperature", 0.0) is None  # 0: the rollout temperature
+    assert RANGES["loss_temperature"].rule() == "must be 0 or in [0.001, 1000] (0 = rollout temperature)"
 
 
 def _text(value: object) -> str:
@@ -207,7 +266,7 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
     from opsd.configuration.sources.cli import parse_config
 
     with pytest.raises(
-        InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and > 0"
+        InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and in \(0, 1\]"
     ):
         parse_config(["--output_dir", str(tmp_path), f"--learning_rate={value}"], environ={})
 
@@ -331,6 +390,14 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     assert all(str(cfg_path) in n for n in notes)
 
 
+# Eight levels of aliases, nine each, all in one value: 9^8 = 43 million leaves in about 330 bytes.
+ALIAS_BOMB = (
+    "{key}: [&a [x, x, x, x, x, x, x, x, x], "
+    + ", ".join(f"&{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdefg", "bcdefgh", strict=True))
+    + "]\n"
+)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -340,6 +407,27 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
         ("reward_funcs: [accuracy]\n", "reward_funcs is not a config field"),
         ("beta: [unclosed\n", "is not valid YAML"),
         ("warmup_ratio: 1.5\n", "warmup_steps=1.5 is out of range"),
+        # A YAML value of the wrong kind for a number is named as such, not as out of range.
+        (
+            "learning_rate: true\n",
+            "learning_rate: true in {cfg} is not a number; write e.g. learning_rate: 0.5",
+        ),
+        ("beta: [0.5]\n", "beta: a list in {cfg} is not a number"),
+        ("lora_r: 2.5\n", "lora_r: 2.5 in {cfg} is not a whole number"),
+        ("lora_target_modules: [q_proj, [v_proj]]\n", "lora_target_modules holds a list, not a module name"),
+        ("lora_target_modules: {q_proj: 1}\n", "lora_target_modules holds a dict, not a module name"),
+        # Values bounded before anything expands them: 9^8 leaves in 300 bytes of nested aliases, under a field,
+        # under TRL's `env` (which it str()-s whole), and an alias that holds itself.
+        (
+            ALIAS_BOMB.format(key="lora_target_modules"),
+            "{cfg}: the value of 'lora_target_modules' takes the config past 10,000",
+        ),
+        (ALIAS_BOMB.format(key="env"), "{cfg}: the value of 'env' takes the config past 10,000 YAML nodes"),
+        ("env: &e [1, *e]\n", "{cfg}: the value of 'env' takes the config past 10,000 YAML nodes"),
+        (
+            ",".join(f"m{i}" for i in range(1001)).join(("lora_target_modules: '", "'\n")),
+            "more than 1000 names",
+        ),
     ],
 )
 def test_yaml_mistakes_are_one_line(text, message, tmp_path):
@@ -351,7 +439,7 @@ def test_yaml_mistakes_are_one_line(text, message, tmp_path):
         parse_config(
             ["--config", str(cfg_path), "--output_dir", str(tmp_path), "--max_steps", "1"], environ={}
         )
-    assert message in str(info.value) and "\n" not in str(info.value)
+    assert message.format(cfg=cfg_path) in str(info.value) and "\n" not in str(info.value), info.value
     assert "fail_with_unknown_args" not in str(info.value)
 
 
@@ -402,7 +490,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
         cwd=tmp_path, env={**ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
-    head = res.stdout.splitlines()[:80]
+    head = res.stdout.split("Every TRL/transformers training argument")[0].splitlines()  # OPSD's part, first
     text = "\n".join(head)
     assert head[0].startswith("usage: python opsd_train.py")
     for flag in ("--config FILE", "--recipe FILE", "--dry-run", "--debug", "--allow-config-change"):

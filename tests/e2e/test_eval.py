@@ -465,6 +465,14 @@ ERROR_CASES = {
         ["--dataset", "{urandom}"],
         "dataset file '{urandom}' (a link to '/dev/urandom') is a character device",
     ),
+    # --benchmarks: names from the table, local copies as NAME=FILE with the benchmark's columns
+    "unknown benchmark": (["--benchmarks", "aime24,aime2025"], "--benchmarks: unknown benchmark 'aime2025'"),
+    "benchmark copy without its name": (["--benchmarks", "aime25"], "--dataset gives local copies as NAME=FILE"),
+    "benchmark copy of the wrong columns": (
+        ["--benchmarks", "aime25", "--dataset", "aime25={wrong_columns}"],
+        "benchmark aime25: file '{wrong_columns}' lacks column(s) ['problem', 'answer']",
+    ),
+    "benchmarks over several GPUs": (["--benchmarks", "aime25", "--num-gpus", "2"], "the benchmarks share one engine"),
 }  # fmt: skip
 
 
@@ -482,6 +490,46 @@ def test_user_errors_exit_2_without_traceback(case, error_inputs, tiny_model_dir
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "samples.jsonl").exists()
     assert error_inputs["file"].read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--n", "abc"], "error: argument --n: invalid int value: 'abc'; see python eval_aime.py --help"),
+        (["--no-such-flag", "3"], "error: unrecognized arguments: --no-such-flag 3; see python eval_aime.py --help"),
+        # No abbreviation: `--no-th` is not --no-thinking, and `--student-think` cannot pass for training's name
+        # beside eval's own (the refusal of one setting under both names reads the names as written).
+        (["--no-th"], "error: unrecognized arguments: --no-th; see python eval_aime.py --help"),
+        (["--student-think", "--no-thinking"],
+         "error: unrecognized arguments: --student-think; see python eval_aime.py --help"),
+        (["--student-thinking", "--no-thinking"],
+         "error: command line: --no_thinking and --student_thinking are both given (one setting); keep only one"),
+    ],
+)  # fmt: skip
+def test_argparse_refusals_are_one_line_without_the_usage(args, line, tmp_path):
+    proc = eval_in_process(*args, "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-2000:]
+
+
+def test_benchmark_missing_offline_is_refused_before_any_engine(tmp_path, monkeypatch):
+    """Offline, a benchmark that is not in the datasets cache is refused in one line that names the dataset and
+    the two ways to give it, before any model is read."""
+    import datasets
+
+    import opsd.evaluation.job as job
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
+    monkeypatch.setattr(
+        job, "resolve_model", lambda name: pytest.fail("the model was read before the refusal")
+    )
+    proc = eval_in_process("--benchmarks", "aime25,hmmt26", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(
+        "error: benchmark aime25: dataset MathArena/aime_2025 (revision c94da77eb22b) is not in"
+    )
+    assert "--dataset aime25=FILE (.jsonl/.parquet with columns problem, answer)" in line
+    assert not (tmp_path / "out" / "aime25").exists()
 
 
 # --- compare, aggregate, step plot on hand-written results ----------------------------------------------

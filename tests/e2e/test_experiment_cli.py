@@ -1,9 +1,11 @@
 """`python -m opsd.experiment` end to end on CPU: 3 arms x 2 seeds of the smoke profile on the tiny model, real
 capped runs (vLLM rollouts) and real evaluations; the arms are the published recipe, the teacher-free control
 (the study of docs/experiments.md in CI-sized form) and GRPO (method=grpo, 2 rollouts per problem). The
-experiment is stopped in the middle of a cell and rerun; the rerun finishes without redoing the finished cells.
-Then: the report against the samples on disk, its compute ledger per arm, the refusal of a changed arm, the
-printed commands reproducing a cell by hand, and an added seed recorded."""
+experiment is started from another directory than the checkout, with the model, the training data and the
+evaluation's data given relative to it, stopped in the middle of a cell and rerun from the checkout; the rerun
+finishes without redoing the finished cells. Then: the report against the samples on disk, its compute ledger
+per arm, the refusal of a changed arm, the printed commands reproducing a cell by hand, and an added seed
+recorded."""
 
 import json
 import os
@@ -22,8 +24,10 @@ from safetensors.torch import load_file
 from tests.conftest import ENV, PNG_SIGNATURE
 
 ROOT = Path(__file__).resolve().parents[2]
+# The evaluation's problems: a local file, named relative to the directory the experiment is started from.
 EVAL_FLAGS = (
-    "--dataset builtin --n 2 --max-tokens 8 --limit 4 --no-thinking --max-model-len 512 --engine transformers"
+    "--dataset evals/problems.jsonl --n 2 --max-tokens 8 --limit 4 --no-thinking --max-model-len 512 "
+    "--engine transformers"
 )
 
 
@@ -36,10 +40,27 @@ def experiment(*args, **kw) -> list[str]:
     return [sys.executable, "-m", "opsd.experiment", *map(str, args)]
 
 
-def run(*args, timeout=900) -> subprocess.CompletedProcess:
+def run(*args, timeout=900, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
-        experiment(*args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+        experiment(*args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def caller_directory(where: Path, tiny_model_dir) -> Path:
+    """A directory outside the checkout holding what the experiment is given by relative paths: the model as
+    `models/tiny` (a name of a hub id's form: it is local because the path exists), the training data as
+    `data/train.jsonl`, the evaluation's problems as `evals/problems.jsonl`."""
+    from opsd.data.builtin import builtin_eval_rows, builtin_train_rows
+
+    (where / "models").mkdir(parents=True)
+    (where / "models" / "tiny").symlink_to(tiny_model_dir)
+    for name, rows in (
+        ("data/train.jsonl", builtin_train_rows(n=400)),
+        ("evals/problems.jsonl", builtin_eval_rows()),
+    ):
+        (where / name).parent.mkdir(exist_ok=True)
+        (where / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return where
 
 
 def last_step(run_dir: Path) -> int:
@@ -60,16 +81,17 @@ def snapshot(directory: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def exp(tmp_path_factory, tiny_model_dir):
-    """An experiment stopped while cell b/42 trains (a/42 done), then rerun to the end."""
+    """An experiment started from another directory with relative paths, stopped while cell b/42 trains (a/42
+    done), then rerun from the checkout to the end."""
     d = tmp_path_factory.mktemp("exp") / "clip"
+    caller = caller_directory(tmp_path_factory.mktemp("caller"), tiny_model_dir)
     first = [
-        "--out", d, "--profile", "smoke", "--model", tiny_model_dir, "--recipe", "", "--seeds", "42,43",
-        "--arm", "a=CLIP_MODE=element", "--arm", "b=LOSS_TYPE=fixed_advantage",
-        "--arm", "c=METHOD=grpo,NUM_GENERATIONS=2", "--eval-flags", EVAL_FLAGS,
-        "--status-every", 5,
+        "--out", d, "--profile", "smoke", "--model", "models/tiny", "--dataset", "data/train.jsonl", "--recipe", "",
+        "--seeds", "42,43", "--arm", "a=CLIP_MODE=element", "--arm", "b=LOSS_TYPE=fixed_advantage",
+        "--arm", "c=METHOD=grpo,NUM_GENERATIONS=2", "--eval-flags", EVAL_FLAGS, "--status-every", 5,
     ]  # fmt: skip
-    proc = subprocess.Popen(experiment(*first), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(experiment(*first), cwd=caller, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     b42 = d / "runs" / "b" / "capped_seed42"
     deadline = time.time() + 900
     while last_step(b42) < 15 and proc.poll() is None and time.time() < deadline:
@@ -84,7 +106,24 @@ def exp(tmp_path_factory, tiny_model_dir):
     finished = snapshot(d / "evals" / "a" / "seed42") | snapshot(d / "runs" / "a" / "capped_seed42")
     rerun = run("--out", d, "--status-every", 5)
     return {"dir": d, "stop": (proc.returncode, out, err), "stopped_at": stopped_at, "after_stop": after_stop,
-            "partial": partial, "finished": finished, "rerun": rerun}  # fmt: skip
+            "partial": partial, "finished": finished, "rerun": rerun, "caller": caller}  # fmt: skip
+
+
+def test_paths_given_relative_to_another_directory_are_recorded_absolute(exp):
+    """The model, the training data and the evaluation's data were given relative to the directory the experiment
+    started in, not the checkout its jobs run in: recorded absolute, they are what every job read (the cells
+    trained and scored, the next test checks)."""
+    caller = exp["caller"]
+    spec = json.loads((exp["dir"] / "experiment.json").read_text())
+    assert spec["model"] == str(
+        caller / "models" / "tiny"
+    )  # local: that path exists, though it reads as org/name
+    assert spec["dataset"] == str(caller / "data" / "train.jsonl")
+    flags = spec["eval_flags"]
+    assert flags[flags.index("--dataset") + 1] == str(caller / "evals" / "problems.jsonl")
+    train_log = (exp["dir"] / "logs" / "train-a-s42.log").read_text()
+    assert f"--model {caller / 'models' / 'tiny'}" in train_log
+    assert f"--dataset {caller / 'data' / 'train.jsonl'}" in train_log
 
 
 def test_stop_then_rerun_finishes_without_redoing_finished_cells(exp):

@@ -215,6 +215,113 @@ def test_killed_sweep_resumes_per_checkpoint_and_per_sample(run_dir, separate, t
     assert [e["sampled"] for e in sweep_json["evaluations"]] == [False, False, True]
 
 
+# --- benchmarks: base and a checkpoint on three benchmarks with one engine start --------------------------------
+
+BENCH_DATA = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+BENCHES = ("aime25", "hmmt25", "math500")
+# The gold answers of the fixtures, valued by hand: each benchmark writes 7, 8 and 9 in its own style.
+GOLD_VALUE = {"7": 7, "8": 8, "9": 9, "\\frac{14}{2}": 7, "2^{3}": 8, "\\sqrt{81}": 9, "8\\text{ cm}": 8}
+
+
+def _hand_row(rows: list[dict], n: int) -> dict:
+    """A benchmark's numbers recomputed from its samples.jsonl rows with plain Python."""
+    from math import comb
+
+    by_id: dict[str, list[dict]] = {}
+    for r in rows:
+        by_id.setdefault(r["id"], []).append(r)
+    groups = list(by_id.values())
+    out = {"acc": {pid: sum(r["correct"] for r in g) / n for pid, g in by_id.items()}}
+    for key, field in (("avg", "correct"), ("format_rate", "has_box"), ("truncation_rate", "truncated")):
+        out[key] = _rate([sum(r[field] for r in g) / n for g in groups])
+    out["mean_tokens"] = statistics.mean(statistics.mean(r["n_tokens"] for r in g) for g in groups)
+    out["pass"] = [_rate([1 - comb(n - sum(r["correct"] for r in g), k) / comb(n, k) for g in groups])[0]
+                   for k in range(1, n + 1)]  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+def test_benchmarks_of_base_and_checkpoint_in_one_engine_start(run_dir, tmp_path):
+    """--benchmarks with a sweep: three local benchmark copies (real columns, answer styles: integers, LaTeX
+    expressions, a unit), the base model and checkpoint-200, one vLLM start; every number of the tables
+    recomputed from samples.jsonl."""
+    from scipy import stats
+
+    base_dir, _, run = run_dir
+    out = tmp_path / "bench"
+    copies = ",".join(f"{b}={BENCH_DATA / f'{b}.jsonl'}" for b in BENCHES)
+    proc = ok(run_eval("--model", base_dir, "--checkpoints", run / "checkpoint-200", "--benchmarks", ",".join(BENCHES),
+                       "--dataset", copies, "--n", 4, "--max-tokens", 16, "--max-model-len", 512, "--out", out))  # fmt: skip
+    sweep = json.loads((out / "benchmarks.json").read_text())
+    assert (
+        sweep["engine_starts"] == 1 and sweep["weight_loads"] == 1
+    )  # base, then the checkpoint merged in place
+    assert sweep["declared"]["name"] == "checkpoint-200" and sweep["declared"]["step"] == 200
+    assert sweep["protocol"] == {b: {"n": 4, "max_tokens": 16, "thinking": True} for b in BENCHES}
+
+    hand: dict[str, dict[str, dict]] = {}
+    for model in ("base", "checkpoint-200"):
+        table = json.loads((out / model / "benchmarks.json").read_text())
+        assert table["benchmarks"] == list(BENCHES)
+        hand[model] = {}
+        for b, row in zip(BENCHES, table["rows"], strict=True):
+            rows = list(samples(out / model / b).values())
+            assert len(rows) == 3 * 4
+            for r in rows:  # expression answers graded by value
+                value = GOLD_VALUE[r["gold"]]
+                assert r["correct"] == (r["extracted"] is not None and r["extracted"] == str(value)), r
+            config = json.loads((out / model / b / "eval_config.json").read_text())
+            assert config["benchmark"] == b and config["dataset_revision"] is None
+            assert config["dataset_source"] == str(BENCH_DATA / f"{b}.jsonl") and config["n"] == 4
+            h = hand[model][b] = _hand_row(rows, 4)
+            assert row["benchmark"] == b and row["n_problems"] == 3 and row["label"] == "avg@4"
+            for key in ("avg", "format_rate", "truncation_rate"):
+                assert (row[key], row[f"{key}_se"]) == pytest.approx(h[key]), (model, b, key)
+            assert row["mean_tokens"] == pytest.approx(h["mean_tokens"])
+            assert [p["value"] for p in row["pass_at_k_curve"]] == pytest.approx(h["pass"])
+            assert [p["k"] for p in row["pass_at_k_curve"]] == [1, 2, 3, 4]
+        # The macro average: the mean of the three, SE = sqrt(sum of squared SEs) / 3.
+        avgs = [hand[model][b]["avg"] for b in BENCHES]
+        macro = table["macro"]["avg"]
+        assert macro["value"] == pytest.approx(statistics.mean(a for a, _ in avgs))
+        assert macro["se"] == pytest.approx(math.sqrt(sum(se**2 for _, se in avgs)) / 3)
+        assert (out / model / "pass_at_k.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    # The paired difference against the base, per benchmark and macro (Welch-Satterthwaite df).
+    table = json.loads((out / "checkpoint-200" / "benchmarks.json").read_text())
+    ses, means = [], []
+    for b, row in zip(BENCHES, table["rows"], strict=True):
+        a, c = hand["base"][b]["acc"], hand["checkpoint-200"][b]["acc"]
+        diffs = [100 * (c[p] - a[p]) for p in a]
+        mean, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(3)
+        vs = row["vs_base"]
+        assert (vs["mean_diff"], vs["se"]) == pytest.approx((mean, se))
+        assert (vs["ci_low"], vs["ci_high"]) == pytest.approx((mean - T975[2] * se, mean + T975[2] * se))
+        means.append(mean)
+        ses.append(se)
+    m = table["macro_vs_base"]
+    assert m["mean_diff"] == pytest.approx(statistics.mean(means))
+    assert m["se"] == pytest.approx(math.sqrt(sum(s**2 for s in ses)) / 3)
+    df = sum(s**2 for s in ses) ** 2 / sum(s**4 / 2 for s in ses if s > 0)
+    assert m["df"] == pytest.approx(df)
+    assert m["ci_high"] == pytest.approx(m["mean_diff"] + stats.t.ppf(0.975, df) * m["se"])
+    assert m["mean_diff"] > 0  # the checkpoint boxes 7 and 8, the base never boxes
+    assert table["rows"][0]["vs_base"]["mean_diff"] != table["rows"][1]["vs_base"]["mean_diff"]  # other seeds
+
+    # The reported result is the declared step's, printed last; --compare of two model directories agrees.
+    assert proc.stdout.splitlines()[-2].startswith(
+        "reported: checkpoint-200, declared before scoring (step 200"
+    )
+    assert f"macro avg {m['mean_b']:.2f}" in proc.stdout.splitlines()[-1]
+    cmp = eval_in_process("--compare", out / "base", out / "checkpoint-200", "--out", tmp_path / "cmp")
+    assert cmp.returncode == 0, cmp.stderr[-2000:]
+    compared = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert compared["macro_vs_base"] == pytest.approx(m)
+    assert "macro avg accuracy" in cmp.stdout
+    for png in ("accuracy_vs_step.png", "pass_at_k.png"):
+        assert (out / png).read_bytes()[:8] == PNG_SIGNATURE
+
+
 # --- Hub adapters ----------------------------------------------------------------------------------------
 
 
@@ -285,7 +392,12 @@ def test_sweep_argument_errors_are_one_line(run_dir, tmp_path):
             run / "checkpoint-10",
         ): "--adapter and --checkpoints are separate",
         ("--checkpoints", run, "--num-gpus", 2): "a sweep runs one engine",
-    }
+        # The reported step is declared before scoring and must be a checkpoint of the sweep (300 is incomplete).
+        ("--checkpoints", run, "--step", 300): "--step 300 is past the last checkpoint (step 200)",
+        ("--checkpoints", run, "--step", 50, "--benchmarks", "aime25", "--dataset",
+         f"aime25={BENCH_DATA / 'aime25.jsonl'}"): "--step 50 is not a checkpoint of this sweep; declare one of",
+        ("--step", 10): "--step declares which checkpoint of a sweep is reported",
+    }  # fmt: skip
     for args, message in cases.items():  # refused before any model loads: in this process (in_process)
         proc = eval_in_process("--model", base_dir, "--dataset", problems, *args, "--out", tmp_path / "o")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -191,3 +191,83 @@ def test_methods_train_log_and_resume_bit_exactly(tiny_model_dir, tmp_path, meth
         assert (row["teacher_tokens"] > row["generated_tokens"]) == (method == "hybrid")
         assert row["step_s"] > 0 and "rollout_s" in row
     assert isinstance(straight, HybridTrainer) == (method == "hybrid")
+
+
+def test_hybrid_own_wrong_hints_and_modulation_against_unpadded_forwards(tiny_model_dir, tmp_path):
+    """RLCSD in the hybrid on a batch of known rollouts, graded by the real grader: each row's hints are its
+    siblings' texts (or the reference), and each token's modulated advantage is the hand formula applied to
+    log p_T(y|c) - log mean_j p_T(y|c~_j) from an unpadded forward of every [hint prompt ; completion] row."""
+    import math
+
+    from opsd.method.loss import token_rows
+
+    g = 4
+    trainer = _perturbed(make_trainer(tiny_model_dir, tmp_path, method="hybrid", num_generations=g,
+                                      teacher_contrast="own_wrong", contrast_rl_tau=0.5, sd_weight=1.0))  # fmt: skip
+    problems = [p for p in PROBLEMS for _ in range(g)]
+    references = [r for r in REFERENCES for _ in range(g)]
+    answers = ["5"] * g + ["120"] * g
+    texts = [
+        "so \\boxed{5}",
+        "\\boxed{7}",
+        "\\boxed{8}",
+        "none",
+        "\\boxed{3}",
+        "\\boxed{4}",
+        "hmm",
+        "\\boxed{120}",
+    ]
+    tok = trainer.processing_class
+    completions = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    assert trainer.reward(problems, texts, completions, answer=answers) == [1.0, 0, 0, 0, 0, 0, 0, 1.0]
+    inputs = [{"prompt": p, "privileged_context": r} for p, r in zip(problems, references, strict=True)]
+    hints, wrongs = trainer._hints(inputs)
+    assert hints[0] == REFERENCES[0] and hints[1] == texts[0] and sorted(wrongs[0]) == sorted(texts[1:3])
+    assert (
+        hints[4:7] == [texts[7]] * 3 and hints[7] == REFERENCES[1]
+    )  # the sole correct rollout: the reference
+    assert wrongs[4] == [texts[5]] and sorted(wrongs[7]) == sorted(texts[4:6])  # boxed wrong siblings only
+    pad = tok.pad_token_id
+    prompt_ids, prompt_mask = left_pad([trainer.prompt_builder.student_ids(p) for p in problems], pad, "cpu")
+    completion_ids, completion_mask = right_pad(completions, pad, "cpu")
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+             "completion_mask": completion_mask, "advantages": torch.tensor([0.9, -0.3, -0.3, -0.3, -0.5, -0.5,
+                                                                              -0.5, 1.5])}  # fmt: skip
+    batch.update(
+        teacher_rows(trainer.prompt_builder, problems, hints, completion_ids, completion_mask, pad)[0]
+    )
+    batch.update(trainer._wrong_hint_rows(problems, hints, wrongs, completion_ids))
+    teachers = trainer._teacher_hidden(trainer.model, batch)
+    assert teachers[2].tolist() == [True] * g + [True, True, True, True]  # every row here has a pair
+    got = trainer._modulated_advantages(trainer.model, batch, teachers)
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    tau = trainer.loss_settings.temperature
+
+    def logp(hint_text: str, problem: str, completion: list[int]) -> torch.Tensor:
+        prompt = trainer.prompt_builder.teacher_ids(problem, hint_text).ids
+        with torch.no_grad(), model.disable_adapter():
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        return torch.log_softmax(logits.float() / tau, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+    model.eval()
+    for b, completion in enumerate(completions):
+        lp_c = logp(hints[b], problems[b], completion)
+        lp_w = torch.stack([logp(w, problems[b], completion) for w in wrongs[b]])
+        e = lp_c - torch.log(lp_w.exp().mean(0))
+        a = float(batch["advantages"][b])
+        for t in range(len(completion)):
+            r = max(-2.0, min(2.0, 0.5 * math.tanh(float(e[t]) / 0.5)))
+            raw = a + (r if abs(r) > 0.02 else 0.0)
+            want = max(raw, 0.0) if a > 0 else min(raw, 0.0)
+            assert float(got[b, t]) == pytest.approx(want, abs=2e-5), (b, t)
+    assert (
+        float((got[completion_mask.bool()] - batch["advantages"][token_rows(completion_mask)]).abs().max())
+        > 1e-3
+    )
+    model.train()
+    window = trainer._metrics["train"]
+    assert window["contrast/rows_with_pair"][-1] == 1.0 and window["contrast/hints_per_row"][-1] > 1.0
+    loss = trainer._compute_loss(trainer.model, {**batch, "num_items_in_batch": completion_mask.sum(),
+                                                 "sd_num_tokens": completion_mask.sum()})  # fmt: skip
+    assert torch.isfinite(loss) and window["opsd/contrast_kl"][-1] > 0 and "opsd/eos_target" in window

@@ -22,7 +22,8 @@ SAVED_KEYS = [
     "top_k", "min_p", "max_tokens", "max_model_len", "thinking", "thinking_switch", "prompt_file", "seed", "engine",
     "gpu_memory_utilization", "kv_cache_dtype", "tensor_parallel_size", "num_gpus", "stream", "max_in_flight", "chunk_size",
     "out", "plot", "shard", "model_path", "adapter_path", "adapter_rank", "adapter_mode", "engine_used",
-    "dataset_source", "student_template", "max_model_len_used", "step",
+    "dataset_source", "student_template", "max_model_len_used", "step", "benchmark", "dataset_revision",
+    "dataset_commit",
 ]  # fmt: skip
 
 
@@ -30,7 +31,8 @@ def settings(out="runs/x", **changes) -> EvalSettings:
     config = EvalConfig(out=str(out), n=3, max_tokens=10, seed=7, temperature=0.5)
     resolved = dict(
         model_path="/models/m", adapter_path="", adapter_rank=None, adapter_mode=None, engine_used="vllm",
-        dataset_source="builtin", student_template="{problem}", max_model_len_used=20, step=None,
+        dataset_source="builtin", student_template="{problem}", max_model_len_used=20, step=None, benchmark=None,
+        dataset_revision=None, dataset_commit=None,
     )  # fmt: skip
     return dataclasses.replace(EvalSettings.of(config, **resolved), **changes)
 
@@ -81,6 +83,20 @@ def test_resume_of_a_run_saved_before_the_kv_cache_flag(tmp_path):
     check_eval_resume(tmp_path, s)
     with pytest.raises(UserError, match=r"kv_cache_dtype: saved 'auto', now 'fp8'"):
         check_eval_resume(tmp_path, dataclasses.replace(s, kv_cache_dtype="fp8"))
+
+
+def test_resume_of_a_run_saved_before_benchmark_revisions(tmp_path):
+    s = settings(tmp_path)
+    old = s.to_json()
+    for key in ("benchmark", "dataset_revision", "dataset_commit"):  # written before --benchmarks existed
+        del old[key]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(old))
+    check_eval_resume(tmp_path, s)
+    pinned = dataclasses.replace(
+        s, benchmark="aime24", dataset_revision="2fe88a2f1091d5048c0f36abc874fb997b3dd99a"
+    )
+    with pytest.raises(UserError, match=r"dataset_revision: saved None, now '2fe88a2f"):
+        check_eval_resume(tmp_path, pinned)
 
 
 class Builder:

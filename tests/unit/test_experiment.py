@@ -122,7 +122,7 @@ def test_parse_arm_recipe_file_gives_its_normalised_settings(tmp_path: Path) -> 
         "beta": "0.5",
         "fix_position_ids": "true",
     }
-    assert arm.source == "recipes/mine.env"
+    assert arm.source == str(tmp_path / "recipes" / "mine.env")  # recorded absolute: the cells run elsewhere
 
 
 def test_parse_arm_inline_overrides_win_over_the_base_recipe(tmp_path: Path) -> None:
@@ -307,7 +307,8 @@ def test_arm_recipe_file_keeps_values_with_a_hash_or_spaces(tmp_path: Path) -> N
         "CLIP_MODE=element\nSTUDENT_PROMPT_FILE=\"prompts/v2 #draft.txt\"\nRUN_NAME='my run'\n",
     )
     arm = parse_arm("q=r.env", None, cwd=tmp_path)
-    assert arm.recipe["student_prompt_file"] == "prompts/v2 #draft.txt"
+    # A path is read where the command is given (here `cwd`) and recorded absolute: the cells run elsewhere.
+    assert arm.recipe["student_prompt_file"] == str(tmp_path / "prompts/v2 #draft.txt")
     directory = tmp_path / "exp"
     new = replace(make_spec(), arms={"q": {"recipe": arm.recipe, "source": arm.source}})
     spec.save(directory, spec.merge(None, new, directory))

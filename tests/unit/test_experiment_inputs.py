@@ -194,7 +194,11 @@ def damage(directory: Path, what: str) -> None:
             directory / "failed.json",
             json.dumps({"train-B-2": {"job": "train B/2", "exit": 3, "attempts": 2, "log": "x"}}),
         ),
-        "jobs: not JSON": (directory / "jobs.jsonl", '{"kind": "base", "start": 1, "seconds": 2}\n{cut'),
+        # A damaged line inside the log (a cut last line is skipped: see the test of the cut line).
+        "jobs: not JSON": (
+            directory / "jobs.jsonl",
+            '{"kind": "base", "start": 1, "seconds": 2}\n{cut\n{}\n',
+        ),
         "jobs: no kind": (directory / "jobs.jsonl", '{"start": 1, "seconds": 2}\n'),
         "jobs: negative seconds": (directory / "jobs.jsonl", '{"kind": "eval", "start": 1, "seconds": -2}\n'),
         "summary: not JSON": (summary, "{"),
@@ -516,36 +520,254 @@ def test_planning_with_a_target_no_number_of_seeds_reaches(tmp_path: Path, capsy
 # --- signals ------------------------------------------------------------------------------------------------
 
 
-def test_sigterm_during_an_arms_dry_run_leaves_no_temporary_file(tmp_path: Path, capsys, monkeypatch) -> None:
-    import signal
-    import subprocess
-    import tempfile
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs once a signal sent to it has had up to 10 s to land (a zombie waiting for
+    its reaper does not run)."""
     import time
+
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("sig", ["TERM", "HUP"])
+def test_a_signal_during_an_arms_dry_run_stops_it_whole_and_leaves_no_temporary_file(
+    tmp_path: Path, capsys, monkeypatch, sig: str
+) -> None:
+    """SIGTERM (a scheduler, kill) and SIGHUP (the terminal closed) stop the command as Ctrl-C does: the arm's dry
+    run is stopped with every process it started (here a grandchild), its temporary recipe removed, nothing written.
+    The dry run is a shell that keeps a copy of the recipe it was given, starts a grandchild, and signals us."""
+    import signal
+    import tempfile
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    seen: list[str] = []
+    seen, pid_file = tmp_path / "seen.env", tmp_path / "grandchild.pid"
+    script = f'cat "$1" > {seen}; sleep 60 & echo $! > {pid_file}; kill -{sig} $PPID; wait'
 
-    def dry_run_stopped(argv, **kwargs):
-        recipe = Path(argv[argv.index("--recipe") + 1])
-        seen.append(recipe.read_text())  # the arm's recipe is on disk while its dry run runs
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the signal arrives meanwhile
-        return subprocess.CompletedProcess(argv, 0, "", "")
+    def dry_run_argv(directory: Path, spec, arm: str) -> list[str]:
+        return ["bash", "-c", script, "dry-run", str(directory / "recipes" / f"{arm}.env")]
 
-    monkeypatch.setattr(subprocess, "run", dry_run_stopped)
+    monkeypatch.setattr(commands, "dry_run_argv", dry_run_argv)
+    number = getattr(signal, f"SIG{sig}")
     # Without the command's own handler this test's would take the signal and let the dry run go on.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    previous = signal.signal(number, lambda signum, frame: None)
     try:
-        started = time.monotonic()
         rc = commands.main(["--out", str(tmp_path / "exp"), "--recipe", "", *ARMS, "--profile", "smoke",
                             "--print-commands"])  # fmt: skip
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(number, previous)
     err = capsys.readouterr().err
-    assert seen and "CLIP_MODE=element" in seen[0]
+    assert "CLIP_MODE=element" in seen.read_text()  # the arm's recipe was on disk while its dry run ran
     assert rc == 130 and "stopped; rerun the same command to resume" in err
-    assert time.monotonic() - started < 5
+    assert not alive(int(pid_file.read_text())), "the dry run's grandchild was left running"
     assert not list(scratch.iterdir()), "the dry run's temporary recipe was left behind"
     assert not (tmp_path / "exp").exists()
+
+
+# --- files over their cap, a cut last line, links that would move a file to another cell ---------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [
+        (
+            "evals/B/seed2/checkpoint-100/summary.json",
+            "is 100 MiB (104,857,600 bytes); result files are limited to 64 MiB",
+        ),
+        ("failed.json", "is 100 MiB (104,857,600 bytes); result files are limited to 64 MiB"),
+        ("jobs.jsonl", "is 100 MiB (104,857,600 bytes); result files are limited to 64 MiB"),
+        ("experiment.json", "is 100 MiB (104,857,600 bytes); experiment files are limited to 16 MiB"),
+    ],
+)
+def test_a_file_over_its_cap_is_refused_naming_the_cap(
+    tmp_path: Path, capsys, where: str, named: str
+) -> None:
+    directory = experiment(tmp_path / "exp")
+    with (directory / where).open("ab") as f:  # sparse: nothing is written to the disk
+        f.truncate(100 * 2**20)
+    for argv in (["report", directory, "--bootstrap-reps", "200"], ["--out", directory, "--print-commands"]):
+        message = refused(argv, capsys, watch=tmp_path)
+        assert named in message and repr(str(directory / where)) in message, message
+
+
+def test_a_cut_last_line_of_jobs_jsonl_is_skipped_counted_and_cut_off_by_the_next_record(
+    tmp_path: Path, capsys, caplog
+) -> None:
+    """A stop mid-append leaves the last line of DIR/jobs.jsonl cut: the report leaves it out and says so (it once
+    refused the whole report); the runner's next record first cuts it off, so it does not continue the cut line."""
+    from opsd.experiment.schedule import append_record
+
+    directory = experiment(tmp_path / "exp")
+    jobs = directory / "jobs.jsonl"
+    whole = [
+        {"kind": "base", "start": 100.0, "seconds": 5.0},
+        {"kind": "eval", "start": 110.0, "seconds": 7.0},
+    ]
+    jobs.write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"kind": "tra')
+    assert commands.main(["report", str(directory), "--bootstrap-reps", "200"]) == 0
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["jobs_lines_skipped"] == 1
+    assert {k: t["attempts"] for k, t in summary["timing"].items()} == {"base": 1, "eval": 1}
+    assert "leave out the last line of jobs.jsonl, cut short" in (directory / "report.md").read_text()
+    assert "jobs.jsonl line 3 is cut short" in caplog.text
+    # A cut in the middle of a UTF-8 character is a cut all the same.
+    jobs.write_bytes(jobs.read_bytes()[:-3] + '{"x": "é'.encode()[:-1])
+    assert commands.main(["report", str(directory), "--bootstrap-reps", "200"]) == 0
+    assert json.loads((directory / "summary.json").read_text())["jobs_lines_skipped"] == 1
+    capsys.readouterr()
+    append_record(jobs, {"kind": "train", "start": 120.0, "seconds": 9.0})
+    assert [json.loads(line) for line in jobs.read_text().splitlines()][-1]["kind"] == "train"
+    assert "its last line was cut by a stop mid-write; dropped" in caplog.text
+    assert commands.main(["report", str(directory), "--bootstrap-reps", "200"]) == 0
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["jobs_lines_skipped"] == 0 and summary["timing"]["train"]["attempts"] == 1
+    # A whole record that only lacks its newline (an edit by hand) is kept.
+    jobs.write_text(jobs.read_text().rstrip("\n"))
+    append_record(jobs, {"kind": "eval", "start": 130.0, "seconds": 1.0})
+    assert [json.loads(line)["kind"] for line in jobs.read_text().splitlines()] == [
+        "base",
+        "eval",
+        "train",
+        "eval",
+    ]
+
+
+def link(path: Path, target: Path) -> None:
+    """Replace `path` (a file or directory of the experiment, or nothing) by a link to `target`."""
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+    path.symlink_to(target)
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("a loop of an evaluation", "evals/B/seed2' is a link that leads back to itself (a loop)"),
+        ("a loop of a curve", "metrics.jsonl' is a link that leads back to itself (a loop)"),
+        ("another seed's evaluation", "evals/A/seed1' is a link to"),
+        ("another arm's run", "runs/B' is a link to"),
+        ("two paths to one place", "both lead to"),
+    ],
+)
+def test_a_link_that_would_read_a_file_as_another_cells_is_refused(
+    tmp_path: Path, capsys, case: str, named: str
+) -> None:
+    """A link inside the experiment that changes which cell a file belongs to (it once paired seed 2's evaluation
+    with seed 1's cells), and a loop (it once read as "not started", or dropped a curve without a word)."""
+    directory = experiment(tmp_path / "exp")
+    if case == "a loop of an evaluation":
+        link(directory / "evals/B/seed2", directory / "evals/B/seed2")
+    elif case == "a loop of a curve":
+        link(directory / "runs/A/capped_seed1/metrics.jsonl", directory / "runs/A/capped_seed1/metrics.jsonl")
+    elif case == "another seed's evaluation":
+        link(directory / "evals/A/seed1", directory / "evals/A/seed2")
+    elif case == "another arm's run":
+        link(directory / "runs/B", directory / "runs/A")
+    else:  # two arms' evaluations moved aside and linked back to one place
+        (directory / "evals" / "A").rename(directory / "evals-A")
+        link(directory / "evals/A", directory / "evals-A")
+        link(directory / "evals/B", directory / "evals-A")
+    for argv in (["report", directory, "--bootstrap-reps", "200"], ["--out", directory, "--print-commands"]):
+        message = refused(argv, capsys, watch=tmp_path)
+        assert named in message, message
+    if "link to" in named:
+        assert "inside the experiment's own layout: its files would be read as another cell's" in message
+
+
+# --- messages that name a temporary file ----------------------------------------------------------------------
+
+
+def test_a_dry_runs_message_names_the_arms_setting_not_its_temporary_recipe(tmp_path: Path) -> None:
+    scratch, directory = tmp_path / "tmpabc123", tmp_path / "exp"
+    recipe = "# Arm b of an opsd experiment, from: FIXED_ADVANTAGE=1\nFIXED_ADVANTAGE=1.0\nLOSS_TYPE=fixed_advantage\n"
+    message = (
+        f"train_capped: error: fixed_advantage=1.0 is out of range: must be in [-10000, 0) (from "
+        f"{scratch}/recipes/b.env:2); output in {scratch}/runs/b/capped_seed42; see {scratch}/recipes/b.env"
+    )
+    shown = commands.without_scratch(message, scratch, directory, "b", recipe)
+    assert str(scratch) not in shown
+    assert "(from --arm b's FIXED_ADVANTAGE=1.0)" in shown and "see --arm b's recipe" in shown
+    assert f"output in {directory}/runs/b/capped_seed42" in shown
+
+
+def test_a_damaged_arm_recipe_in_experiment_json_names_no_temporary_file(tmp_path: Path, capsys) -> None:
+    directory = experiment(tmp_path / "exp")
+    data = json.loads((directory / "experiment.json").read_text())
+    data["arms"]["B"]["recipe"] = {"clip_mode": "none", "beta": "not a number"}
+    (directory / "experiment.json").write_text(json.dumps(data))
+    message = refused(["report", directory, "--bootstrap-reps", "200"], capsys, watch=tmp_path)
+    assert "arm 'B''s recipe does not parse (1 problem(s): line 2: 'BETA=\"not a number\"'" in message, (
+        message
+    )
+    assert "arm.env" not in message
+
+
+# --- an arm that trains exactly as another -------------------------------------------------------------------
+
+
+def test_an_arm_whose_resolved_settings_equal_anothers_is_refused(tmp_path: Path, capsys) -> None:
+    """`--arm b=FIXED_ADVANTAGE=-1` without loss_type=fixed_advantage trains exactly as the baseline, and report.md
+    would show it as another recipe: the arms' resolved settings (their dry runs'), less the fields those leave
+    without effect, are equal, and the new arm is refused in one line saying which setting does nothing."""
+    argv = ["--out", tmp_path / "exp", "--recipe", "", "--arm", "a=CLIP_MODE=element", "--arm", "b=FIXED_ADVANTAGE=-1",
+            "--profile", "smoke", "--print-commands"]  # fmt: skip
+    message = refused(argv, capsys, watch=tmp_path)
+    assert "arm 'b' (FIXED_ADVANTAGE=-1) trains exactly as arm 'a'" in message, message
+    assert "FIXED_ADVANTAGE=-1.0 has no effect: it needs loss_type=fixed_advantage" in message
+
+
+# --- paths: read where they are given, recorded absolute ---------------------------------------------------------
+
+
+def test_paths_are_read_where_given_and_recorded_absolute(tmp_path: Path, monkeypatch) -> None:
+    """The jobs run in the checkout, not where the command was given: --model, --dataset, --recipe, an arm's
+    recipe file, the paths inside --eval-flags and a recipe's prompt files are resolved against the command's
+    directory and recorded absolute. A name of a hub id's form is local when that path exists there."""
+    from opsd.errors import UserError
+    from opsd.experiment import spec as S
+
+    caller = tmp_path / "caller"
+    for d in ("m/tiny", "d/ok"):
+        (caller / d).mkdir(parents=True)
+    (caller / "evalok.jsonl").write_text('{"problem": "1 + 1?", "answer": "2"}\n')
+    (caller / "p.txt").write_text("{problem}")
+    (caller / "r.env").write_text("TEACHER_PROMPT_FILE=p.txt\n")
+    monkeypatch.chdir(caller)
+    flags = "--dataset evalok.jsonl --prompt-file=p.txt --n 2"
+    a = commands.parse(["--out", str(tmp_path / "exp"), "--recipe", "r.env", "--arm", "x=BETA=0.5", "--arm", "y=r.env",
+                        "--model", "m/tiny", "--dataset", "d/ok", "--eval-flags", flags])  # fmt: skip
+    spec = commands.make_spec(a, None, [])
+    assert (spec.model, spec.dataset) == (str(caller / "m/tiny"), str(caller / "d/ok"))
+    assert spec.eval_flags == ["--dataset", str(caller / "evalok.jsonl"), f"--prompt-file={caller / 'p.txt'}",
+                               "--n", "2"]  # fmt: skip
+    for arm in ("x", "y"):
+        assert spec.arms[arm]["recipe"]["teacher_prompt_file"] == str(caller / "p.txt")
+    assert spec.arms["x"]["source"] == f"{caller / 'r.env'} + BETA=0.5" and spec.arms["y"]["source"] == str(
+        caller / "r.env"
+    )
+    # Names no local path has stay hub ids; built-in sets and the embedded model stay as they are.
+    a = commands.parse(["--out", str(tmp_path / "exp"), "--recipe", "", "--arm", "x=BETA=0.5", "--arm", "y=BETA=1",
+                        "--model", "org/model", "--dataset", "org/data", "--eval-flags", "--dataset org/aime"])  # fmt: skip
+    spec = commands.make_spec(a, None, [])
+    assert (spec.model, spec.dataset, spec.eval_flags) == ("org/model", "org/data", ["--dataset", "org/aime"])
+    assert (
+        S.absolute_path("builtin:easy", data=True) == "builtin:easy"
+        and S.absolute_path("embedded") == "embedded"
+    )
+    # A data file's name is local whether or not it exists (the check then names it absolute).
+    assert S.absolute_path("none.jsonl", data=True) == str(caller / "none.jsonl")
+    # A shortened path flag would pass unchanged, its path relative: eval_aime.py refuses it.
+    with pytest.raises(UserError, match="unrecognized arguments: --datas evalok.jsonl"):
+        S.check_eval_flags(S.absolute_eval_flags(["--datas", "evalok.jsonl"]))

@@ -529,3 +529,97 @@ def test_answer_keys_of_plain_numbers_need_no_parse(monkeypatch: pytest.MonkeyPa
     assert keys[-2:] == [None, None] and keys[-5] == ("value", Fraction(1000))
     assert keys[-4] == ("value", Fraction(5, 2)) and keys[-3] == ("value", Fraction(3, 4))
     assert len(set(keys[:29000])) == 997
+
+
+# --- the answer styles of the benchmarks (opsd.evaluation.benchmarks), graded by hand ----------------------------
+
+# (benchmark style, predicted, gold, correct): each gold answer written as the dataset writes it, each prediction
+# as a model might box it. The verdicts are a mathematician's, not the grader's output copied back.
+BENCHMARK_STYLE_CASES = [
+    # AIME: integers 0-999, HuggingFaceH4/aime_2024 zero-pads them as text
+    ("aime", "25", "025", True),
+    ("aime", "025", "25", True),
+    ("aime", "250", "025", False),
+    ("aime", "x = 204", "204", True),
+    # AMC 2023: the answer column holds floats
+    ("amc", "27", "27.0", True),
+    ("amc", "27.5", "27.0", False),
+    # HMMT and MATH-500: radicals, fractions, powers, factorials
+    ("hmmt", r"\frac{9\sqrt{23}}{23}", r"\frac{9\sqrt{23}}{23}", True),
+    ("hmmt", r"\frac{9}{\sqrt{23}}", r"\frac{9\sqrt{23}}{23}", True),  # rationalised the other way
+    ("hmmt", r"9\sqrt{23}/23", r"\frac{9\sqrt{23}}{23}", True),
+    ("hmmt", r"-\sqrt{2}+\sqrt{6}", r"\sqrt{6}-\sqrt{2}", True),  # terms reordered
+    ("hmmt", r"\sqrt{6}+\sqrt{2}", r"\sqrt{6}-\sqrt{2}", False),
+    ("hmmt", r"4\sqrt{2}", r"\sqrt{32}", True),
+    ("hmmt", r"2^{1/3}", r"\sqrt[3]{2}", True),
+    ("hmmt", r"2^{25} \cdot 26!", r"2^{25} \cdot 26!", True),
+    ("hmmt", r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}", True),
+    # pi: symbolic, never a decimal approximation
+    ("math500", r"2\pi", r"2\pi", True),
+    ("math500", r"\pi \cdot 2", r"2\pi", True),
+    ("math500", "6.2832", r"2\pi", False),
+    ("math500", r"\pi^2/6", r"\frac{\pi^2}{6}", True),
+    ("math500", r"12\sqrt{2}\pi", r"12\pi\sqrt{2}", True),
+    # intervals: the ends and their brackets both count
+    ("math500", "[-2, 7]", "[-2,7]", True),
+    ("math500", r"x \in [-2, 7]", "[-2,7]", True),
+    ("math500", "(-2, 7]", "[-2,7]", False),
+    ("math500", r"(-\infty, 0) \cup (0, \infty)", r"(-\infty,0)\cup(0,\infty)", True),
+    # tuples are ordered, sets and lists of solutions are not
+    ("math500", r"(3, \pi/2)", r"\left( 3, \frac{\pi}{2} \right)", True),
+    ("math500", r"(\frac{\pi}{2}, 3)", r"\left( 3, \frac{\pi}{2} \right)", False),
+    ("math500", "(3, 1.5708)", r"\left( 3, \frac{\pi}{2} \right)", False),
+    ("math500", r"\{1,2,3\}", r"\{3,2,1\}", True),
+    ("math500", "3, 5", "5, 3", True),
+    ("math500", r"1 \pm \sqrt{2}", r"1+\sqrt2, 1-\sqrt2", True),
+    ("math500", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", True),
+    ("math500", r"\begin{pmatrix} 2 \\ 1 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", False),
+    # units, degrees, money, percent
+    ("math500", r"5\text{ cm}", "5", True),
+    ("math500", r"\text{5 cm}", "5", True),
+    ("math500", "6 cm", r"5\text{ cm}", False),
+    ("math500", r"12 \text{ square units}", "12", True),
+    ("math500", "90", r"90^\circ", True),
+    ("math500", "90°", r"90^\circ", True),
+    ("math500", r"\frac{\pi}{2}", r"90^\circ", False),
+    ("math500", r"\$18.90", "18.90", True),
+    ("math500", "18.9", r"\$18.90", True),
+    ("math500", r"\$1,000", "1000", True),
+    ("math500", r"10\%", "10", True),
+    # text answers: a name, a day, a choice
+    ("math500", r"\text{Evelyn}", r"\text{Evelyn}", True),
+    ("math500", "Evelyn", r"\text{Evelyn}", True),
+    ("math500", r"\text{Devin}", r"\text{Evelyn}", False),
+    ("math500", r"\text{June 20}", r"\text{June 20}", True),
+    ("math500", r"\textbf{(A)}", r"\text{(A)}", True),
+    ("math500", "C", r"\text{(C)}", True),
+    ("math500", "(D)", r"\text{(C)}", False),
+    # equal values written differently
+    ("math500", "0.5", r"\frac{1}{2}", True),
+    ("math500", "1/2", r"\dfrac12", True),
+    ("math500", r"1\frac{1}{2}", r"\frac{3}{2}", True),
+    ("math500", "y = 2x + 3", "2x+3", True),
+    ("math500", "x^2+1", "1+x^2", True),
+]
+
+
+@pytest.mark.parametrize(("style", "predicted", "gold", "correct"), BENCHMARK_STYLE_CASES)
+def test_benchmark_answer_styles_graded_by_hand(style: str, predicted: str, gold: str, correct: bool) -> None:
+    assert is_correct(predicted, gold) is correct
+    boxed = grading.grade(f"So the answer is $\\boxed{{{predicted}}}$.", gold)
+    assert boxed["extracted"] == predicted and boxed["correct"] is correct
+
+
+@pytest.mark.parametrize(
+    ("answer", "stripped"),
+    [
+        ("5cm", "5"), ("12squareunits", "12"), ("3inches^2", "3"), ("\\frac{1}{2}m", "\\frac{1}{2}"),
+        ("90degrees", "90"),
+        ("cm", "cm"),  # a unit alone
+        ("Evelyn", "Evelyn"),  # text that ends in a unit's letters
+        ("x+5in", "x+5in"),  # an expression, not a number and a unit
+        ("2min", "2min"),  # not a unit of the list
+    ],
+)  # fmt: skip
+def test_strip_unit_drops_a_unit_word_after_a_number_only(answer: str, stripped: str) -> None:
+    assert grading.strip_unit(answer) == stripped

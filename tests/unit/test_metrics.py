@@ -12,9 +12,12 @@ import pytest
 from opsd.evaluation.metrics import (
     aggregate_runs,
     format_summary,
+    macro_average,
+    macro_paired,
     majority_answer,
     majority_correct,
     pass_at_k,
+    pass_at_k_curve,
     per_problem_accuracy,
     standard_error,
     summarize,
@@ -289,3 +292,68 @@ def test_standard_error_matches_formula() -> None:
     expected = math.sqrt(sum((v - m) ** 2 for v in values) / 2) / math.sqrt(3)
     assert standard_error(values) == pytest.approx(expected)
     assert standard_error([1.0]) is None
+
+
+# --- pass@k curves and the macro average over benchmarks ---------------------------------------------------------
+
+
+def test_pass_at_k_curve_hand_computed() -> None:
+    # Three problems with 4 samples: c = 0, 2, 4 correct. Per problem, pass@k = 1 - C(4-c, k) / C(4, k):
+    #   c = 0: 0 for every k (no correct sample);  c = 4: 1 for every k;
+    #   c = 2: k=1 2/4 = 0.5, k=2 1 - 1/6 = 5/6, k=3 and k=4 1 (fewer than k wrong samples).
+    curve = pass_at_k_curve([0, 2, 4], 4)
+    assert [p["k"] for p in curve] == [1, 2, 3, 4]
+    expected = [(0 + 0.5 + 1) / 3, (0 + 5 / 6 + 1) / 3, 2 / 3, 2 / 3]
+    assert [p["value"] for p in curve] == pytest.approx([100 * v for v in expected])
+    # SE over problems: k=1 values 0, 0.5, 1: sd 0.5, SE 0.5 / sqrt(3); k = n values 0, 1, 1: sd sqrt(1/3), SE 1/3.
+    assert curve[0]["se"] == pytest.approx(100 * 0.5 / math.sqrt(3))
+    assert curve[3]["se"] == pytest.approx(100 / 3)
+    # k = n is the share of problems with any correct sample; pass@1 is avg@n.
+    assert curve[-1]["value"] == pytest.approx(100 * 2 / 3)
+    rows = {f"p{c}": [sample(i < c, "1" if i < c else "2") for i in range(4)] for c in (0, 2, 4)}
+    summary = summarize(rows)
+    assert summary["pass_at_k_curve"] == curve and summary["avg"] == pytest.approx(curve[0]["value"])
+
+
+def test_pass_at_k_curve_with_no_correct_sample_and_one_problem() -> None:
+    assert [p["value"] for p in pass_at_k_curve([0, 0], 3)] == [0.0, 0.0, 0.0]
+    one = pass_at_k_curve([1], 2)
+    assert [p["value"] for p in one] == pytest.approx([50.0, 100.0]) and [p["se"] for p in one] == [
+        None,
+        None,
+    ]
+    with pytest.raises(ValueError):
+        pass_at_k_curve([], 4)
+
+
+def test_macro_average_se_hand_computed() -> None:
+    # Two independent benchmarks: 50 ± 3 and 20 ± 4. Mean 35; Var = (9 + 16) / 2^2, SE = 5 / 2 = 2.5.
+    assert macro_average([(50.0, 3.0), (20.0, 4.0)]) == {"n_benchmarks": 2, "value": 35.0, "se": 2.5}
+    # Three: 60 ± 1, 30 ± 2, 0 ± 2: mean 30, SE sqrt(1 + 4 + 4) / 3 = 1.
+    assert macro_average([(60.0, 1.0), (30.0, 2.0), (0.0, 2.0)])["se"] == pytest.approx(1.0)
+    assert macro_average([(50.0, 3.0), (20.0, None)])["se"] is None  # a benchmark of one problem
+    assert macro_average([(42.0, 1.5)]) == {"n_benchmarks": 1, "value": 42.0, "se": 1.5}
+    with pytest.raises(ValueError):
+        macro_average([])
+
+
+def test_macro_paired_difference_hand_computed() -> None:
+    a = {"mean_a": 30.0, "mean_b": 40.0, "mean_diff": 10.0, "se": 2.0, "df": 9}
+    b = {"mean_a": 50.0, "mean_b": 48.0, "mean_diff": -2.0, "se": 2.0, "df": 9}
+    m = macro_paired([a, b])
+    # Mean difference (10 - 2) / 2 = 4; SE sqrt(4 + 4) / 2 = sqrt(2). Welch-Satterthwaite:
+    # df = (4 + 4)^2 / (16/9 + 16/9) = 64 / (32/9) = 18; t_{0.975, 18} = 2.100922 (a t table).
+    assert (m["mean_a"], m["mean_b"], m["mean_diff"]) == (40.0, 44.0, 4.0)
+    assert m["se"] == pytest.approx(math.sqrt(2)) and m["df"] == pytest.approx(18.0)
+    assert m["t_crit"] == pytest.approx(2.100922, abs=1e-6)
+    assert (m["ci_low"], m["ci_high"]) == pytest.approx(
+        (4 - 2.100922 * math.sqrt(2), 4 + 2.100922 * math.sqrt(2))
+    )
+    # One benchmark: its own difference, df and interval.
+    one = macro_paired([a])
+    assert (one["mean_diff"], one["se"], one["df"]) == pytest.approx((10.0, 2.0, 9.0))
+    assert one["ci_low"] == pytest.approx(10 - 2.262157 * 2, abs=1e-5)  # t_{0.975, 9} = 2.262157
+    # No SE where a benchmark has none; SE 0 gives the point as its interval.
+    assert macro_paired([a, {**b, "se": None}])["ci_low"] is None
+    zero = macro_paired([{**a, "se": 0.0}, {**b, "se": 0.0}])
+    assert zero["se"] == 0.0 and zero["ci_low"] == zero["ci_high"] == 4.0 and zero["df"] is None

@@ -443,7 +443,7 @@ def test_to_argv_round_trips_through_the_real_parser(tmp_path):
     # A leading '-' stays a value, not a flag: it reaches the field, whose range (>= 0, as torch's AdamW
     # requires) refuses it, instead of argparse reading `-0.01` as an option.
     negative = to_argv(resolve_overrides(None, {"OPSD_WEIGHT_DECAY": "-0.01"}, capped=True))
-    with pytest.raises(ValueError, match=r"weight_decay=-0\.01 is out of range: must be >= 0"):
+    with pytest.raises(ValueError, match=r"weight_decay=-0\.01 is out of range: must be in \[0, 1\]"):
         parse_argv(tmp_path, negative)
     assert config.teacher_prompt_file == "-odd name.txt"
     assert config.max_completion_length == 2048

@@ -1,6 +1,5 @@
-"""The teacher variants of docs/method.md §1.10-1.11 against references written here: the contrastive target and
-its gradient (a naive float64 autograd oracle, every clip mode, both loss types), the teacher-free fixed
-advantage (its closed form by hand), the answer-only reference, the token-boundary cut of the reference, the
+"""The teacher variants of docs/method.md §1.10-1.11 against references written here (the contrastive target
+itself: tests/unit/test_contrast_target.py): the teacher-free fixed advantage (its closed form by hand), the answer-only reference, the token-boundary cut of the reference, the
 wrong hint of `wrong_answer` and `shuffled`, and the refusals of switches that cannot work together."""
 
 import math
@@ -16,7 +15,7 @@ from opsd.configuration.config import OPSDConfig
 from opsd.errors import InvalidValue
 from opsd.method import loss
 from opsd.method.contrast import answer_mentions, contrast_references, wrong_reference, wrong_value
-from opsd.method.loss import LossSettings, loss_settings
+from opsd.method.loss import ContrastSettings, LossSettings, loss_settings
 from opsd.method.prompts import TRUNCATION_MARK, PromptBuilder, reference_text
 
 CLIP_MODES = ("element", "token", "rescale", "none")
@@ -27,37 +26,8 @@ def settings(
 ):
     return LossSettings(
         beta=beta, temperature=tau, clip=clip, clip_mode=clip_mode, teacher_support_k=0, loss_type=loss_type,
-        chunk_size=chunk, contrast_weight=weight, fixed_advantage=a,
+        chunk_size=chunk, contrast=None if weight is None else ContrastSettings(alpha=weight), fixed_advantage=a,
     )  # fmt: skip
-
-
-def naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, *, beta, tau, clip, clip_mode, loss_type, weight):
-    """The contrastive OPSD loss summed over tokens, from full float64 logits through autograd; shares no code with
-    opsd.method.loss. q = softmax(sg(log p_S) + lambda (log p_T(.|c) - log p_T(.|c~)))."""
-    logp_s = F.log_softmax((h_s @ w_s.T) / tau, -1)
-    logp_t = F.log_softmax((h_t @ w_t.T) / tau, -1)
-    logp_w = F.log_softmax((h_w @ w_t.T) / tau, -1)
-    if loss_type == "sampled_token":
-        rows = torch.arange(len(ids))
-        advantage = weight * (logp_t[rows, ids] - logp_w[rows, ids])
-        return -(advantage.detach() * logp_s[rows, ids]).sum()
-    logq = F.log_softmax(logp_s.detach() + weight * (logp_t - logp_w), -1)
-    q, p = logq.exp(), logp_s.exp()
-    if beta == 0.0:
-        terms = q * (logq - logp_s)
-    elif beta == 1.0:
-        terms = p * (logp_s - logq)
-    else:
-        log_m = torch.log(beta * q + (1 - beta) * p)
-        terms = beta * q * (logq - log_m) + (1 - beta) * p * (logp_s - log_m)
-    if clip_mode == "element":
-        return torch.minimum(terms, torch.full_like(terms, clip)).sum()
-    total = terms.sum(-1)
-    if clip_mode == "token":
-        return torch.minimum(total, torch.full_like(total, clip)).sum()
-    if clip_mode == "rescale":
-        return torch.where(total > clip, total * (clip / total).detach(), total).sum()
-    return total.sum()
 
 
 def tensors(n=13, h=6, v=11, seed=0):
@@ -76,79 +46,9 @@ def tensors(n=13, h=6, v=11, seed=0):
     )
 
 
-# Every clip mode at beta 0, 1/2 and 1 for jsd; sampled_token reads neither beta nor the clip, so one case each.
-ORACLE_CASES = [(b, m, "jsd") for b in (0.0, 0.5, 1.0) for m in CLIP_MODES] + [
-    (0.0, m, "sampled_token") for m in ("element", "none")
-]
-
-
-@pytest.mark.parametrize(("beta", "clip_mode", "loss_type"), ORACLE_CASES)
-def test_contrastive_loss_and_gradient_match_a_naive_float64_oracle(beta, clip_mode, loss_type):
-    h_s, h_t, h_w, w_s, w_t, ids = tensors()
-    tau, weight = 0.8, 1.3
-    with (
-        torch.no_grad()
-    ):  # a clip between data points, so that some entries (tokens) are clipped and some not
-        want_terms = naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, beta=beta, tau=tau, clip=1e9,
-                                         clip_mode="none", loss_type="jsd", weight=weight)  # fmt: skip
-    clip = 0.02 if clip_mode == "element" else float(want_terms) / len(ids)
-    kw = dict(beta=beta, tau=tau, clip=clip, clip_mode=clip_mode, loss_type=loss_type, weight=weight)
-    want = naive_contrast_loss(h_s, h_t, h_w, w_s, w_t, ids, **kw)
-    want_h, want_w = torch.autograd.grad(want, (h_s, w_s))
-
-    s = settings(**{k: v for k, v in kw.items()}, chunk=4)
-    got, sums = loss.chunked_opsd_loss(
-        h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=h_w
-    )
-    got_h, got_w = torch.autograd.grad(got, (h_s, w_s))
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_h.double(), want_h, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_w.double(), want_w, atol=1e-5, rtol=1e-4)
-    assert float(want_h.abs().sum()) > 1e-3  # a signal to match, not two zeros
-    if loss_type == "jsd" and clip_mode != "none":
-        assert 0 < float(sums["clipped_frac"]) < len(ids)
-
-
-@pytest.mark.parametrize("loss_type", ["jsd", "sampled_token"])
-@pytest.mark.parametrize("clip_mode", CLIP_MODES)
-def test_no_contrastive_signal_at_weight_zero_or_when_the_wrong_hint_is_the_hint(clip_mode, loss_type):
-    h_s, h_t, h_w, w_s, w_t, ids = tensors(seed=1)
-    cases = [(0.0, h_w), (1.0, h_t.detach().clone())]  # lambda = 0; c~ = c
-    for weight, wrong in cases:
-        s = settings(beta=0.5, tau=1.1, clip_mode=clip_mode, loss_type=loss_type, weight=weight)
-        got, _ = loss.chunked_opsd_loss(
-            h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=wrong
-        )
-        grad_h, grad_w = torch.autograd.grad(got, (h_s, w_s))
-        assert abs(float(got.detach())) < 1e-6, (weight, float(got.detach()))
-        assert float(grad_h.abs().max()) < 1e-6 and float(grad_w.abs().max()) < 1e-6
-    # ... and a signal otherwise: the same inputs with a real wrong hint move the student.
-    s = settings(beta=0.5, tau=1.1, clip_mode=clip_mode, loss_type=loss_type, weight=1.0)
-    got, _ = loss.chunked_opsd_loss(h_s, h_t, w_s, w_t, settings=s, target_ids_N=ids, contrast_hidden_NH=h_w)
-    assert float(torch.autograd.grad(got, h_s)[0].abs().max()) > 1e-3
-
-
-def test_contrastive_sampled_token_advantage_is_lambda_times_the_log_ratio():
-    h_s, h_t, h_w, w_s, w_t, ids = tensors(seed=2)
-    rows = torch.arange(len(ids))
-    e_ctr = (F.log_softmax(h_t @ w_t.T, -1) - F.log_softmax(h_w @ w_t.T, -1))[rows, ids]
-    s = settings(loss_type="sampled_token", weight=0.7)
-    _, stats, _ = loss.token_divergence_with_grad(
-        h_s @ w_s.T,
-        h_t @ w_t.T,
-        settings=s,
-        target_ids_N=ids,
-        need_grad=False,
-        contrast_logits_NV=h_w @ w_t.T,
-    )
-    torch.testing.assert_close(
-        stats["abs_advantage"].double(), (0.7 * e_ctr).abs().detach(), atol=1e-5, rtol=1e-5
-    )
-
-
 def test_contrast_needs_its_hidden_states():
     h_s, h_t, h_w, w_s, w_t, ids = tensors()
-    with pytest.raises(ValueError, match="wrong-hint"):
+    with pytest.raises(ValueError, match="wrong hints"):
         loss.chunked_opsd_loss(h_s, h_t, w_s, w_t, settings=settings(weight=1.0), target_ids_N=ids)
 
 
@@ -355,7 +255,7 @@ def test_contrast_references_shuffled_never_own_nor_same_answer_and_wrong_answer
         (dict(teacher_contrast="shuffled", top_k_loss=8), "top_k_loss=8"),
         (dict(loss_type="fixed_advantage", top_k_loss=8), "reads no teacher"),
         (dict(loss_type="fixed_advantage", fixed_advantage=0.2), "fixed_advantage=0.2 is out of range"),
-        (dict(loss_type="fixed_advantage", fixed_advantage=0.0), "must be < 0"),
+        (dict(loss_type="fixed_advantage", fixed_advantage=0.0), "fixed_advantage=0.0 is out of range"),
         (dict(teacher_ref_fraction=0.0), "teacher_ref_fraction=0.0 is out of range"),
         (dict(teacher_ref_fraction=1.5), "must be in \\[1e-09, 1\\]"),
         # f x n rounds to no token below 1e-9 (the cut rounds to 9 decimals): refused, not an empty reference.
@@ -370,6 +270,20 @@ def test_contrast_references_shuffled_never_own_nor_same_answer_and_wrong_answer
         ),
         (dict(contrast_weight=-1.0), "contrast_weight=-1.0 is out of range"),
         (dict(teacher_contrast="wrong"), "teacher_contrast='wrong' is not allowed"),
+        (dict(teacher_contrast="own_wrong"), "own_wrong takes its wrong hints from the other rollouts"),
+        (dict(contrast_rl_weight=0.1), "contrast_rl_weight=0.1 is read by method=hybrid only"),
+        (dict(token_weight="entropy_gate", loss_type="fixed_advantage"), "token_weight=entropy_gate weighs"),
+        (dict(token_weight="late"), "token_weight='late' is not allowed"),
+        (
+            dict(method="grpo", token_weight="positive_only"),
+            "token_weight='positive_only' is read by method=opsd and",
+        ),
+        (
+            dict(method="grpo", teacher_contrast="own_wrong"),
+            "teacher_contrast='own_wrong' is read by method=opsd and",
+        ),
+        (dict(contrast_hints=0), "contrast_hints=0 is out of range"),
+        (dict(contrast_rl_tau=0.0, method="hybrid"), "contrast_rl_tau=0.0 is out of range"),
     ],
 )
 def test_switches_that_cannot_work_are_refused_in_one_line(overrides, message):
@@ -408,9 +322,16 @@ def test_the_published_defaults_are_unchanged_and_the_settings_carry_the_switche
         "none",
         "jsd",
     )
-    assert loss_settings(c).contrast_weight is None and loss_settings(c).needs_teacher
-    c = OPSDConfig(report_to="none", teacher_contrast="wrong_answer", contrast_weight=0.5)
-    assert loss_settings(c).contrast_weight == 0.5
+    assert loss_settings(c).contrast is None and loss_settings(c).needs_teacher
+    assert loss_settings(c).token_weight == "none"
+    c = OPSDConfig(report_to="none", teacher_contrast="wrong_answer", contrast_weight=0.25, contrast_top_k=20,
+                   contrast_log_floor=-7.0, contrast_kl_tau=0.5, token_weight="entropy_gate")  # fmt: skip
+    assert loss_settings(c).contrast == ContrastSettings(alpha=0.25, top_k=20, floor=-7.0, kl_tau=0.5)
+    assert loss_settings(c).token_weight == "entropy_gate"
+    # RLCSD's shipped opsd_ectr values are the defaults
+    assert loss_settings(
+        OPSDConfig(report_to="none", teacher_contrast="shuffled")
+    ).contrast == ContrastSettings(alpha=0.5, top_k=100, floor=-5.0, kl_tau=1.0)
     assert not loss_settings(OPSDConfig(report_to="none", loss_type="fixed_advantage")).needs_teacher
 
 
@@ -438,11 +359,10 @@ def test_rows_with_contrast_compare_real_tokens_whatever_the_padding():
     hints = [[5, 6, 7], [1, 2], [3, 0, 3]]  # 0 is also the pad id: told apart by the mask
     ti, tm = left_pad(hints, 0, "cpu")
     ci, cm = left_pad([[5, 6, 7], [1, 2, 9], [3, 0, 3]], 0, "cpu")
-    assert rows_with_contrast(ti, tm, ci, cm, 1.0).tolist() == [False, True, False]
+    assert rows_with_contrast(ti, tm, ci, cm).tolist() == [False, True, False]
     wider_i, wider_m = (torch.cat([torch.zeros(3, 2, dtype=torch.long), x], 1) for x in (ti, tm))
-    assert rows_with_contrast(ti, tm, wider_i, wider_m, 1.0).tolist() == [False, False, False]
+    assert rows_with_contrast(ti, tm, wider_i, wider_m).tolist() == [False, False, False]
     longer_i, longer_m = left_pad(
         [[4, 5, 6, 7], [1, 2], [0, 3, 0, 3]], 0, "cpu"
     )  # a real token more in front
-    assert rows_with_contrast(ti, tm, longer_i, longer_m, 1.0).tolist() == [True, False, True]
-    assert rows_with_contrast(ti, tm, ci, cm, 0.0).tolist() == [False, False, False]
+    assert rows_with_contrast(ti, tm, longer_i, longer_m).tolist() == [True, False, True]

@@ -17,7 +17,9 @@ CLIP_MODES = ("element", "token", "rescale", "none")
 LOSS_TYPES = ("jsd", "sampled_token", "fixed_advantage")
 TEACHER_MODES = ("fixed", "ema", "dynamic")
 TEACHER_REFS = ("solution", "cot", "answer")
-TEACHER_CONTRASTS = ("none", "shuffled", "wrong_answer")
+TEACHER_CONTRASTS = ("none", "shuffled", "wrong_answer", "own_wrong")
+# Per-token loss weights (opsd.method.token_weights).
+TOKEN_WEIGHTS = ("none", "position_early", "position_late", "entropy_gate", "positive_only")
 # The training table's column each `teacher_ref` reads (the data checks it, the prompts read it).
 REFERENCE_COLUMNS = {"solution": "solution", "cot": "COT_Reason", "answer": "Answer"}
 TEACHER_REF_PAIRINGS = ("matched", "shuffled", "empty")
@@ -36,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "teacher_ref": TEACHER_REFS,
     "teacher_ref_pairing": TEACHER_REF_PAIRINGS,
     "teacher_contrast": TEACHER_CONTRASTS,
+    "token_weight": TOKEN_WEIGHTS,
     "data_filter": DATA_FILTERS,
     "rollout_engine": ROLLOUT_ENGINES,
     "dtype": DTYPES,

@@ -17,13 +17,17 @@ TRL_GRPO_GENERATIONS = 8
 # Read by the self-distillation loss and its teacher only (opsd, and hybrid's OPSD term): method=grpo has neither.
 SELF_DISTILLATION_FIELDS = (
     "beta", "loss_temperature", "divergence_clip", "clip_mode", "top_k_loss", "loss_type", "fixed_advantage",
-    "contrast_weight", "teacher_contrast", "teacher_mode", "ema_decay", "teacher_ref", "teacher_ref_fraction",
+    "token_weight", "teacher_contrast", "contrast_weight", "contrast_top_k", "contrast_log_floor", "contrast_kl_tau",
+    "contrast_hints", "teacher_mode", "ema_decay", "teacher_ref", "teacher_ref_fraction",
     "teacher_ref_pairing", "teacher_ref_max_chars", "max_teacher_prompt_length", "teacher_thinking",
     "teacher_prompt_file", "num_loss_tokens_to_skip", "completions_steps", "completions_rows",
 )  # fmt: skip
 # Read by OPSD's own trainer only (its generation window, its compiled forwards, its probe); hybrid runs TRL's GRPO
 # step, which has none of them, and its teacher is the initial policy or the student itself (no EMA adapter).
-OPSD_TRAINER_FIELDS = ("steps_per_rollout", "compile_layers", "teacher_contrast", "contrast_weight")
+OPSD_TRAINER_FIELDS = ("steps_per_rollout", "compile_layers")
+# Read by method=hybrid only: the weight of its OPSD term, and RLCSD's modulation of its GRPO advantages.
+HYBRID_FIELDS = ("sd_weight", "contrast_rl_weight", "contrast_rl_tau", "contrast_rl_delta")
+
 HYBRID_TEACHER_MODES = ("fixed", "dynamic")
 
 
@@ -53,10 +57,18 @@ def check_method(config) -> None:
             f"num_generations={G} with method={method}: GRPO normalises each reward within its problem's group, "
             "so it needs at least 2 rollouts per problem; leave it unset (TRL's 8) or give 2 or more"
         )
-    if method != "hybrid" and config.sd_weight != defaults["sd_weight"]:
+    for name in HYBRID_FIELDS if method != "hybrid" else ():
+        if getattr(config, name) != defaults[name]:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} is read by method=hybrid only (the weight of its OPSD term, "
+                f"RLCSD's modulation of its GRPO advantages), and method={method} has none; remove it, or set "
+                "method=hybrid"
+            )
+    if config.teacher_contrast == "own_wrong" and method == "opsd":
         raise ValueError(
-            f"sd_weight={config.sd_weight!r} weighs the OPSD term of method=hybrid, and method={method} has none; "
-            "remove it, or set method=hybrid"
+            "teacher_contrast=own_wrong takes its wrong hints from the other rollouts of the same problem, and "
+            "method=opsd draws one rollout per problem; set method=hybrid (num_generations rollouts per problem), "
+            "or teacher_contrast=shuffled or wrong_answer"
         )
     if method == "opsd":
         return

@@ -35,12 +35,15 @@ class Range:
     hi_open: bool = False
     note: str = ""
     optional: bool = False
+    zero: bool = False  # 0 is allowed too (it means off), below `lo`
 
     def contains(self, value: object) -> bool:
         if value is None:
             return self.optional
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
+        if self.zero and value == 0:
+            return True
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             return False
         return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
@@ -56,6 +59,8 @@ class Range:
             text = f"must be {'<' if self.hi_open else '<='} {_num(self.hi)}"
         else:
             text = "must be a finite number"
+        if self.zero:
+            text = "must be 0 or " + text.removeprefix("must be ")
         return f"{text} ({self.note})" if self.note else text
 
 
@@ -71,6 +76,25 @@ SEED_MAX = 2**32 - 1
 # The smallest `teacher_ref_fraction`: opsd.method.prompts rounds f x n to this many decimals before its ceiling.
 REFERENCE_FRACTION_DECIMALS = 9
 MIN_REFERENCE_FRACTION = 10.0**-REFERENCE_FRACTION_DECIMALS
+# Magnitudes that reach the loss or the update, bounded so that no accepted value makes a float32 (or bf16: the
+# same exponent range) step raise or every step non-finite; tests/integration/test_inputs_extremes.py runs one
+# step at each bound.
+# A factor on the loss and its gradient. max_grad_norm scales the update back anyway; at 1e4, a per-parameter
+# gradient of 1e3 (far beyond a real one) still sums its squares over 1e12 parameters to 1e26, well below float32's
+# 3.4e38, so the gradient norm stays finite.
+MAX_LOSS_FACTOR = 1e4
+# The rollout and the loss divide the logits by a temperature, and the loss's gradient by it once more: within
+# 1000x either side of 1 both stay finite in float32 (1e-300 makes the logits infinite, and vLLM holds 1e300
+# as infinity, which turns a masked logit into NaN).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+# Adam divides by sqrt(v) + epsilon, and v is 0 wherever the gradient is (LoRA's A at step 1, B being 0): an
+# epsilon that float32 rounds to 0 (below ~1e-45) makes that 0/0 = NaN in every such weight.
+MIN_ADAM_EPSILON = 1e-30
+# A token count any tensor index holds (int64), beyond every model's context: a larger skip overflows the index.
+MAX_TOKENS = 2**24
+# The largest hidden size of released models (Llama 3.1 405B): a rank beyond a matrix's smaller side adds nothing,
+# and peft allocates rank x side weights per adapted matrix.
+MAX_LORA_RANK = 2**14
 
 # OPSDConfig field -> allowed range. Every numeric field of RECIPE_KEYS, OPERATIONAL_KEYS and BUDGET_KEYS
 # (opsd/configuration/sources/keys.py) is here, with OPSD's own fields and the TRL sampling options; tests
@@ -78,13 +102,17 @@ MIN_REFERENCE_FRACTION = 10.0**-REFERENCE_FRACTION_DECIMALS
 RANGES: dict[str, Range] = {
     # optimiser and schedule
     # 0 would spend the whole budget without moving a weight; the base model is that control.
-    "learning_rate": POSITIVE,
+    # Adam moves each weight by about the learning rate per step: beyond 1, by more than the weights' own scale.
+    "learning_rate": Range(0, 1, lo_open=True),
     "warmup_steps": Range(0, note="a value below 1 is a fraction of max_steps"),
-    "weight_decay": NON_NEGATIVE,
+    # AdamW multiplies each weight by 1 - lr x weight_decay per step: with both at most 1 it stays in [0, 1].
+    "weight_decay": Range(0, 1),
     "max_grad_norm": Range(0, note="0 = no clipping"),
     "adam_beta1": Range(0, 1, hi_open=True),
     "adam_beta2": Range(0, 1, hi_open=True),
-    "adam_epsilon": NON_NEGATIVE,
+    "adam_epsilon": Range(
+        MIN_ADAM_EPSILON, note="Adam divides by sqrt(v) + epsilon, and v is 0 for a zero gradient"
+    ),
     # budget
     # TrainingArguments reads max_steps <= 0 as "train by epochs", which OPSD does not do.
     "max_steps": Range(0, lo_open=True, note="OPSD trains for a number of optimizer steps"),
@@ -95,7 +123,7 @@ RANGES: dict[str, Range] = {
     "probe_size": Range(0, note="0 = off"),
     "save_steps": Range(0, lo_open=True, note="a value below 1 is a fraction of max_steps"),
     # rollouts
-    "temperature": POSITIVE,
+    "temperature": Range(MIN_TEMPERATURE, MAX_TEMPERATURE, note="the logits are divided by it"),
     "top_p": PROBABILITY_OPEN_LOW,
     "top_k": OFF_AT_ZERO,
     "min_p": Range(0, 1, optional=True),
@@ -112,18 +140,30 @@ RANGES: dict[str, Range] = {
     "dataloader_num_workers": NON_NEGATIVE,
     # loss
     "beta": Range(0, 1),
-    "loss_temperature": Range(0, note="0 = rollout temperature"),
-    "divergence_clip": Range(0, lo_open=True, note="use clip_mode=none to disable clipping"),
+    "loss_temperature": Range(MIN_TEMPERATURE, MAX_TEMPERATURE, zero=True, note="0 = rollout temperature"),
+    # A per-token divergence of float32 probabilities is far below 1e4 nats: a larger clip clips nothing.
+    "divergence_clip": Range(0, MAX_LOSS_FACTOR, lo_open=True, note="use clip_mode=none to disable clipping"),
     "top_k_loss": OFF_AT_ZERO,
     "loss_chunk_size": POSITIVE,
-    "num_loss_tokens_to_skip": Range(0, note="0 = none"),
-    "sd_weight": Range(0, note="0 = the GRPO loss alone"),
-    "contrast_weight": Range(0, note="0 = no signal; 1 = the contrastive log-ratio itself"),
+    "num_loss_tokens_to_skip": Range(0, MAX_TOKENS, note="0 = none"),
+    "sd_weight": Range(0, MAX_LOSS_FACTOR, note="0 = the GRPO loss alone"),
+    # alpha: (1 + alpha) log p_T(c) stays far inside float32 even at log p = -1e4 (the tail bucket is >= -16.2).
+    "contrast_weight": Range(0, 1000, note="0 = OPSD's teacher on the target's buckets"),
+    "contrast_top_k": Range(1, MAX_TOKENS),
+    "contrast_log_floor": Range(-1000, 0, note="log p_T(.|c~) below it counts as it"),
+    "contrast_kl_tau": Range(0, 1e6, note="0 = no token weight"),
+    "contrast_hints": Range(1, 64),
+    "contrast_rl_weight": Range(0, 2, note="0 = no modulation; RLCSD clips the modulation at 2"),
+    "contrast_rl_tau": Range(0, 1e6, lo_open=True),
+    "contrast_rl_delta": Range(0, 2, note="0 = every token with a nonzero modulation"),
     # A positive constant would raise the probability of every sampled token: the opposite of the control.
-    "fixed_advantage": Range(hi=0, hi_open=True, note="a negative constant: sampled tokens are pushed down"),
+    "fixed_advantage": Range(
+        -MAX_LOSS_FACTOR, 0, hi_open=True, note="a negative constant: sampled tokens are pushed down"
+    ),
     # LoRA
-    "lora_r": POSITIVE,
-    "lora_alpha": POSITIVE,
+    "lora_r": Range(0, MAX_LORA_RANK, lo_open=True),
+    # The adapter's output is scaled by lora_alpha / lora_r: a factor on the gradient, bounded as the loss's are.
+    "lora_alpha": Range(0, MAX_LOSS_FACTOR, lo_open=True),
     "lora_dropout": Range(0, 1, hi_open=True),
     # teacher and data
     "ema_decay": Range(0, 1, lo_open=True, hi_open=True),
@@ -211,7 +251,10 @@ def check_teacher_variants(config: object) -> None:
             f"teacher_contrast={contrast} contrasts two teachers, and loss_type=fixed_advantage reads none; "
             "set teacher_contrast=none, or another loss_type"
         )
-    elif contrast != "none" and getattr(config, "teacher_ref_pairing", "matched") == "empty":
+    elif (
+        contrast in ("shuffled", "wrong_answer")
+        and getattr(config, "teacher_ref_pairing", "matched") == "empty"
+    ):
         problem = (
             f"teacher_contrast={contrast} needs a reference to contrast with a wrong one, and "
             "teacher_ref_pairing=empty gives the teacher none; use teacher_ref_pairing=matched or shuffled, or "
@@ -227,7 +270,12 @@ def check_teacher_variants(config: object) -> None:
     elif top_k and contrast != "none":
         problem = (
             f"top_k_loss={top_k} restricts the loss to the teacher's top-k, and teacher_contrast={contrast} "
-            "replaces the teacher by a target over the whole vocabulary; set top_k_loss=0"
+            "replaces the teacher by a target on its own top-k and a tail bucket (contrast_top_k); set top_k_loss=0"
+        )
+    elif loss_type == "fixed_advantage" and getattr(config, "token_weight", "none") != "none":
+        problem = (
+            f"token_weight={config.token_weight} weighs tokens by the teacher (or by the teacher's advantage), and "
+            "loss_type=fixed_advantage reads none; set token_weight=none, or loss_type=jsd or sampled_token"
         )
     elif top_k and loss_type == "fixed_advantage":
         problem = (

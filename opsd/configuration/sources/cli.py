@@ -12,8 +12,9 @@ import os
 from opsd.configuration.config import OPSDConfig
 from opsd.configuration.sources.aliases import canonical_flags, canonical_keys
 from opsd.configuration.sources.recipe import name_source, resolve_overrides, to_argv
+from opsd.configuration.sources.yaml_bounds import check_bounded, check_yaml_numbers
 from opsd.errors import InvalidValue, MissingPath, UserError
-from opsd.paths import DEEPSPEED_CONFIG, YAML_CONFIG, check_file
+from opsd.paths import DEEPSPEED_CONFIG, YAML_CONFIG, check_file, read_text
 
 SUMMARY = "Train a model with on-policy self-distillation (OPSD)."
 ALLOW_HELP = (
@@ -38,11 +39,13 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
 
         def set_defaults_with_config(self, **kwargs) -> list[str]:
             # Keys transformers 5 removed are translated or ignored with a note; unknown keys get a hint.
+            from opsd.configuration.checks.values import field_specs
             from opsd.configuration.sources.legacy import translate_yaml
 
             known = {a.dest for a in self._actions}
             kwargs = canonical_keys(kwargs, source=self.yaml_source)
             translated = translate_yaml(kwargs, known, source=self.yaml_source)
+            check_yaml_numbers(translated, {k: s.kind for k, s in field_specs().items()}, self.yaml_source)
             check_deepspeed_file(translated.get("deepspeed"))
             self.yaml_keys = set(translated)
             return super().set_defaults_with_config(**translated)
@@ -64,8 +67,9 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
     overrides = resolve_overrides(extra.recipe, environ, capped=extra.capped)
     if "--config" in rest[:-1]:
         parser.yaml_source = rest[rest.index("--config") + 1]
-        # TRL opens the file itself: refuse what is not a regular YAML file of at most 1 MiB before it does.
-        check_file(parser.yaml_source, YAML_CONFIG)
+        # TRL opens the file itself: refuse what is not a regular YAML file of at most 1 MiB before it does, or
+        # whose aliases expand past what any config holds (its `env` and unknown keys are str()-ed whole).
+        check_yaml_file(parser.yaml_source)
     for value in flag_values(rest + to_argv(overrides), "--deepspeed"):
         check_deepspeed_file(value)
     try:
@@ -98,6 +102,19 @@ def parse_config(argv: list[str], environ=os.environ) -> tuple[OPSDConfig, argpa
             ) from err
         raise
     return config, extra
+
+
+def check_yaml_file(path: str) -> None:
+    """`--config`'s file: a regular file within its cap (`opsd.paths`), valid YAML, and bounded
+    (`yaml_bounds.check_bounded`) before TRL loads it and walks its values."""
+    import yaml
+
+    text = read_text(path, YAML_CONFIG)
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as err:  # its location, on one line
+        raise InvalidValue(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    check_bounded(document, path)
 
 
 def flag_values(argv: list[str], flag: str) -> list[str]:

@@ -19,12 +19,15 @@ RECIPE_KEYS = frozenset({
     "temperature", "top_p", "top_k", "max_completion_length", "steps_per_rollout",
     # loss
     "beta", "loss_temperature", "divergence_clip", "clip_mode", "top_k_loss", "loss_type", "fix_position_ids",
-    "num_loss_tokens_to_skip", "contrast_weight", "fixed_advantage",
+    "num_loss_tokens_to_skip", "fixed_advantage", "token_weight",
     # LoRA
     "lora_r", "lora_alpha", "lora_dropout",
     # teacher and data
     "teacher_mode", "ema_decay", "data_filter", "teacher_ref", "teacher_ref_pairing", "teacher_ref_max_chars",
-    "teacher_ref_fraction", "teacher_contrast",
+    "teacher_ref_fraction",
+    # the contrastive teacher (RLCSD's target; its RL form under method=hybrid)
+    "teacher_contrast", "contrast_weight", "contrast_top_k", "contrast_log_floor", "contrast_kl_tau",
+    "contrast_hints", "contrast_rl_weight", "contrast_rl_tau", "contrast_rl_delta",
     "max_teacher_prompt_length", "student_thinking", "teacher_thinking", "thinking_switch", "student_prompt_file",
     "teacher_prompt_file",
     # budget helpers that spend no extra compute; the probe's cadence (a few forwards every N steps)
