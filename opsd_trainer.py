@@ -42,7 +42,7 @@ from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
 from opsd.method.contrast import rows_with_contrast
 from opsd.method.ema_teacher import InitialisedAdapterEMA
-from opsd.method.engine import RolloutSeeds, trainer_engine
+from opsd.method.engine import RolloutSeeds, trainer_engine, weights_dtype
 from opsd.method.engine_classes import own_classes
 from opsd.method.hidden import (
     CompletionHiddenStates,
@@ -59,6 +59,7 @@ from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings, one
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
 from opsd.method.trl_compat import restore_lora_dropout
+from opsd.run.logprob_gap import LogprobGap
 from opsd.run.step_watch import ComputeLedger, NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
 from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
@@ -143,6 +144,9 @@ class OPSDTrainer(SDFTTrainer):
         # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
         self.loss_settings = loss_settings(a)
+        # The engine's log-probs of the sampled tokens (`_sample`) against the trainer's: rollout/logprob_gap.
+        self.logprob_gap = LogprobGap(weights_dtype(self.accelerator.unwrap_model(self.model)))
+        self.sampled_logprobs = None
         tok = self.processing_class
         self.rollout_grader = RolloutGrader(
             decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
@@ -298,6 +302,8 @@ class OPSDTrainer(SDFTTrainer):
         local_S = self._loss_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
         total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
         batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
+        if training and self.sampled_logprobs is not None:
+            batch["sampled_logprobs"] = self.sampled_logprobs  # (B, C), cut with the rest by `split_rows`
         # Lists are cut into micro-batches with the tensors (`split_rows`).
         batch["problems"] = problems
         batch["references"] = references
@@ -320,16 +326,23 @@ class OPSDTrainer(SDFTTrainer):
 
     def _sample(self, prompt_ids):
         """TRL's vLLM engine (OPSD's, `opsd.method.engine`), given the current weights first when they changed
-        since its last generation; or transformers' generate."""
+        since its last generation; or transformers' generate. The engine's log-probs of the sampled tokens are
+        kept as `sampled_logprobs` ((B, C), NaN-padded; None from transformers' generate), for
+        `rollout/logprob_gap` (`opsd.run.logprob_gap`)."""
+        self.sampled_logprobs = None
         if not self.use_vllm:
             return self._generate_transformers(prompt_ids)
         if self.engine_step != self.state.global_step:
             self.vllm_generation.sync_weights()
             self.engine_step = self.state.global_step
         per_prompt = self.num_generations if self.model.training else self.num_generations_eval
-        prompt_ids, completion_ids, _, _ = self.vllm_generation.generate(
+        prompt_ids, completion_ids, logprobs, _ = self.vllm_generation.generate(
             prompts=prompt_ids, images=None, num_generations=per_prompt
         )
+        if logprobs is not None:
+            from opsd.run.logprob_gap import engine_logprobs
+
+            self.sampled_logprobs = engine_logprobs(logprobs, self.accelerator.device)
         return prompt_ids, completion_ids
 
     def _generate_transformers(self, prompt_ids):
@@ -393,6 +406,13 @@ class OPSDTrainer(SDFTTrainer):
                 self.record_metrics(
                     {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
                 )
+            if self.model.training and "sampled_logprobs" in inputs:
+                a = self.args  # the engine's log-probs come after the rollout's temperature, top-k and top-p
+                gap = self.logprob_gap.from_hidden(
+                    inputs["sampled_logprobs"], completion_ids, completion_mask, hidden,
+                    temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                )  # fmt: skip
+                self.record_metrics(gap)
             if self._completions_due():
                 self._log_completions(inputs, hidden)
         return loss

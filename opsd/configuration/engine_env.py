@@ -10,6 +10,12 @@ size (VLLM_CPU_KVCACHE_SPACE). A user's own setting of either wins.
 the process starts exactly that much KV cache. vLLM otherwise sizes it from a start-up memory profile of the
 whole GPU, which fails when another process allocates or frees memory meanwhile ("No available memory for the
 cache blocks", "Error in memory profiling"); with a fixed size it skips that profile.
+
+On vLLM's CPU platform a model with multi-head latent attention (DeepSeek-V2/V3's MLA) runs vLLM's reference MLA
+backend, `CPU_MLA` (`cpu_mla_backend`). On a CPU with AMX, vLLM would otherwise pick its `AMX_MLA` backend, which
+takes bfloat16 weights only, refuses a `qk_nope_head_dim` that is not a multiple of 32 ("invalid weight input
+features 16") and frees `kv_b_proj` once it has packed it, so that a weight push then fails ("The size of tensor a
+(0) must match the size of tensor b (512)"): a training engine, which takes a push every step, cannot use it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,21 @@ def single_node_engine_env(environ=os.environ) -> None:
     """Fill in the engine settings above that the environment does not set already."""
     for name, value in SINGLE_NODE_ENGINE_ENV.items():
         environ.setdefault(name, value)
+
+
+# vLLM's reference MLA backend on a CPU; on a CPU with AMX, vLLM prefers AMX_MLA unless this is asked for.
+CPU_MLA_BACKEND = "CPU_MLA"
+
+
+def cpu_mla_backend(text_config) -> dict[str, str]:
+    """The engine argument that runs a model with multi-head latent attention (a `kv_lora_rank` in its text
+    config, as vLLM tells MLA) on vLLM's `CPU_MLA` backend on the CPU platform (module docstring); {} for any other
+    model or platform."""
+    if getattr(text_config, "kv_lora_rank", None) is None:
+        return {}
+    from vllm.platforms import current_platform
+
+    return {"attention_backend": CPU_MLA_BACKEND} if current_platform.is_cpu() else {}
 
 
 def kv_cache_gib(environ=os.environ) -> float | None:

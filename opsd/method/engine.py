@@ -12,15 +12,25 @@ place); `push_weights` loads such weights, or a checkpoint directory, into the e
 `reload_weights`, the one path that works on vLLM's CPU backend (per-parameter `load_weights` fails there), so
 an engine started once can serve the base model and any number of checkpoints (eval_aime.py's sweeps);
 `sync_colocated_engine` is the trainer's push before a generation.
+
+Engine. The colocated engine runs at the trainer's dtype (`engine_arguments`: TRL starts vLLM without one, and
+vLLM's CPU backend would run a float32 model in bfloat16, so rollouts would come from another model than the one the
+loss scores), an MLA model on vLLM's CPU_MLA backend on a CPU (`opsd.configuration.engine_env.cpu_mla_backend`),
+and returns the log-prob of every sampled token (`rollout/logprob_gap`, `opsd.run.logprob_gap`). A failure of
+vLLM's once it is up (a push, a generation) is one line, as at its start (`opsd.method.engine_classes`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PROBE_STEP = -1
 
@@ -74,9 +84,6 @@ class SeededLLM:
     def __init__(self, llm, seeds_for: Callable[[int], list[int]]):
         self.llm = llm
         self.seeds_for = seeds_for  # number of prompts -> one seed per prompt
-        self.generated = (
-            False  # the first generation is the first forward: a kernel may refuse the model there
-        )
 
     def __getattr__(self, name):
         return getattr(self.llm, name)
@@ -89,14 +96,7 @@ class SeededLLM:
                 sp.seed = seed
                 per_row.append(sp)
             sampling_params = per_row
-        if self.generated:
-            return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
-        from opsd.method.engine_classes import engine_run_refusal
-
-        with engine_run_refusal(self.llm):
-            outputs = self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
-        self.generated = True
-        return outputs
+        return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
 
 
 # -- weights ------------------------------------------------------------------------------------------------
@@ -261,6 +261,21 @@ def sync_colocated_engine(generation, model, *, on_cpu: bool) -> None:
 
 
 # -- TRL's engine -------------------------------------------------------------------------------------------
+def weights_dtype(model) -> torch.dtype:
+    """The dtype of `model`'s own weights (its input embedding's: a peft model's float32 adapters on a bfloat16
+    base do not count), the one its forwards compute in."""
+    return model.get_input_embeddings().weight.dtype
+
+
+def engine_arguments(model) -> dict:
+    """What OPSD's colocated engine starts with beside TRL's arguments, for the trainer's `model`: its dtype, and
+    vLLM's CPU_MLA backend for an MLA model on a CPU (`opsd.configuration.engine_env.cpu_mla_backend`)."""
+    from opsd.configuration.engine_env import cpu_mla_backend
+
+    dtype = str(weights_dtype(model)).removeprefix("torch.")
+    return {"dtype": dtype, **cpu_mla_backend(model.config.get_text_config())}
+
+
 @contextmanager
 def opsd_engine(
     seeds: RolloutSeeds,
@@ -270,12 +285,14 @@ def opsd_engine(
     tensor_parallel_size: int,
     process_index: int,
     owner=None,
+    log_dir: str | None = None,
 ):
     """While active, the engine TRL's trainer creates is OPSD's (`OPSDGeneration`): SDFTTrainer.__init__ builds
     `trl.generation.vllm_generation.VLLMGeneration` by name and has no setting for its class, so the name is
     replaced for the duration, in `owner` (the module whose global the trainer reads: TRL's `vllm_generation` for
     SDFTTrainer, `trl.trainer.grpo_trainer` for GRPOTrainer, which imports the class by name). `clock` (a
-    `PhaseClock`) times the weight pushes as phase `weight_sync`."""
+    `PhaseClock`) times the weight pushes as phase `weight_sync`; a failure of the started engine keeps its log in
+    `log_dir` (the run directory)."""
     if owner is None:
         from trl.generation import vllm_generation as owner
 
@@ -287,6 +304,7 @@ def opsd_engine(
         max_num_seqs_limit=max_num_seqs,
         rank_in_batch=process_index // tensor_parallel_size,
         first_row=lambda n: first_rollout_row(process_index, tensor_parallel_size, n),
+        log_dir=log_dir,
     )
     try:
         yield
@@ -312,6 +330,7 @@ def trainer_engine(config, model, seeds: RolloutSeeds, clock, *, owner=None):
             tensor_parallel_size=config.vllm_tensor_parallel_size,
             process_index=config.process_index,
             owner=owner,
+            log_dir=config.output_dir,
         ),
         engine_start_refusal(colocated, model, config.output_dir),
     ):
@@ -320,6 +339,8 @@ def trainer_engine(config, model, seeds: RolloutSeeds, clock, *, owner=None):
 
 @functools.cache
 def _generation_class(base: type) -> type:
+    trl_module = sys.modules[base.__module__]  # where TRL's `_init_vllm` reads `LLM`
+
     class OPSDGeneration(base):
         """TRL's `VLLMGeneration` with OPSD's seeds and weight pushes, every setting passed where TRL reads it:
 
@@ -328,25 +349,48 @@ def _generation_class(base: type) -> type:
           one at a time makes seeded rollouts independent of how the batch is split across processes;
         - a colocated engine does not detokenise: training reads token ids only, and vLLM would otherwise
           detokenise every sequence at every decode step in this process, between GPU steps;
+        - the colocated engine starts with `engine_arguments` (the trainer's dtype; CPU_MLA on a CPU), which
+          TRL's `_init_vllm` has no setting for;
+        - every generation returns the sampled tokens' log-probs (as processed for sampling: temperature, top-k,
+          top-p), for `rollout/logprob_gap`;
         - the colocated engine is a `SeededLLM` (one seed per row); a server samples the whole batch from one
           seed per step and process group (its i-th sample of a prompt from seed + i), in `generation_kwargs`;
         - `sync_weights`, which TRL calls whenever the weights changed, pushes the merged weights out of place
-          (`sync_colocated_engine`); a server and ZeRO-3's sharded parameters take TRL's path.
+          (`sync_colocated_engine`); a server and ZeRO-3's sharded parameters take TRL's path;
+        - a colocated engine's failure in a push or a generation (and the sleep and wake-up inside them) is one
+          line (`opsd.method.engine_classes.engine_failure`), its log kept in `log_dir`.
         """
 
-        def __init__(self, *args, seeds, clock, max_num_seqs_limit, rank_in_batch, first_row, **kwargs):
+        def __init__(
+            self, *args, seeds, clock, max_num_seqs_limit, rank_in_batch, first_row, log_dir, **kwargs
+        ):
             self.seeds, self.clock = seeds, clock
             self.rank_in_batch, self.first_row = rank_in_batch, first_row
+            self.log_dir = log_dir
+            self.generations = 0
             if max_num_seqs_limit > 0:
                 kwargs["max_num_seqs"] = max_num_seqs_limit
             if kwargs.get("mode") == "colocate":
                 kwargs["generation_kwargs"] = {"detokenize": False, **(kwargs.get("generation_kwargs") or {})}
+            if kwargs.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
+                kwargs["logprobs"] = 0
             super().__init__(*args, **kwargs)
 
         def _init_vllm(self) -> None:
-            super()._init_vllm()
-            if self.mode == "colocate":
-                self.llm = SeededLLM(self.llm, lambda n: self.seeds.for_rows(self.first_row(n), n))
+            if self.mode != "colocate":
+                super()._init_vllm()
+                return
+            arguments = engine_arguments(self.accelerator.unwrap_model(self.model))
+            llm_class = trl_module.LLM
+            trl_module.LLM = functools.partial(llm_class, **arguments)
+            try:
+                super()._init_vllm()
+            finally:
+                trl_module.LLM = llm_class
+            logger.info(
+                "the colocated vLLM engine runs %s", ", ".join(f"{k}={v}" for k, v in arguments.items())
+            )
+            self.llm = SeededLLM(self.llm, lambda n: self.seeds.for_rows(self.first_row(n), n))
 
         @property
         def generation_kwargs(self) -> dict:
@@ -361,8 +405,23 @@ def _generation_class(base: type) -> type:
         def generation_kwargs(self, value: dict) -> None:
             self.fixed_generation_kwargs = value
 
+        def _engine_failure(self, failed: str):
+            from opsd.method.engine_classes import engine_failure
+
+            if self.mode != "colocate":
+                return nullcontext()
+            return engine_failure(self.accelerator.unwrap_model(self.model), self.log_dir, failed=failed)
+
+        def generate(self, *args, **kwargs):
+            # The first generation is the first forward: a kernel may refuse the model's shapes there.
+            failed = "on its first generation" if self.generations == 0 else "on a generation"
+            with self._engine_failure(failed):
+                out = super().generate(*args, **kwargs)
+            self.generations += 1
+            return out
+
         def sync_weights(self) -> None:
-            with self.clock.phase("weight_sync"):
+            with self.clock.phase("weight_sync"), self._engine_failure("on a weight push"):
                 plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
                 if self.mode != "colocate" or (plugin is not None and plugin.zero_stage == 3):
                     super().sync_weights()

@@ -19,10 +19,17 @@ which vLLM's logger, its C++ code and progress bars all write to) going to files
 `vllm_engine_start.partial/` while it starts (where a slow start can be followed). Once the engine is up, that
 output is replayed to its streams; when it fails, it is kept in the run directory (`vllm_engine_start.log`), the
 one line names that file, and nothing of it reaches the terminal unless `--debug` (or `OPSD_DEBUG=1`) is given.
+A progress bar vLLM opened meanwhile (its checkpoint loading's) is closed into the kept output, so that no fragment
+of it reaches the terminal after the line.
+
+`engine_failure` does the same for what a started engine does: a weight push, a generation, and the sleep and
+wake-up inside them. A failure there (a kernel that refuses the model's shapes only once it runs, a reload that
+cannot take the weights) is one line too, its output and traceback kept in `vllm_engine_error.log`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,6 +54,7 @@ PINNED = ("__call__", "forward")
 ENGINE_PACKAGE = "/vllm/"
 OWN_CLASS_FLAG = "_opsd_own_class"
 ENGINE_LOG = "vllm_engine_start.log"
+ENGINE_ERROR_LOG = "vllm_engine_error.log"
 # The variable that moves the rendezvous port of the colocated engine's torch.distributed init: TRL starts it with
 # distributed_executor_backend="external_launcher", whose init method is env:// (MASTER_ADDR:MASTER_PORT), and
 # sets MASTER_PORT to 29500 when that looks free and the variable is unset.
@@ -105,23 +114,44 @@ def engine_start_refusal(colocated: bool, model, log_dir: str | Path | None = No
             "starting the colocated vLLM engine; its output goes to %s until it is up, then follows here",
             folder,
         )
-        capture = _Capture(folder)
-        try:
-            with capture:
-                yield
-        except Exception as err:
-            if not raised_inside(err, ENGINE_PACKAGE):
-                capture.replay()
-                raise
-            if debug_requested():
-                capture.replay()
-            log = _engine_log_path(log_dir)
-            log.write_text(
-                capture.text() + "\n== the error ==\n" + "".join(traceback.format_exception(err)),
-                errors="replace",
-            )
-            raise UnsupportedModel(refusal_line(err, model, capture.text(), log)) from err
-        capture.replay()
+        with _refused(model, _Capture(folder), lambda: _engine_log_path(log_dir), "to start"):
+            yield
+
+
+@contextmanager
+def engine_failure(model, log_dir: str | Path | None, *, failed: str):
+    """Inside the block (an operation of a started engine: a weight push, a generation), the process's output goes
+    to a temporary folder and is replayed after it; an error raised from vLLM's own code becomes one line as at
+    start-up, naming what failed (`failed`: "on a weight push", ...), with vLLM's output and the traceback kept in
+    `log_dir`/vllm_engine_error.log (a temporary file without one)."""
+    with tempfile.TemporaryDirectory(prefix="opsd-engine-") as tmp:
+        log = functools.partial(_engine_log_path, log_dir, ENGINE_ERROR_LOG)
+        with _refused(model, _Capture(Path(tmp)), log, failed):
+            yield
+
+
+@contextmanager
+def _refused(model, capture: _Capture, log: Callable[[], Path], failed: str):
+    """The block's output captured; an error from vLLM's code becomes `refusal_line` with the output and the
+    traceback written to `log()`, others keep their traceback after the output is replayed."""
+    try:
+        with capture:
+            yield
+    except Exception as err:
+        if not raised_inside(err, ENGINE_PACKAGE):
+            capture.replay()
+            raise
+        if debug_requested():
+            capture.replay()
+        for bar in _progress_bars():  # the trainer's own: its last state ends its line, before the refusal's
+            bar.close()
+        path = log()
+        path.write_text(
+            capture.text() + "\n== the error ==\n" + "".join(traceback.format_exception(err)),
+            errors="replace",
+        )
+        raise UnsupportedModel(refusal_line(err, model, capture.text(), path, failed=failed)) from err
+    capture.replay()
 
 
 @contextmanager
@@ -147,16 +177,24 @@ class _Capture:
     def __init__(self, folder: Path):
         self.paths = {fd: folder / name for fd, name in ((1, "stdout"), (2, "stderr"))}
         self.saved: dict[int, int] = {}
+        self.bars: set[int] = set()
 
     def __enter__(self):
         _flush()
+        self.bars = {id(bar) for bar in _progress_bars()}
         for fd, path in self.paths.items():
             self.saved[fd] = os.dup(fd)
             with open(path, "wb") as f:
                 os.dup2(f.fileno(), fd)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:
+            # A bar opened inside (vLLM's checkpoint loading) stays open in the error's frames and would draw itself
+            # on the terminal when they are freed, after the one line: it closes here, into the captured output.
+            for bar in _progress_bars():
+                if id(bar) not in self.bars:
+                    bar.close()
         _flush()
         for fd, saved in self.saved.items():
             os.dup2(saved, fd)
@@ -176,6 +214,12 @@ class _Capture:
                 data = data[os.write(fd, data) :]
 
 
+def _progress_bars() -> list:
+    """The tqdm progress bars open in this process (none if tqdm was never imported)."""
+    std = sys.modules.get("tqdm.std")
+    return list(std.tqdm._instances) if std is not None else []
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -184,15 +228,15 @@ def _flush() -> None:
             pass
 
 
-def _engine_log_path(log_dir: str | Path | None) -> Path:
-    """Where a failed start's output is kept: `log_dir`/vllm_engine_start.log (one file per rank beyond the
-    first), or a temporary file."""
+def _engine_log_path(log_dir: str | Path | None, name: str = ENGINE_LOG) -> Path:
+    """Where a failed engine's output is kept: `log_dir`/`name` (one file per rank beyond the first), or a
+    temporary file."""
     if log_dir is None:
-        fd, name = tempfile.mkstemp(prefix="vllm_engine_start-", suffix=".log")
+        fd, path = tempfile.mkstemp(prefix=name.removesuffix(".log") + "-", suffix=".log")
         os.close(fd)
-        return Path(name)
+        return Path(path)
     rank = int(os.environ.get("RANK", "0") or 0)
-    path = Path(log_dir) / (ENGINE_LOG if rank == 0 else ENGINE_LOG.replace(".log", f".rank{rank}.log"))
+    path = Path(log_dir) / (name if rank == 0 else name.replace(".log", f".rank{rank}.log"))
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -200,8 +244,8 @@ def _engine_log_path(log_dir: str | Path | None) -> Path:
 def refusal_line(
     err: BaseException, model, output: str, log: Path | None, *, failed: str = "to start"
 ) -> str:
-    """The one line for an engine that failed `failed` (to start, on its first generation): engine and version,
-    the architecture and the model type the checkpoint declares (and the one it was loaded as, where they
+    """The one line for an engine that failed `failed` (to start, on a weight push, on a generation): engine and
+    version, the architecture and the model type the checkpoint declares (and the one it was loaded as, where they
     differ), the cause in a few words, the fix, and where vLLM's output is (when it was kept)."""
     import vllm
 
@@ -218,24 +262,10 @@ def refusal_line(
         cause = f"its rendezvous port {port} ({PORT_VARIABLE}) is already in use by another process"
         fix = f"set {PORT_VARIABLE} to a free port (e.g. {PORT_VARIABLE}={_free_port()}) or stop what holds {port}"
     else:
-        cause, fix = _cause(err, output).rstrip(". "), ENGINE_FIX
+        cause, fix = _cause(err, output, config, declared)
+        cause = cause.rstrip(". ")
     where = f"; vLLM's output: {log}" if log is not None else ""
     return f"the colocated vLLM {vllm.__version__} engine failed {failed} for {arch} ({what}): {cause}; {fix}{where}"
-
-
-@contextmanager
-def engine_run_refusal(llm):
-    """Inside the block (an engine's first generation), an error raised from vLLM's own code becomes one line as
-    at start-up: a kernel that refuses the model's shapes fails only once it runs (vLLM's CPU MLA kernel takes
-    one latent size, and says so on the first forward)."""
-    try:
-        yield
-    except Exception as err:
-        if not raised_inside(err, ENGINE_PACKAGE):
-            raise
-        config = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "hf_config", None)
-        model = type("EngineModel", (), {"config": config})()
-        raise UnsupportedModel(refusal_line(err, model, "", None, failed="on its first generation")) from err
 
 
 def _declared(config) -> dict:
@@ -272,23 +302,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cause(err: BaseException, output: str) -> str:
-    """The real cause in a few words: a module vLLM failed to import (reported only in its logged output: the
-    error raised is a later, vaguer one), the reason in a validation error, else the innermost error."""
+# DeepSeek-V3's router as its released config.json declares it; transformers' DeepseekV3Config does not write these.
+ROUTER_FIELDS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def _cause(err: BaseException, output: str, config=None, declared: dict | None = None) -> tuple[str, str]:
+    """(the real cause in a few words, the fix): a module vLLM failed to import (reported only in its logged
+    output: the error raised is a later, vaguer one), a router vLLM built without the checkpoint's fields, a
+    kernel that refuses the model's shapes, the reason in a validation error, else the innermost error."""
     chain = _chain(err)
     imports = [e for e in chain if isinstance(e, ImportError)]
     if imports:
-        return _missing_module(type(imports[-1]).__name__, str(imports[-1]), output)
+        return _missing_module(type(imports[-1]).__name__, str(imports[-1]), output), ENGINE_FIX
     # vLLM logs an import failure of a model module line by line behind its own prefix
     logged = re.findall(r"\b(ModuleNotFoundError|ImportError): (.+)$", output, flags=re.MULTILINE)
     if logged:
-        return _missing_module(*logged[-1], output)
+        return _missing_module(*logged[-1], output), ENGINE_FIX
+    inner = chain[-1]
+    message = " ".join(str(inner).split())
+    missing = [name for name in ROUTER_FIELDS if name not in (declared or {})]
+    if "e_score_correction_bias" in message and missing:
+        fields = ", ".join(f'"{name}": "{ROUTER_FIELDS[name]}"' for name in missing)
+        cause = (
+            f"its config.json has no {' or '.join(missing)}, so vLLM built another router than the checkpoint's, "
+            f"with no place for its e_score_correction_bias ({type(inner).__name__}: {message[:120]})"
+        )
+        return cause, f"add {fields} to config.json, as the released DeepSeek-V3 config.json files have them"
+    kernel = _amx_mla_refusal(message, config)
+    if kernel:
+        return kernel, ENGINE_FIX
+    if "maximum context length" in message or "maximum model length" in message:
+        return (
+            f"{type(inner).__name__}: {message[:300]}",
+            "raise --vllm_max_model_length (the engine's context) to the longest prompt plus max_completion_length",
+        )
     for e in chain:
         reason = re.search(r"Value error, (.+?)(?: \[type=|$)", " ".join(str(e).split()))
         if reason:
-            return reason.group(1)[:300]
-    inner = chain[-1]
-    return f"{type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
+            return reason.group(1)[:300], ENGINE_FIX
+    return f"{type(inner).__name__}: {message[:300]}", ENGINE_FIX
+
+
+def _amx_mla_refusal(message: str, config) -> str | None:
+    """The refusal of vLLM's AMX MLA kernel (its choice for MLA on a CPU with AMX, unless CPU_MLA is asked for:
+    `opsd.configuration.engine_env.cpu_mla_backend`) in a few words, naming the kernel and the dimension."""
+    kernel = "vLLM's AMX MLA kernel (AMX_MLA, picked on a CPU with AMX)"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    features = re.search(r"invalid weight input features (\d+)", message)
+    if features:
+        dim = getattr(text, "qk_nope_head_dim", None)
+        named = f"qk_nope_head_dim {dim}" if dim is not None else f"{features.group(1)} input features"
+        return (
+            f"{kernel} packs its weights in tiles of 32 input features and refuses {named} ({message[:80]})"
+        )
+    if message.startswith("expect weight to be bfloat16"):
+        return f"{kernel} takes bfloat16 weights only ({message[:80]})"
+    return None
 
 
 def _missing_module(kind: str, message: str, output: str) -> str:

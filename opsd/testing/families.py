@@ -38,6 +38,8 @@ Ten more families, held out from the first list and measured after it (docs/fami
 - deepseek_v3: a dense-MLP layer, then a MoE layer (4 routed experts, top-2, one shared expert; the router's
   `noaux_tc` top-k with its score-correction bias, as the released config.json sets it, which vLLM reads); MLA
   attention with a latent of rank 512 plus 64 rotary dims (vLLM's CPU MLA kernel takes only that size), untied.
+  Its qk_nope_head_dim of 16 is one vLLM's AMX MLA kernel (its choice on a CPU with AMX) refuses: the trainer's
+  engine runs MLA on the CPU_MLA kernel on every CPU (`opsd.configuration.engine_env.cpu_mla_backend`).
 - qwen3_moe: a dense-MLP layer (`mlp_only_layers=[0]`), then a MoE layer of 4 experts top-2, untied.
 - bamba: Mamba2, then attention (conv kernel 4, scan chunk 16), untied.
 
@@ -279,14 +281,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_tiny(name: str, out_dir: str | Path, tok, seed: int = 0) -> Path:
-    """Write the float32 tiny model of family `name` (`TINY_SIZE` and its layout in FAMILIES) and `tok` to
-    `out_dir`."""
+def build_tiny(name: str, out_dir: str | Path, tok, seed: int = 0, **layout_changes) -> Path:
+    """Write the float32 tiny model of family `name` (`TINY_SIZE` and its layout in FAMILIES, with
+    `layout_changes` replacing values of that layout) and `tok` to `out_dir`."""
     import transformers
 
     config_cls, model_cls, layout = FAMILIES[name]
     config = getattr(transformers, config_cls)(
-        **with_token_ids({**TINY_SIZE, **layout}, tok), dtype="float32"
+        **with_token_ids({**TINY_SIZE, **layout, **layout_changes}, tok), dtype="float32"
     )
     return save_random(getattr(transformers, model_cls), config, out_dir, tokenizer=tok, seed=seed)
 

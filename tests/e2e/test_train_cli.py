@@ -130,9 +130,12 @@ def test_cli_embedded_model_two_steps(embedded_cache_dir, tmp_path):
     metrics = read_metrics(out)
     assert [s for s, _ in metrics["rollout/correct"]] == [1, 2]
     assert all(0.0 <= v <= 1.0 for _, v in metrics["rollout/boxed"])
-    assert "rollout correctness (graded like the evaluation)" in training_curves(
-        {"run": metrics}, tmp_path / "c.png"
-    )
+    titles = training_curves({"run": metrics}, tmp_path / "c.png")
+    assert "rollout correctness (graded like the evaluation)" in titles
+    # The engine's log-probs of the sampled tokens against the trainer's, every step (float32 on both sides).
+    assert [s for s, _ in metrics["rollout/logprob_gap/mean"]] == [1, 2]
+    assert all(v < 1e-4 for _, v in metrics["rollout/logprob_gap/max"])
+    assert "|log p engine - log p trainer|, sampled tokens" in titles
 
 
 @pytest.mark.parametrize(

@@ -83,17 +83,24 @@ def start(fail):
         raise ValueError("Model architectures ['Qwen3_5ForConditionalGeneration'] failed to be inspected.")
 
 
-class Engine:  # a started engine whose kernel refuses the model on the calls in `fail_on`
-    def __init__(self, hf_config, fail_on):
-        self.llm_engine = type("LLMEngine", (), {})()
-        self.llm_engine.model_config = type("ModelConfig", (), {"hf_config": hf_config})()
-        self.fail_on, self.calls = fail_on, 0
+def push(fail):  # a weight push: vLLM's logger reports it, a progress bar opens, and it may fail
+    from tqdm import tqdm
 
-    def generate(self, prompts, sampling_params=None, **kwargs):
-        self.calls += 1
-        if self.calls in self.fail_on:
-            raise ValueError("Head dimension 48 is not supported by MLA.")
-        return ["completion"] * len(prompts)
+    os.write(1, b"INFO 12-05 [inplace.py:101] Reloading weights inplace...\\n")
+    bar = tqdm(total=2, desc="Reloading shards", file=open(2, "w", closefd=False))  # sys.stderr in a process
+    bar.update(1)
+    if fail:
+        raise RuntimeError("The size of tensor a (0) must match the size of tensor b (512) at non-singleton dimension 1")
+    bar.close()
+
+
+def load_router():  # vLLM's DeepSeek-V3 with the router its config.json declares none of
+    raise KeyError("layers.1.mlp.gate.e_score_correction_bias")
+
+
+def pack_mla(features):  # vLLM's AMX MLA kernel packing W_UK (qk_nope_head_dim input features)
+    if features % 32:
+        raise RuntimeError(f"invalid weight input features {features}")
 """
 
 
@@ -115,7 +122,7 @@ def fake_engine(tmp_path):
     (checkpoint / "config.json").write_text(json.dumps(declared))
     # the text model a multimodal Qwen3.5 checkpoint loads as
     model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_5_text", _name_or_path=str(checkpoint)))
-    return SimpleNamespace(start=module.start, Engine=module.Engine, model=model)
+    return SimpleNamespace(module=module, start=module.start, model=model, checkpoint=checkpoint)
 
 
 def test_a_failed_start_is_one_line_and_its_output_kept_off_both_streams(
@@ -167,23 +174,101 @@ def test_a_started_engine_shows_its_output_and_other_errors_keep_theirs(fake_eng
     assert "Initializing a V1 LLM engine" in capfd.readouterr().out
 
 
-def test_a_kernel_refusing_the_model_on_the_first_generation_is_one_line(fake_engine):
-    """vLLM checks some kernels' shapes only when they first run (its CPU MLA kernel takes one latent size): the
-    first generation's failure is one line too; later failures are not a refusal of the model and keep theirs."""
-    from opsd.errors import UnsupportedModel
-    from opsd.method.engine import SeededLLM
+def test_a_failure_of_the_started_engine_is_one_line_with_its_log_kept(
+    fake_engine, tmp_path, capfd, monkeypatch
+):
+    """After start-up (a weight push, a generation): one line naming what failed, the output of the operation and
+    the traceback kept in vllm_engine_error.log, nothing on either stream: no traceback, and no fragment of the
+    progress bar vLLM left open (the trainer's own bar is closed first, so that the line starts a line)."""
+    from tqdm import tqdm
 
-    config = fake_engine.model.config
-    with pytest.raises(UnsupportedModel) as refused:
-        SeededLLM(fake_engine.Engine(config, fail_on={1}), lambda n: [0] * n).generate(["prompt"])
+    from opsd.errors import DEBUG_ENV, UnsupportedModel
+    from opsd.method.engine_classes import engine_failure
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    run = tmp_path / "run"
+    trainer_bar = tqdm(total=2, desc="trainer steps", file=open(2, "w", closefd=False))
+    with (
+        pytest.raises(UnsupportedModel) as refused,
+        engine_failure(fake_engine.model, run, failed="on a weight push"),
+    ):
+        fake_engine.module.push(fail=True)
     line = str(refused.value)
-    assert "failed on its first generation for Qwen3_5ForConditionalGeneration (model type 'qwen3_5'" in line
-    assert (
-        "ValueError: Head dimension 48 is not supported by MLA; train with --rollout_engine transformers"
-        in line
-    )
+    assert "\n" not in line
+    assert line.startswith("the colocated vLLM ") and " engine failed on a weight push for " in line
+    assert "RuntimeError: The size of tensor a (0) must match the size of tensor b (512)" in line
+    assert line.endswith(f"vLLM's output: {run / 'vllm_engine_error.log'}")
+    assert trainer_bar.disable  # closed
+    import gc
 
-    later = SeededLLM(fake_engine.Engine(config, fail_on={2}), lambda n: [0] * n)
-    assert later.generate(["prompt"]) == ["completion"]
-    with pytest.raises(ValueError, match="Head dimension 48"):
-        later.generate(["prompt"])
+    del refused  # the error's frames, and the bar vLLM left open in them, are freed
+    gc.collect()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Reloading" not in out + err
+    log = (run / "vllm_engine_error.log").read_text()
+    assert "Reloading weights inplace" in log and "Reloading shards" in log and "Traceback" in log
+
+    # a generation that succeeds: its output is shown after it, and no log is written
+    with engine_failure(fake_engine.model, tmp_path / "other", failed="on a generation"):
+        fake_engine.module.push(fail=False)
+    out, err = capfd.readouterr()
+    assert "Reloading weights inplace" in out and "Reloading shards" in err
+    assert not (tmp_path / "other").exists()
+    # an error that is not the engine's keeps its traceback
+    with (
+        pytest.raises(KeyError),
+        engine_failure(fake_engine.model, tmp_path / "other", failed="on a generation"),
+    ):
+        raise KeyError("not the engine's")
+    assert not (tmp_path / "other").exists()
+
+
+def test_refusals_name_the_router_fields_and_the_kernel(fake_engine, tmp_path):
+    """A DeepSeek-V3 config.json without the router fields vLLM reads (one line naming them, and the fix), and
+    vLLM's AMX MLA kernel refusing a head dimension (naming the kernel and the dimension)."""
+    import json
+    from types import SimpleNamespace
+
+    from opsd.errors import UnsupportedModel
+    from opsd.method.engine_classes import engine_start_refusal
+
+    declared = {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "qk_nope_head_dim": 16,
+    }
+    (fake_engine.checkpoint / "config.json").write_text(json.dumps(declared))
+    config = SimpleNamespace(
+        model_type="deepseek_v3", _name_or_path=str(fake_engine.checkpoint), qk_nope_head_dim=16
+    )
+    model = SimpleNamespace(config=config)
+    with pytest.raises(UnsupportedModel) as refused, engine_start_refusal(True, model, tmp_path / "run"):
+        fake_engine.module.load_router()
+    line = str(refused.value)
+    assert "its config.json has no topk_method or scoring_func, so vLLM built another router" in line
+    assert 'add "topk_method": "noaux_tc", "scoring_func": "sigmoid" to config.json' in line
+    assert "--rollout_engine" not in line
+    with pytest.raises(UnsupportedModel) as refused, engine_start_refusal(True, model, tmp_path / "run"):
+        fake_engine.module.pack_mla(16)
+    line = str(refused.value)
+    assert "vLLM's AMX MLA kernel (AMX_MLA, picked on a CPU with AMX)" in line
+    assert "refuses qk_nope_head_dim 16" in line and "--rollout_engine transformers" in line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_starts_at_the_trainers_dtype(tiny_model_dir, dtype):
+    """The colocated engine's arguments (`engine_arguments`): the dtype of the trainer's own weights, a LoRA
+    student's float32 adapters on a bfloat16 base notwithstanding (TRL gives vLLM none, and its CPU backend would
+    run bfloat16); CPU_MLA only for a model with multi-head latent attention."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from opsd.configuration.engine_env import cpu_mla_backend
+    from opsd.method.engine import engine_arguments
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    student = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert any(p.dtype == torch.float32 for n, p in student.named_parameters() if "lora_" in n)
+    assert engine_arguments(student) == {"dtype": str(dtype).removeprefix("torch.")}
+    assert cpu_mla_backend(DeepseekV3Config(kv_lora_rank=512)) == {"attention_backend": "CPU_MLA"}
+    assert cpu_mla_backend(model.config) == {}
