@@ -87,10 +87,10 @@ def test_two_processes_take_the_one_process_gradient_step(tiny_model_dir, tmp_pa
     # vLLM's CPU backend decodes 8 rows at once in one run and 4 per engine in the other; on some CPUs that
     # flips an occasional sampled token, so both engines decode one sequence at a time.
     step = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0, lr_scheduler_type="constant",
-                seed=2, vllm_max_num_seqs=1)  # fmt: skip
-    # Seed 2 samples completions of unequal lengths with vLLM's compiled CPU model (inductor), all of them 32
-    # tokens long with the eager one that tests/conftest.py selects (VLLM_CPU_CI_ENV): this test compiles.
-    one, two = _one_and_two_processes(tiny_model_dir, tmp_path, step, {"VLLM_CPU_CI_ENV": "0"})
+                seed=4, vllm_max_num_seqs=1)  # fmt: skip
+    # Seed 4 samples completions of unequal lengths (5 to 32 tokens) with the engine at the trainer's float32 and
+    # the eager CPU model tests/conftest.py selects (VLLM_CPU_CI_ENV); seeds 2 and 3 sample all 32 tokens long.
+    one, two = _one_and_two_processes(tiny_model_dir, tmp_path, step)
     # Unequal completion lengths are what make per-process normalisation differ from the global one.
     lo, hi = _completion_lengths(tmp_path / "one")
     assert lo < hi, "the check needs completions of different lengths"

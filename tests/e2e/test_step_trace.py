@@ -6,8 +6,9 @@ import pytest
 
 from tests.conftest import free_port
 
-# What docs/decisions.md quotes (its goal: at most 6 files and 12 switches).
-MAX_FILES, MAX_SWITCHES = 6, 12
+# What docs/decisions.md quotes (6 files and 12 switches, then 8 files with the engine's one-line failures and the
+# engine-trainer log-prob gap).
+MAX_FILES, MAX_SWITCHES = 8, 12
 
 
 def test_a_generating_step_stays_within_the_quoted_path(tiny_model_dir, tmp_path):

@@ -9,8 +9,9 @@ Which property each oracle pins (broken on purpose while writing them, each made
 - the floor applied to p_c, or not at all -> test_the_floor_holds_the_wrong_hint_below;
 - the KL weight from the floored p_w, or left out -> test_target_loss_and_gradient_match_a_float64_oracle;
 - the mask tested on |e| instead of |r|, or the clamp not sign-preserving -> test_modulation_matches_the_hand_cases;
-- each token weight's formula (IW-OPD's accumulation made inclusive, PW-OPSD's position 0-based) ->
-  test_token_weights_match_their_formulas_through_the_loss.
+- each token weight's formula (IW-OPD's accumulation made inclusive, PW-OPSD's position 0-based, the entropy gate
+  without its floor, positive_only keeping every token) -> test_token_weights_match_their_formulas_through_the_loss
+  (and test_row_weights_by_hand for the two row-wise ones).
 """
 
 import math
