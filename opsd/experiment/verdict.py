@@ -82,13 +82,20 @@ def compare(a: stats.CellScores, b: stats.CellScores, target: float, reps: int, 
         reported = stats.seed_paired_t(list(diffs.values()))
     else:
         reported = stats.paired_over_problems(a[seeds[0]], b[seeds[0]])
-    var = stats.variance_components(a, b)
+    bootstrap = stats.hierarchical_bootstrap(a, b, reps=reps)
+    return _comparison(seeds, diffs, {}, reported, bootstrap, stats.variance_components(a, b), target, what)
+
+
+def _comparison(seeds, diffs, extra: dict, reported, bootstrap, var: dict, target: float, what: str) -> dict:
+    """`compare`'s and `compare_macro`'s record: the seeds and their differences (then `extra`), the reported
+    interval, the bootstrap, the variance and the power plan for `target`, and the verdict's sentence."""
     plan = power.plan(var["total_sd"], var["within_sd"], len(seeds), target)
     return {
         "seeds": seeds,
         "per_seed": {str(s): d for s, d in diffs.items()},
+        **extra,
         "interval": _interval(reported),
-        "bootstrap": _interval(stats.hierarchical_bootstrap(a, b, reps=reps)),
+        "bootstrap": _interval(bootstrap),
         "variance": var,
         "mde_80": plan["mde"],
         "target_diff": target,
@@ -280,21 +287,8 @@ def compare_macro(a: dict[str, stats.CellScores], b: dict[str, stats.CellScores]
     var = macro_variance(
         {n: {s: a[n][s] for s in seeds} for n in names}, {n: {s: b[n][s] for s in seeds} for n in names}
     )
-    plan = power.plan(var["total_sd"], var["within_sd"], len(seeds), target)
-    return {
-        "seeds": seeds,
-        "per_seed": {str(s): d for s, d in diffs.items()},
-        "per_benchmark": {n: {str(s): d for s, d in v.items()} for n, v in per_benchmark.items()},
-        "interval": _interval(reported),
-        "bootstrap": None,
-        "variance": var,
-        "mde_80": plan["mde"],
-        "target_diff": target,
-        "seeds_needed": plan["seeds_needed"],
-        "plan": plan,
-        "planning": power.describe_plan(plan, len(seeds), target),
-        "verdict": stats.describe(reported, what=f"macro {what}"),
-    }
+    extra = {"per_benchmark": {n: {str(s): d for s, d in v.items()} for n, v in per_benchmark.items()}}
+    return _comparison(seeds, diffs, extra, reported, None, var, target, f"macro {what}")
 
 
 def _macro_over_problems(intervals: list[stats.Interval], level: float = 0.95) -> stats.Interval:
