@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 # Colocated vLLM must run in this process (the trainer pushes weights into it), binds to loopback and, on a
-# CPU, needs a bounded KV cache (opsd.configuration.engine_env); users can still override each.
-from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib, training_process_env
+# CPU, needs a bounded KV cache (opsd.method.engine_env); users can still override each.
+from opsd.method.engine_env import kv_cache_bytes, kv_cache_gib, training_process_env
 
 training_process_env()
 
@@ -40,24 +40,6 @@ from opsd.launch import preflight  # noqa: E402
 logger = logging.getLogger("opsd")
 
 
-def choose_rollout_engine(config: OPSDConfig) -> None:
-    if config.rollout_engine == "transformers":
-        config.use_vllm = False
-        return
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        if config.rollout_engine == "vllm":
-            raise ImportError(
-                "rollout_engine=vllm but vLLM is not installed: `pip install opsd[vllm]` (GPU) or "
-                "`pip install opsd[cpu]`; or use --rollout_engine transformers"
-            ) from None
-        logger.warning("vLLM is not installed; rollouts use transformers.generate (much slower)")
-        config.use_vllm = False
-        return
-    config.use_vllm = True
-
-
 def rl_trainers() -> dict:
     """The trainers of the other methods (opsd.rl), beside OPSDTrainer: method -> class, each built alike."""
     from opsd.rl.grpo import GRPOTrainer
@@ -66,47 +48,42 @@ def rl_trainers() -> dict:
     return {"grpo": GRPOTrainer, "hybrid": HybridTrainer}
 
 
+@dataclasses.dataclass
+class PreparedRun:
+    """What a run has before its model loads: the config with its micro-batch plan applied, the model's path, the
+    tokenizer, the run's one PromptBuilder, the training rows less the probe's hold-out, and the probe's rows."""
+
+    config: OPSDConfig
+    plan: object
+    model_path: str
+    tokenizer: object
+    prompt_builder: object
+    dataset: object
+    probe_rows: list
+
+
 def main(argv: list[str] | None = None) -> Path | None:
     config, extra, state = preflight.start(sys.argv[1:] if argv is None else argv)
     if extra.dry_run:  # every check below, then the resolved config as JSON; no model loads
         print(json.dumps(preflight.dry_run_report(config, extra), default=str))
         return None
-    # Before any model: bad input fails fast.
-    processes = {"num_processes": state.num_processes}
-    checked = preflight.check_run(config, extra, num_processes=state.num_processes)
-    dataset, pairing_record, history = checked.dataset, checked.pairing_record, checked.history
-    from peft import LoraConfig
+    checked = preflight.check_run(config, extra, num_processes=state.num_processes)  # before any model
+    run = prepare_run(config, checked.dataset)
+    if state.is_main_process:
+        save_resolved_config(run, extra, checked, num_processes=state.num_processes)
+    trainer, wavg = build_trainer(run, state)
+    return run_training(trainer, Path(run.config.output_dir), wavg, state)
 
-    from opsd.method import lora_targets
+
+def prepare_run(config: OPSDConfig, dataset) -> PreparedRun:
+    """The model's path and tokenizer, the run's prompts, the micro-batch plan (which may change the config's
+    split of each step) and the probe's hold-out."""
     from opsd.method.prompts import PromptBuilder
-    from opsd.models import (
-        load_model,
-        load_tokenizer,
-        resolve_attn_implementation,
-        resolve_dtype,
-        resolve_model_path,
-    )
-    from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
-    from opsd.run.probe import Probe, split_probe
-    from opsd.run.provenance import provenance
-    from opsd.run.resume import save_pairing
-    from opsd.rundir import (
-        CONFIG_FILE,
-        STEP_LOGS,
-        checkpoint_dir,
-        checkpoint_step,
-        is_complete,
-        latest_complete_checkpoint,
-        mark_complete,
-        trim_step_log,
-    )
+    from opsd.models import load_tokenizer, resolve_model_path
+    from opsd.run.probe import split_probe
     from opsd.speed import microbatch
-    from opsd_trainer import OPSDTrainer
-
-    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[config.method]
 
     model_path = resolve_model_path(config.model_name_or_path)
-    choose_rollout_engine(config)
     tokenizer = load_tokenizer(model_path, config.trust_remote_code, revision=config.model_revision)
     # One PromptBuilder for the run: it resolves thinking_switch against the template (and warns when the
     # template has none) once, for the micro-batch plan's prompt lengths and for the trainer.
@@ -122,73 +99,123 @@ def main(argv: list[str] | None = None) -> Path | None:
     probe_rows = []
     if config.probe_steps:
         dataset, probe_rows = split_probe(dataset, config.probe_size, seed=config.seed)
-    out = Path(config.output_dir)
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        resolved = {
-            **config.to_dict(),
-            "resolved_model_path": model_path,
-            "micro_batch": dataclasses.asdict(plan),
-            "recipe": extra.recipe,
-            "provenance": provenance(),
-            **processes,
-            "history": history,
-        }
-        (out / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str))
-        save_pairing(out, pairing_record)
-        logger.info(
-            "resolved config (also in %s):\n%s",
-            out / CONFIG_FILE,
-            json.dumps(resolved, indent=1, default=str),
-        )
+    return PreparedRun(config, plan, model_path, tokenizer, prompt_builder, dataset, probe_rows)
 
+
+def save_resolved_config(
+    run: PreparedRun, extra, checked: preflight.CheckedRun, *, num_processes: int
+) -> None:
+    """The output directory's `opsd_config.json` (the resolved config, the model path, the micro-batch plan, the
+    recipe, the provenance, the process count and the config history) and the teacher pairing."""
+    from opsd.run.provenance import provenance
+    from opsd.run.resume import save_pairing
+    from opsd.rundir import CONFIG_FILE
+
+    out = Path(run.config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = {
+        **run.config.to_dict(),
+        "resolved_model_path": run.model_path,
+        "micro_batch": dataclasses.asdict(run.plan),
+        "recipe": extra.recipe,
+        "provenance": provenance(),
+        "num_processes": num_processes,
+        "history": checked.history,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str))
+    save_pairing(out, checked.pairing_record)
+    logger.info(
+        "resolved config (also in %s):\n%s",
+        out / CONFIG_FILE,
+        json.dumps(resolved, indent=1, default=str),
+    )
+
+
+def load_model_and_lora(run: PreparedRun):
+    """The model, and its LoRA config (None for full fine-tuning)."""
+    from peft import LoraConfig
+
+    from opsd.method import lora_targets
+    from opsd.models import load_model, resolve_attn_implementation, resolve_dtype
+
+    config = run.config
     model = load_model(
-        model_path,
+        run.model_path,
         allow_missing_weights=config.allow_missing_weights,
         revision=config.model_revision,
         dtype=resolve_dtype(config.dtype),
         attn_implementation=resolve_attn_implementation(config.attn_implementation),
         trust_remote_code=config.trust_remote_code,
     )
-    peft_config = None
-    if config.use_peft:
-        peft_config = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            **lora_targets.resolve_targets(
-                model, config.lora_target_modules, lora_dropout=config.lora_dropout
-            ),
-            task_type="CAUSAL_LM",
-        )
-    elif config.teacher_mode == "fixed":
-        logger.info(
-            "full fine-tuning with teacher_mode=fixed: the teacher is a frozen copy of the initial model"
-        )
+    if not config.use_peft:
+        if config.teacher_mode == "fixed":
+            logger.info(
+                "full fine-tuning with teacher_mode=fixed: the teacher is a frozen copy of the initial model"
+            )
+        return model, None
+    targets = lora_targets.resolve_targets(
+        model, config.lora_target_modules, lora_dropout=config.lora_dropout
+    )
+    lora = LoraConfig(
+        r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, **targets,
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    return model, lora
 
-    if config.use_vllm and fixed_kv_cache():  # the colocated engine starts inside the trainer
+
+def build_trainer(run: PreparedRun, state):
+    """The method's trainer on the loaded model, with the run's callbacks: the probe (OPSD's teacher), the
+    metrics log, the tail weight average (returned too, None when off) and the completion mark, last."""
+    from opsd.method import lora_targets
+    from opsd.method.rollouts import build_rollout_engine
+    from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
+    from opsd.run.probe import Probe
+    from opsd_trainer import OPSDTrainer
+
+    config = run.config
+    model, peft_config = load_model_and_lora(run)
+    # The rollout engine, with its settings; the trainer starts a colocated one inside its `__init__`.
+    engine = build_rollout_engine(config, kv_cache_bytes=kv_cache_bytes())
+    if config.use_vllm and kv_cache_gib() is not None:
         logger.info("vLLM KV cache fixed at %s GiB (OPSD_KV_CACHE_GIB)", kv_cache_gib())
+    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[config.method]
     with lora_targets.peft_refusal(config.lora_target_modules, model):
         trainer = trainer_class(
             model=model,
             args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
+            train_dataset=run.dataset,
+            processing_class=run.tokenizer,
             peft_config=peft_config,
-            prompt_builder=prompt_builder,
+            prompt_builder=run.prompt_builder,
+            engine=engine,
         )
     if config.use_peft and state.is_main_process:
         lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))
     if (
-        probe_rows and config.method == "opsd"
+        run.probe_rows and config.method == "opsd"
     ):  # the probe scores OPSD's teacher; the hold-out is every method's
-        trainer.add_callback(Probe(trainer, probe_rows, config.probe_steps))
+        trainer.add_callback(Probe(trainer, run.probe_rows, config.probe_steps))
     trainer.add_callback(MetricsJSONL())
     wavg = None
     if config.wavg_last:
         wavg = TailWeightAverage(trainer.model, config.wavg_last)
         trainer.add_callback(wavg)
     trainer.add_callback(CompleteMark())
+    return trainer, wavg
+
+
+def run_training(trainer, out: Path, wavg, state) -> Path:
+    """Train from the newest complete checkpoint in `out` (if any), save the final one and the tail average;
+    the final checkpoint's directory."""
+    from opsd.rundir import (
+        STEP_LOGS,
+        checkpoint_dir,
+        checkpoint_step,
+        is_complete,
+        latest_complete_checkpoint,
+        mark_complete,
+        trim_step_log,
+    )
 
     resume = latest_complete_checkpoint(out)
     if resume is not None:

@@ -1,24 +1,25 @@
 """OPSDTrainer: on-policy self-distillation as a subclass of TRL's `SDFTTrainer` (docs/method.md §1).
 
     from opsd_trainer import OPSDTrainer
-    from opsd.configuration.config import OPSDConfig
-    trainer = OPSDTrainer(model, args=OPSDConfig(...), train_dataset=ds, processing_class=tok, peft_config=lora)
+    from opsd import PAPER
+from opsd.configuration.config import OPSDConfig
+    from opsd.method.rollouts import build_rollout_engine
+    trainer = OPSDTrainer(model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=lora,
+                          engine=build_rollout_engine(cfg))   # optional: a trainer given no engine builds this one
 
 Every TRL method OPSD overrides is in this file, in the order one optimizer step calls them; what they compute is in
-pure functions of `opsd.method` that take what they need as arguments. The trainer builds each generation's batch
-itself (prompts, rollouts, teacher rows, its split into micro-batches); TRL's trainer runs the steps around it, and
-TRL's engine (vLLM colocate/server/sleep/TP) and teacher kinds are used as they are. What differs from
-`SDFTTrainer`: OPSD's prompts
-with their own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped
-divergence computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`),
-per-row rollout seeds and merged weights pushed into the engine out of place (`opsd.method.engine`, whose
-engine TRL creates),
-the EMA teacher started from the initial adapter and checkpointed
-(`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite steps skipped (`opsd.run.step_watch`), several
-steps per generation (`steps_per_rollout`, docs/method.md §1.9), and phase timing and OPSD metrics. For other
-families than Qwen3 (docs/families.md): the loss applies the model's own logit transform, checked against its logits
-on each model's first forward (`opsd.method.hidden`), and with a colocated engine the model's classes are its own,
-out of reach of vLLM's in-place decoration (`opsd.method.engine_classes`).
+pure functions of `opsd.method`. The trainer builds each generation's batch itself (prompts, rollouts, teacher rows,
+its split into micro-batches); TRL's trainer runs the steps around it. The rollout engine is one object handed to the
+trainer (`self.engine`: `opsd.method.rollouts`: `TransformersRolloutEngine`, or `opsd.method.engine_vllm.VLLMRolloutEngine`): per-row
+seeds, merged weights pushed out of place, sleep and wake. What differs from `SDFTTrainer`: OPSD's prompts with their
+own thinking switches (`opsd.method.prompts`), exact positions (`opsd.method.hidden`), the clipped divergence
+computed in chunks from hidden states and normalised by each step's valid tokens (`opsd.method.loss`), the EMA teacher
+started from the initial adapter and checkpointed (`opsd.method.ema_teacher`), eval-mode teacher forwards, non-finite
+steps skipped (`opsd.run.step_watch`), several steps per generation (`steps_per_rollout`, docs/method.md §1.9), and
+phase timing and OPSD metrics. For other families than Qwen3 (docs/families.md): the loss applies the model's own
+logit transform, checked against its logits on each model's first forward (`opsd.method.hidden`), and with a
+colocated engine the model's classes are its own, out of reach of vLLM's in-place decoration
+(`opsd.method.engine_classes`). The private TRL names it touches are listed, with reasons, in `PRIVATE_TRL_NAMES`.
 """
 
 from __future__ import annotations
@@ -26,42 +27,39 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
 from peft import PeftModel
-from transformers.trainer import TRAINING_ARGS_NAME
 from trl.experimental.sdft import SDFTTrainer
-from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 
+from opsd import PAPER
 from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
 from opsd.method.contrast import rows_with_contrast
-from opsd.method.ema_teacher import InitialisedAdapterEMA
-from opsd.method.engine import RolloutSeeds, trainer_engine, weights_dtype
+from opsd.method.ema_teacher import InitialisedAdapterEMA, own_ema_teacher, save_student_adapter
+from opsd.method.engine import weights_dtype
 from opsd.method.engine_classes import own_classes
 from opsd.method.hidden import (
+    CheckedForwards,
     CompletionHiddenStates,
-    completion_hidden,
     eval_mode,
     left_pad,
     lm_head_weight,
     loss_token_mask,
-    one_transform,
-    resolve_logit_transform,
     right_pad,
 )
 from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings, one_hint, token_rows
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
+from opsd.method.rollout_stats import completion_metrics
+from opsd.method.rollouts import build_rollout_engine
 from opsd.method.trl_compat import restore_lora_dropout
-from opsd.run.logprob_gap import LogprobGap
+from opsd.run.logprob_gap import LogprobGap, engine_logprobs
 from opsd.run.step_watch import ComputeLedger, NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
-from opsd.rundir import COMPLETIONS_FILE, EMA_TEACHER_FILE
+from opsd.rundir import COMPLETIONS_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
 logger = logging.getLogger(__name__)
@@ -72,16 +70,15 @@ class OPSDTrainer(SDFTTrainer):
 
     1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from
        `_prepare_inputs`, which at the start of a generation window (every step, or every `steps_per_rollout`
-       steps) builds the window's batch, `_prepare_training_batch`:
+       steps) builds the window's batch, `rollout_batch`:
        a. the student prompt of each problem (`opsd.method.prompts`);
-       b. `_generate` (phase `rollout`): TRL's engine, OPSD's (`opsd.method.engine.opsd_engine`), with the
-          merged weights pushed into it when they changed (`sync_weights`: phase `weight_sync`) and one seed per
-          row; or transformers' `generate` in eval mode (`_generate_transformers`);
+       b. `generate_rollouts` (phase `rollout`): the engine's rollouts, one seed per row, with the current
+          weights pushed into it first when they changed (phase `weight_sync`);
        c. the `[teacher prompt ; completion]` rows (`opsd.method.prompts.teacher_rows`), and the rollouts handed
           to the grader (`opsd.run.step_watch.RolloutGrader`);
        d. each optimizer step's valid-token count over all processes: its loss denominator.
     2. `compute_loss` (part `score_loss`): `completion_hidden_states` gives both roles' final hidden states of
-       the completion tokens (the teacher under `_get_teacher_context_for_self_distillation`, in eval mode),
+       the completion tokens (the teacher under `teacher_context`, in eval mode),
        `chunked_opsd_loss` their clipped divergence; then the `opsd/*` metrics and the completions log.
     3. TRL's backward; after the last micro-batch TRL's optimizer step, which `NonFiniteGuard` skips for a
        non-finite loss or gradient; `InitialisedAdapterEMA` updates an EMA teacher; `StepTimer` logs the
@@ -96,48 +93,46 @@ class OPSDTrainer(SDFTTrainer):
     config_cls = OPSDConfig
     _name = "OPSD"
     _tag_names = ["trl", "opsd"]
-    # The model card cites the method trained here (TRL's SDFTTrainer would cite SDFT).
-    _paper = {
-        "title": "Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models",
-        "id": "2601.18734",
-        "citation": textwrap.dedent("""\
-            @article{zhao2026selfdistilled,
-                title        = {{Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models}},
-                author       = {Siyan Zhao and Zhihui Xie and Mengchen Liu and Jing Huang and Guan Pang and Feiyu Chen and Aditya Grover},
-                year         = 2026,
-                eprint       = {arXiv:2601.18734}
-            }"""),
-    }
+    _paper = PAPER  # the model card cites the method trained here (TRL's SDFTTrainer would cite SDFT)
     # The TRL methods overridden here that TRL calls; tests/integration/test_trl_hooks.py fails if TRL stops
     # calling one of them by this name.
     TRL_HOOKS = ("_load_optimizer_and_scheduler", "training_step", "_prepare_inputs", "compute_loss", "_save")
-
-    # TRL methods overridden here that this file calls. They replace TRL's, so that a TRL path that still
-    # called one would get OPSD's batch, rollouts and teacher weights, never SDFT's.
-    OWN_CALLS = (
-        "_prepare_training_batch",
-        "_generate",
-        "_generate_transformers",
-        "_get_teacher_context_for_self_distillation",
-    )
+    # Every private name of TRL or of transformers' Trainer that OPSD's trainer, engine and callbacks override, call
+    # or read, and why; tests/integration/test_trl_hooks.py finds them in the code and fails on any other. The GRPO
+    # arms (opsd.rl) hook into TRL's GRPOTrainer and list theirs there. docs/decisions.md weighs this against
+    # subclassing TRL's BaseTrainer.
+    PRIVATE_TRL_NAMES = {
+        "_prepare_inputs": "transformers' one per-micro-batch input hook: each micro-batch of the window is handed out here",
+        "_save": "a checkpoint holds the student adapter alone, at its root (peft puts each of two adapters in a subfolder)",
+        "_load_optimizer_and_scheduler": "the one hook every resume runs before the first step, on every backend: restores the EMA teacher",
+        "_metrics": "TRL's logging window, averaged by its public `log`: OPSD's metrics are logged with TRL's",
+    }  # fmt: skip
+    # The model card's declarations, which every TRL trainer sets for its own card (they are read, never called).
+    MODEL_CARD_NAMES = ("_name", "_paper", "_tag_names")
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def __init__(self, *args, prompt_builder: PromptBuilder | None = None, **kwargs):
+    def __init__(self, *args, prompt_builder: PromptBuilder | None = None, engine=None, **kwargs):
         config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
         colocated = config.use_vllm and config.vllm_mode == "colocate"
         model = kwargs.get("model", args[0] if args else None)
-        # Read by the engine TRL creates inside super().__init__.
-        self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
-        with trainer_engine(config, model, self.seeds, self.clock):
+        # The rollout engine (`opsd.method.rollouts`): the entry point's, or one built from the config. TRL builds
+        # its vLLM engine inside `__init__`; `in_place_of_trl` makes that one this engine's, for the block only.
+        self.engine = engine or build_rollout_engine(config)
+        if (self.engine.name == "vllm") != config.use_vllm:
+            raise ValueError(
+                f"a {self.engine.name} engine was given to a run with use_vllm={config.use_vllm}"
+            )
+        with self.engine.in_place_of_trl(model):
             super().__init__(*args, **kwargs)
+        self.engine.bind(self)
         a: OPSDConfig = self.args
         # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.
         self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
         # The teacher's weights in its forwards, TRL's routing decided once: an EMA teacher kept as a second adapter
         # is that adapter (its callback replaced by OPSD's); a LoRA student's fixed teacher is its base (adapters
         # off); any other teacher (a model of its own, or the student itself) runs as it is.
-        self.teacher_adapter = self._own_ema_teacher()
+        self.teacher_adapter = own_ema_teacher(self, step_skipped=lambda: self.nonfinite.last_skipped)
         self.teacher_base = a.teacher_model_kind == "base" and is_peft_model(self.model)
         if colocated and isinstance(self.teacher_model, torch.nn.Module):
             own_classes(self.teacher_model)
@@ -152,50 +147,26 @@ class OPSDTrainer(SDFTTrainer):
             decode=functools.partial(tok.batch_decode, skip_special_tokens=True),
             reduce=functools.partial(self.accelerator.reduce, reduction="sum"),
         )
-        self.rollout_step = 0  # the global step whose weights generated the current window's rollouts
-        # The global step whose weights the vLLM engine holds (-1: the model as loaded, pushed before the first
-        # generation, as TRL does).
-        self.engine_step = -1
-        # The loss's logit transform (opsd.method.hidden), picked and checked on each model's first forward.
-        self.logit_transform = None
-        self.logits_checked: set[int] = set()
-        # The window's micro-batches and the index of the next one over the run (`_prepare_inputs`); None until
-        # the first micro-batch of a `train()` call, fresh or resumed.
-        self.window: list[dict] | None = None
+        # The trainer's two counters: the micro-batch about to run, over the whole run (None until the first
+        # micro-batch of a `train()` call, fresh or resumed), and the global step whose weights generated the
+        # current window's rollouts.
         self.micro_batch: int | None = None
+        self.rollout_step = 0
+        # Completion hidden states, the loss's logit transform checked on each model's first forward.
+        self.forwards = CheckedForwards(
+            self.accelerator.unwrap_model, fix_positions=a.fix_position_ids, pad_token_id=tok.pad_token_id
+        )
+        self.window: list[dict] | None = None  # the current window's micro-batches (`_prepare_inputs`)
         # Tokens and seconds per step, as every method books them (opsd.run.ledger); the step timer closes each row.
         self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)
         self.step_timer = StepTimer(self._metrics["train"], self.clock, self.ledger)
         self.add_callback(self.step_timer)
         self.add_callback(self.nonfinite)
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
-        # forward run in eval mode (`_generate_transformers`, `_get_teacher_context_for_self_distillation`).
+        # forward run in eval mode (`opsd.method.rollouts.TransformersRolloutEngine`, `teacher_context`).
         restore_lora_dropout(self.accelerator.unwrap_model(self.model))
         if a.compile_layers:
             compile_decoder_layers(self.accelerator.unwrap_model(self.model))
-
-    def _own_ema_teacher(self) -> str | None:
-        """TRL's EMA teacher callback (the last one its `__init__` adds, in `_setup_teacher_model`) replaced, at
-        the same place, by OPSD's (`InitialisedAdapterEMA`: starts from the student, saves and restores its state, and
-        skips an optimizer step `NonFiniteGuard` skipped). Here rather than in an override of TRL's
-        `_setup_teacher_model`, which runs inside `super().__init__`, before this trainer's state exists.
-        Returns the EMA teacher's adapter name (None without one)."""
-        ema = [cb for cb in self.callback_handler.callbacks if type(cb) is PEFTAdapterEMACallback]
-        nonfinite = self.nonfinite
-        for cb in ema:
-            self.callback_handler.remove_callback(cb)
-            self.add_callback(
-                InitialisedAdapterEMA(
-                    model=cb.model,
-                    teacher_adapter_name=cb.teacher_adapter_name,
-                    update_rate=cb.update_rate,
-                    sync_steps=cb.sync_steps,
-                    accelerator=cb.accelerator,
-                    step_skipped=lambda: nonfinite.last_skipped,
-                    state_file=EMA_TEACHER_FILE,
-                )
-            )
-        return ema[0].teacher_adapter_name if ema else None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume, on every backend (DeepSpeed included), before training begins.
@@ -234,17 +205,16 @@ class OPSDTrainer(SDFTTrainer):
         own counter starts at 0 in every process, so a run resumed inside a window would take the window's first
         share, not its step's). In evaluation, the batch of the rows given."""
         if not self.model.training:
-            return self._prepare_training_batch(generation_batch)
+            return self.rollout_batch(generation_batch)
         per_window = self.args.steps_per_generation
         if self.micro_batch % (per_window * self.num_iterations) == 0 or self.window is None:
-            self.window = split_rows(self._prepare_training_batch(generation_batch), per_window)
+            self.window = split_rows(self.rollout_batch(generation_batch), per_window)
         return self.window[self.micro_batch % per_window]
 
-    def _prepare_training_batch(self, inputs):
+    def rollout_batch(self, inputs):
         """The batch of one generation: in training, a window of `steps_per_rollout` optimizer steps' rows, in
         order. Student prompts, their rollouts, the teacher's (and a contrastive teacher's) rows and each step's
-        loss denominator; TRL's self-distillation callback events are sent as TRL sends them."""
-        a: OPSDConfig = self.args
+        loss denominator. (SDFTTrainer's self-distillation callback events are not sent: no TRL callback listens.)"""
         training = self.model.training
         problems = [row["prompt"] for row in inputs]
         references = [row.get("privileged_context") for row in inputs]
@@ -253,24 +223,17 @@ class OPSDTrainer(SDFTTrainer):
         # 1a. The dataset's `prompt` is the bare problem; the student turn is rendered here with its own
         # thinking switch, and its ids go to the engine unchanged (chat-template tokens included).
         student_ids = [self.prompt_builder.student_ids(p) for p in problems]
-        self._dispatch_self_distillation_callback(
-            "on_generation_prompts_selected", generation_prompts=problems, generation_prompt_text=None
-        )
         # 1b. One rollout per prompt; prompts are left-padded, completions right-padded.
-        _, rollouts = self._generate(student_ids)
+        _, rollouts = self.generate_rollouts(student_ids)
         rollouts = [list(r) for r in rollouts]
         if training:
             self.ledger.add(generated=sum(len(r) for r in rollouts))
         prompt_ids, prompt_mask = left_pad(student_ids, pad_id, device)
         completion_ids, completion_mask = right_pad(rollouts, pad_id, device)
-        batch = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "raw_completion_lengths": torch.tensor([len(r) for r in rollouts], device=device),
-        }
-        self._record_completion_metrics("train" if training else "eval", batch)  # TRL's completions/* metrics
+        batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                     completion_mask=completion_mask)  # fmt: skip
+        stop = [*self.eos_token_ids, pad_id]
+        self.record_metrics(completion_metrics(rollouts, stop_ids=stop, gather=self.accelerator.gather, device=device))
         # 1c. A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         teacher, truncated = teacher_rows(
             self.prompt_builder if self.loss_settings.needs_teacher else None,
@@ -288,35 +251,24 @@ class OPSDTrainer(SDFTTrainer):
             batch["contrast_attention_mask"] = contrast["teacher_attention_mask"]
         if training:
             self.rollout_grader.submit(rollouts, [row.get("answer", "") for row in inputs])
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=None,  # OPSD's loss takes no importance ratio
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-            teacher_input_ids=batch["teacher_input_ids"],
-            teacher_attention_mask=batch["teacher_attention_mask"],
-        )
-        # 1d. Each optimizer step's valid-token count over all processes is known before its first backward: it
-        # is that step's loss denominator, carried by each of its rows.
-        steps = a.steps_per_rollout if training else 1
-        local_S = self._loss_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
-        total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
-        batch["num_loss_tokens"] = total_S.repeat_interleave(len(inputs) // steps)
+        batch["num_loss_tokens"] = self._loss_denominators(completion_ids, completion_mask)
         if training and self.sampled_logprobs is not None:
             batch["sampled_logprobs"] = self.sampled_logprobs  # (B, C), cut with the rest by `split_rows`
         # Lists are cut into micro-batches with the tensors (`split_rows`).
         batch["problems"] = problems
         batch["references"] = references
         self.rollout_step = self.state.global_step
-        if training:
-            self._dispatch_self_distillation_callback(
-                "on_generation_batch_built",
-                generate_every=a.steps_per_generation * self.num_iterations,
-                steps_per_generation=a.steps_per_generation,
-            )
         return batch
 
-    def _generate(self, prompt_ids):
+    def _loss_denominators(self, completion_ids, completion_mask) -> torch.Tensor:
+        """1d. Each optimizer step's valid-token count over all processes, known before its first backward: that
+        step's loss denominator, one per row of the window (a step's rows carry its count)."""
+        steps = self.args.steps_per_rollout if self.model.training else 1
+        local_S = self._loss_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
+        total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
+        return total_S.repeat_interleave(len(completion_ids) // steps)
+
+    def generate_rollouts(self, prompt_ids):
         """(prompt ids, completion ids): one rollout per prompt (phase `rollout`, and `rollout/tokens_per_s`)."""
         with self.clock.phase("rollout") as timed:
             out = self._sample(prompt_ids)
@@ -325,30 +277,17 @@ class OPSDTrainer(SDFTTrainer):
         return out
 
     def _sample(self, prompt_ids):
-        """TRL's vLLM engine (OPSD's, `opsd.method.engine`), given the current weights first when they changed
-        since its last generation; or transformers' generate. The engine's log-probs of the sampled tokens are
-        kept as `sampled_logprobs` ((B, C), NaN-padded; None from transformers' generate), for
+        """The engine's rollouts (`opsd.method.rollouts`), seeded by the current step. The engine's log-probs of the
+        sampled tokens are kept as `sampled_logprobs` ((B, C), NaN-padded; None from transformers' generate), for
         `rollout/logprob_gap` (`opsd.run.logprob_gap`)."""
-        self.sampled_logprobs = None
-        if not self.use_vllm:
-            return self._generate_transformers(prompt_ids)
-        if self.engine_step != self.state.global_step:
-            self.vllm_generation.sync_weights()
-            self.engine_step = self.state.global_step
         per_prompt = self.num_generations if self.model.training else self.num_generations_eval
-        prompt_ids, completion_ids, logprobs, _ = self.vllm_generation.generate(
-            prompts=prompt_ids, images=None, num_generations=per_prompt
+        completion_ids, logprobs = self.engine.generate(
+            prompt_ids, step=self.state.global_step, num_generations=per_prompt
         )
-        if logprobs is not None:
-            from opsd.run.logprob_gap import engine_logprobs
-
-            self.sampled_logprobs = engine_logprobs(logprobs, self.accelerator.device)
+        self.sampled_logprobs = (
+            None if logprobs is None else engine_logprobs(logprobs, self.accelerator.device)
+        )
         return prompt_ids, completion_ids
-
-    def _generate_transformers(self, prompt_ids):
-        # Rollouts come from the policy without dropout, as the vLLM engine's do.
-        with eval_mode(self.accelerator.unwrap_model(self.model)):
-            return super()._generate_transformers(prompt_ids)
 
     def _loss_mask(self, completion_ids, completion_mask):
         a: OPSDConfig = self.args
@@ -443,7 +382,7 @@ class OPSDTrainer(SDFTTrainer):
         student_weight_VH = lm_head_weight(unwrap(model))
         if teacher_ids is None:
             return CompletionHiddenStates(student_NH, None, student_weight_VH, None, self.logit_transform)
-        with torch.no_grad(), self._get_teacher_context_for_self_distillation():
+        with torch.no_grad(), self.teacher_context():
             teacher_NH = self._completion_hidden(
                 self.teacher_model, teacher_ids, teacher_mask, completion_ids, completion_mask
             )
@@ -462,34 +401,15 @@ class OPSDTrainer(SDFTTrainer):
         )
 
     def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        return completion_hidden(
-            model,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            fix_positions=self.args.fix_position_ids,
-            pad_token_id=self.processing_class.pad_token_id,
-            on_last_logits=None if id(model) in self.logits_checked else self._logits_check(model),
-        )
+        return self.forwards(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-    def _logits_check(self, model):
-        """For a model's first forward: the loss's logit transform must reproduce its own logits
-        (`opsd.method.hidden`); the first model's picks it, and every other model must share it."""
-
-        def check(hidden_BH, logits_BV):
-            unwrapped = self.accelerator.unwrap_model(model)
-            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
-            if self.logit_transform is None:
-                logger.info("logit transform after the lm_head, checked against the model's logits: %s",
-                            found.describe())  # fmt: skip
-            self.logit_transform = one_transform(self.logit_transform, found)
-            self.logits_checked.add(id(model))
-
-        return check
+    @property
+    def logit_transform(self):
+        """The loss's logit transform after the lm_head, picked and checked on each model's first forward."""
+        return self.forwards.transform
 
     @contextmanager
-    def _get_teacher_context_for_self_distillation(self):
+    def teacher_context(self):
         """Every teacher forward (loss, probe): the teacher's weights (`teacher_base`: the adapters off;
         `teacher_adapter`: that adapter active), in eval mode. The teacher must be a deterministic function of its
         weights: in training mode LoRA dropout would make the EMA adapter and the dynamic teacher (the student
@@ -544,20 +464,14 @@ class OPSDTrainer(SDFTTrainer):
 
     # -- 4. checkpoints ----------------------------------------------------------------------------------------
     def _save(self, output_dir=None, state_dict=None):
-        # A checkpoint holds the student adapter only, at its root; the EMA teacher is saved in float32 by
-        # InitialisedAdapterEMA. With a second adapter peft writes every adapter to a subfolder, and
-        # transformers' resume then loads the subfolders only: the student would restart from its init.
+        # A checkpoint holds the student adapter only, at its root (`save_student_adapter`); the EMA teacher is
+        # saved in float32 by InitialisedAdapterEMA.
         model = self.accelerator.unwrap_model(self.model)
         if not isinstance(model, PeftModel) or len(model.peft_config) == 1:
             return super()._save(output_dir, state_dict)
-        # transformers' `_save` for a peft model, with the active adapter alone: it has no setting for the
-        # adapters it saves.
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        model.save_pretrained(output_dir, state_dict=state_dict, selected_adapters=[model.active_adapter])
-        if self.args.should_save:
-            self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        save_student_adapter(
+            model, output_dir or self.args.output_dir, self.args, self.processing_class, state_dict
+        )
 
     # -- for the probe -----------------------------------------------------------------------------------------
     def sample_probe_rollouts(self, prompt_ids: list[list[int]]) -> list[list[int]]:
@@ -568,7 +482,7 @@ class OPSDTrainer(SDFTTrainer):
         rollout metrics: a run with the probe draws the same training rollouts as one without.
         """
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with self.seeds.probe(), torch.random.fork_rng(devices=devices):
+        with self.engine.probe(), torch.random.fork_rng(devices=devices):
             _, completions_ = self._sample(prompt_ids)
         return [list(c) for c in completions_]
 

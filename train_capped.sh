@@ -8,7 +8,7 @@
 # Tune the method only in recipe.env (KEY=VALUE, parsed never executed, whitelisted keys) and with OPSD_*
 # variables; anything that would change the budget is refused before a model loads. Operational keys
 # (REPORT_TO, RUN_NAME, LOGGING_STEPS, VLLM_GPU_MEMORY_UTILIZATION, VLLM_ENABLE_SLEEP_MODE, ...: OPERATIONAL_KEYS
-# in opsd/configuration/sources/keys.py) may also be set there or passed after `--`: `-- --report_to wandb --run_name x`.
+# in opsd/configuration/switches.py) may also be set there or passed after `--`: `-- --report_to wandb --run_name x`.
 # --num-gpus N plans N GPU processes (default: 4 with GPUs, one CPU process without); a dry run prints
 # that plan on any machine, a real run without the GPUs is refused. --dry-run checks the configuration
 # exactly as a real run does (no model loads). Bad input: one line on stderr, exit status 2; --debug or

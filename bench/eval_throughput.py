@@ -39,7 +39,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 from common import machine, write
-from opsd.configuration.checks.choices import KV_CACHE_DTYPES
+from opsd.configuration.checks import KV_CACHE_DTYPES
 from opsd.evaluation.eval_config import EvalConfig
 from opsd.evaluation.generate import auto_window, stream, stream_chunked, vllm_params
 from opsd.evaluation.requests import ListSource, plan_requests
@@ -76,7 +76,7 @@ def start_engine(a, path: Path, max_len: int):
     import torch
     from vllm import LLM
 
-    from opsd.configuration.engine_env import single_node_engine_env
+    from opsd.method.engine_env import single_node_engine_env
 
     single_node_engine_env()
     kwargs = dict(model=str(path), tokenizer=str(path), load_format="dummy", max_model_len=max_len, seed=0)

@@ -12,12 +12,10 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 for name, value in (
     ("HF_HUB_OFFLINE", "1"),
     ("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -28,7 +26,7 @@ for name, value in (
 ):
     os.environ.setdefault(name, value)
 
-from bench.common import machine  # noqa: E402
+from common import machine  # noqa: E402
 
 LOGGED = ("loss", "grad_norm", "opsd/divergence", "completions/mean_length")
 RUNS = {
@@ -38,7 +36,13 @@ RUNS = {
         use_vllm=True, vllm_max_model_length=1024, max_steps=2, gradient_accumulation_steps=2,
         max_teacher_prompt_length=60,
     ),  # fmt: skip
+    # GPU only (vLLM's CPU backend has no sleep mode): the engine drops its weights after every generation
+    "vllm_sleep": dict(
+        use_vllm=True, vllm_max_model_length=1024, max_steps=2, gradient_accumulation_steps=2,
+        max_teacher_prompt_length=60, vllm_enable_sleep_mode=True,
+    ),  # fmt: skip
 }
+DEFAULT_RUNS = ["transformers", "steps_per_rollout_2", "vllm_colocate"]
 
 
 def _sha(data: bytes) -> str:
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--compare", help="an earlier JSON of this script: exit 1 unless every hash is equal")
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, choices=list(RUNS))
     args = parser.parse_args(argv)
     import subprocess
 

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from common import machine, write
 from learning_figures import plot
-from opsd.configuration.checks.choices import CLIP_MODES, TEACHER_REF_PAIRINGS
+from opsd.configuration.switches import CHOICES
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
 from opsd.experiment import stats
@@ -67,6 +67,7 @@ from opsd.experiment import verdict as R
 from opsd.experiment.commands import main as experiment_main
 
 ROOT = Path(__file__).resolve().parents[1]
+CLIP_MODES, TEACHER_REF_PAIRINGS = CHOICES["clip_mode"], CHOICES["teacher_ref_pairing"]
 
 MATCHED = TEACHER_REF_PAIRINGS[0]
 # clip_mode:beta:learning_rate[:teacher_ref_pairing]. The four clip modes at the published beta = 0, beta = 0.5

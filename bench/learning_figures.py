@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opsd.configuration.checks.choices import TEACHER_REF_PAIRINGS
+from opsd.configuration.switches import CHOICES
+
+TEACHER_REF_PAIRINGS = CHOICES["teacher_ref_pairing"]
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:

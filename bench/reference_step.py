@@ -67,7 +67,7 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
             model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
         )
         width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
-        with torch.no_grad(), self._get_teacher_context_for_self_distillation():
+        with torch.no_grad(), self.teacher_context():
             teacher_BCV = self._role_logits(
                 self.teacher_model,
                 inputs["teacher_input_ids"][:, :width],

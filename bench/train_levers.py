@@ -73,11 +73,13 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.integrations.liger import apply_liger_kernel
 
-    from opsd.configuration.checks.choices import CLIP_MODES
     from opsd.configuration.config import OPSDConfig
+    from opsd.configuration.switches import CHOICES
     from opsd.method.hidden import completion_hidden, left_pad, lm_head_weight, right_pad
     from opsd.method.lora_targets import resolve_targets
     from opsd.method.loss import chunked_opsd_loss, loss_settings
+
+    clip_modes = CHOICES["clip_mode"]
 
     work = tempfile.mkdtemp(prefix="liger-check-")
     cfg = OPSDConfig(output_dir=work, model_name_or_path=str(model_dir))
@@ -103,7 +105,7 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
 
     def score() -> dict:
         out = {}
-        for mode in CLIP_MODES:
+        for mode in clip_modes:
             model.zero_grad(set_to_none=True)
             h_s = completion_hidden(
                 model, s_ids, s_mask, c_ids, c_mask, fix_positions=True, pad_token_id=None
@@ -148,9 +150,9 @@ def liger_check(model_dir: Path, seed: int = 0) -> dict:
                 torch.nn.functional.cosine_similarity(after[mode]["grad"], before[mode]["grad"], dim=0)
             ),
         }
-        for mode in CLIP_MODES
+        for mode in clip_modes
     }
-    first = CLIP_MODES[0]
+    first = clip_modes[0]
     return {
         "batch": {
             "rows": 4,

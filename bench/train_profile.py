@@ -7,7 +7,7 @@ no rollout engine (docs/performance.md c: 2.65-2.73 s at 32 x 1024 on one H200).
 Per LENGTH the step is `opsd_train.py`'s with the published recipe (random-weight Qwen3-1.7B, bf16, LoRA r64
 on q,k,v,o,gate,up,down, fixed teacher, beta 0, per-entry clip 0.05, gradient checkpointing, 32 problems split
 as `micro_batch_size=auto` splits them beside vLLM at 0.6 of the GPU, or `--micro N`) but for the rollout:
-`FixedRolloutTrainer._generate_transformers` (the trainer's `_generate` calls it with vLLM off) returns LENGTH random
+the injected engine `FixedRollouts` (the trainer's rollout engine) returns LENGTH random
 non-special token ids per problem. A warm-up step, `--steps` steps timed by CUDA events, one profiled step:
 - phases (medians): student forward, teacher forward, loss (the rest of `compute_loss`), backward (student
   recompute and backward); their sum is the training half (`time/train_micro_s` without the rollout);
@@ -44,6 +44,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from common import machine, qwen3_1p7b_dir, write
+from opsd.method.rollouts import TransformersRolloutEngine
 from opsd_step import BF16_DENSE_FLOPS
 from opsd_trainer import OPSDTrainer
 
@@ -94,15 +95,24 @@ class Spans:
         return out
 
 
-class FixedRolloutTrainer(OPSDTrainer):
-    """OPSDTrainer with fixed rollouts (the only change to the step) and the training half's spans timed."""
+class FixedRollouts(TransformersRolloutEngine):
+    """A rollout engine that returns `length` random non-special token ids per prompt, seeded by the step."""
 
-    def _generate_transformers(self, prompt_ids):
-        tok, vocab = self.processing_class, self.accelerator.unwrap_model(self.model).config.vocab_size
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def generate(self, prompt_ids, *, step: int, num_generations: int):
+        t = self.trainer
+        tok, vocab = t.processing_class, t.accelerator.unwrap_model(t.model).config.vocab_size
         allowed = torch.tensor(sorted(set(range(min(len(tok), vocab))) - set(tok.all_special_ids)))
-        gen = torch.Generator().manual_seed(self.args.seed + self.state.global_step)
+        gen = torch.Generator().manual_seed(t.args.seed + step)
         pick = torch.randint(len(allowed), (len(prompt_ids), self.length), generator=gen)
-        return prompt_ids, allowed[pick].tolist()
+        return allowed[pick].tolist(), None
+
+
+class FixedRolloutTrainer(OPSDTrainer):
+    """OPSDTrainer with the training half's spans timed (its rollouts: `FixedRollouts`)."""
 
     def _completion_hidden(self, model, *args, **kwargs):
         name = "student_forward" if torch.is_grad_enabled() else "teacher_forward"
@@ -323,9 +333,9 @@ def run_length(a, length: int, model_dir: Path, trace: Path | None, lever: dict 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       **resolve_targets(model, config.lora_target_modules, lora_dropout=config.lora_dropout), task_type="CAUSAL_LM")  # fmt: skip
-    trainer = FixedRolloutTrainer(model=model, args=config, train_dataset=dataset,
+    trainer = FixedRolloutTrainer(model=model, args=config, train_dataset=dataset, engine=FixedRollouts(length),
                                   processing_class=load_tokenizer(str(model_dir)), peft_config=lora)  # fmt: skip
-    trainer.length, trainer.spans, trainer.tokens, trainer.widths = length, Spans(cuda), Counter(), set()
+    trainer.spans, trainer.tokens, trainer.widths = Spans(cuda), Counter(), set()
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(driver := Driver(trainer, a.steps, cuda))
     try:

@@ -18,3 +18,18 @@
 The entry points stay at the repository root (`opsd_train.py`, `opsd_trainer.py`, `eval_aime.py`,
 `train_capped.sh`); the package never imports them, and only tests and `bench/` import `testing/`.
 """
+
+import textwrap
+
+# The paper of the method trained here, cited by a trained model's card (`opsd_trainer.OPSDTrainer`).
+PAPER = {
+    "title": "Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models",
+    "id": "2601.18734",
+    "citation": textwrap.dedent("""\
+        @article{zhao2026selfdistilled,
+            title        = {{Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models}},
+            author       = {Siyan Zhao and Zhihui Xie and Mengchen Liu and Jing Huang and Guan Pang and Feiyu Chen and Aditya Grover},
+            year         = 2026,
+            eprint       = {arXiv:2601.18734}
+        }"""),
+}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from opsd.configuration.checks.choices import check_choice
+from opsd.configuration.checks import check_choice
 from opsd.errors import MissingPath, UnsupportedModel
 
 logger = logging.getLogger(__name__)

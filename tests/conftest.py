@@ -7,6 +7,7 @@ Tests live in three folders, and each test gets its folder's marker:
 `make test-fast` runs the first two; `bash scripts/test.sh` runs all three (what CI runs).
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -102,6 +103,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def colocated_rendezvous():
+    """The environment of a one-process torch.distributed rendezvous, for building (or training) a trainer
+    whose engine is colocated: its own free MASTER_PORT, and RANK 0, LOCAL_RANK 0, WORLD_SIZE 1, MASTER_ADDR
+    127.0.0.1. TRL's engine set-up writes this rendezvous into os.environ; set here, all five are restored on
+    exit, so nothing of it is inherited by the processes later tests start (a later harness dry run in the
+    same worker otherwise took itself for one rank of a distributed job)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASTER_PORT", str(free_port()))
+        for name, value in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ):
+            patch.setenv(name, value)
+        yield
 
 
 def eval_argv(*args) -> list[str]:

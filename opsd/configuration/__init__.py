@@ -1,11 +1,15 @@
 """Configuration: every switch of training, its default, where a value can come from and how it is checked.
 
-* `config`: `OPSDConfig`, the published recipe as defaults (which value source wins: docs/configuration.md)
-  (the loss's settings are built from it beside the loss: `opsd.method.loss.loss_settings`);
-  `config_docs`: docs/configuration.md's switch table, generated from it;
-* `sources/`: where a value comes from: the command line (`cli`), `recipe.env` and `OPSD_*` (`recipe`), which
-  keys each may set (`keys`), older field names (`aliases`) and removed TRL/open-r1 YAML keys (`legacy`);
-* `checks/`: how a value is checked: its type (`values`), its choices (`choices`), its range and the checks
-  across fields (`ranges`), the TRL fields OPSD sets itself (`trl_options`);
+* `switches`: every switch declared once, in its field's metadata (default, help, choices or range, which
+  sources may set it under the capped harness, its `OPSD_*` name, any older name), and the views the rest of
+  the repo reads (`CHOICES`, `RANGES`, `RECIPE_KEYS`, ...); TRL-free, so any module can import it;
+* `config`: `OPSDConfig`, the switches on TRL's `SDFTConfig`, with the fields derived from others set once
+  (the rollout engine, TRL's generation window, ...) and every check run (which value source wins:
+  docs/configuration.md; the loss's settings are built from it beside the loss: `opsd.method.loss.loss_settings`);
+* `checks`: how a value is checked: its choices and range, the rules across fields, the switches each method
+  reads, the switches the others leave without effect, TRL's options OPSD ignores, the generation window;
+* `sources`: where a value comes from: the command line, YAML (keys transformers 5 removed, bounded values),
+  `recipe.env`, `OPSD_*` and the harness's pass-through flags, older field names;
+* `docs`: docs/configuration.md's switch table, generated from the switches;
 * `engine_env`: the environment every vLLM engine of the repo starts with.
 """

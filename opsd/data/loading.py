@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opsd.configuration.checks.choices import DATA_FILTERS, REFERENCE_COLUMNS, check_choice
+from opsd.configuration.checks import check_choice
+from opsd.configuration.switches import CHOICES, REFERENCE_COLUMNS
 from opsd.data.builtin import BUILTIN, BUILTIN_SETS
 from opsd.errors import InvalidValue, MissingPath
 from opsd.paths import DATA_FILE, MIB, check_file, read_bytes, size_text
@@ -284,8 +285,9 @@ def is_numeric_answer(answer: Any) -> bool:
 
 def filter_rows(ds: Dataset, data_filter: str) -> Dataset:
     """Apply a docs/method.md §2 data filter and log the row counts before and after."""
-    if data_filter not in DATA_FILTERS:
-        raise ValueError(f"data_filter={data_filter!r}; choose one of {DATA_FILTERS}")
+    filters = CHOICES["data_filter"]
+    if data_filter not in filters:
+        raise ValueError(f"data_filter={data_filter!r}; choose one of {filters}")
     before = len(ds)
     if data_filter == "numeric":
         ds = ds.filter(lambda r: is_numeric_answer(r["Answer"]))

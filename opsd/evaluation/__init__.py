@@ -11,7 +11,7 @@ training uses too):
 * `sampling`: the vLLM and transformers sampling engines, also used by bench/; `SamplingConfig.vllm` is the
   one builder of vLLM `SamplingParams`;
 * `eval_config`: `EvalConfig` (eval_aime.py's flags; their ranges:
-  `opsd.configuration.checks.ranges.EVAL_RANGES`), `parse_eval_args`, `EvalSettings` (one evaluation's
+  `opsd.configuration.checks.EVAL_RANGES`), `parse_eval_args`, `EvalSettings` (one evaluation's
   resolved settings, generated from `EvalConfig`'s fields and `Resolved`'s, saved as eval_config.json), the
   errors the entry point reports;
 * `samples`: the result directory's files: samples.jsonl (read, repaired, appended), shard merging,

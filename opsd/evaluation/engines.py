@@ -8,6 +8,7 @@ from pathlib import Path
 
 from opsd.errors import UserError
 from opsd.evaluation.job import EvalJob
+from opsd.method.engine_env import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def build_engine(job: EvalJob, scratch: Path):
                 enable_lora=enable_lora,
                 max_lora_rank=rank,
                 kv_cache_dtype=settings.kv_cache_dtype,
+                kv_cache_bytes=kv_cache_bytes(),
             )
         finally:
             if load_path != model_path:

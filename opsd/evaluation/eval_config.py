@@ -1,7 +1,7 @@
 """eval_aime.py's flags (`EvalConfig`) and their parsing, one evaluation's resolved settings (`EvalSettings`,
 eval_config.json: the flags but the mode ones, then `Resolved`), and the run failures the entry point
 reports (a user's mistake is `opsd.errors.UserError`, as in training).
-The numeric flags' ranges are declared in `opsd.configuration.checks.ranges.EVAL_RANGES`."""
+The numeric flags' ranges are declared in `opsd.configuration.checks.EVAL_RANGES`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from opsd.configuration.checks.choices import KV_CACHE_DTYPES, ROLLOUT_ENGINES
-from opsd.configuration.checks.ranges import EVAL_RANGES, check_table
+from opsd.configuration.checks import EVAL_RANGES, KV_CACHE_DTYPES, check_table
+from opsd.configuration.switches import CHOICES
 from opsd.errors import UserError
 
 _MERGE_WORDS = {
@@ -142,11 +142,11 @@ class EvalConfig:
 
         check_table(
             self, EVAL_RANGES, verdict="is invalid"
-        )  # declared in opsd/configuration/checks/ranges.py
+        )  # declared in opsd/configuration/checks.py
         if self.k is not None and not 1 <= self.k <= self.n:
             raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
-        if self.engine not in ROLLOUT_ENGINES:
-            raise bad("engine", f"choose one of {ROLLOUT_ENGINES}")
+        if self.engine not in CHOICES["rollout_engine"]:
+            raise bad("engine", f"choose one of {CHOICES['rollout_engine']}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"choose one of {KV_CACHE_DTYPES}")
         # Canonical auto|true|false; bools and None (= auto) are accepted from Python callers.
@@ -241,7 +241,7 @@ def given_flags(argv: Sequence[str]) -> set[str]:
 
 def _refuse_both_names(argv: Sequence[str]) -> None:
     """One setting given under eval's name and training's is refused, as training refuses an older name given
-    beside the canonical one (`opsd.configuration.sources.aliases.canonical_flags`)."""
+    beside the canonical one (`opsd.configuration.sources.canonical_flags`)."""
     given = _flag_names(argv)
     for dest, training in TRAINING_NAMES.items():
         ours = {dest, f"no_{dest}"} & given

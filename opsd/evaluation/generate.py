@@ -235,63 +235,89 @@ def generate_missing(
 
     `served`: (a running `VLLMEngine` that already holds the job's weights, its `LoRARequest` or None),
     for a sweep; by default the engine is started here (`build_engine`)."""
-    settings = job.settings
     t0 = time.perf_counter()
-    lora = None
-    if served is not None:
-        engine, lora = served
-    else:
-        engine, lora_path = build_engine(job, scratch)
-        if lora_path:
-            from vllm.lora.request import LoRARequest
-
-            lora = LoRARequest("adapter", 1, lora_path)
+    engine, lora = served if served is not None else _start_engine(job, scratch)
     start_s = time.perf_counter() - t0
-    totals = {"new_samples": 0, "new_tokens": 0}
     total = sum(r.count for r in requests) if isinstance(source, ListSource) else None  # a worker: unknown
-    progress = SampleProgress(total, position=position)
-
-    def save(records: list[dict[str, Any]]) -> None:
-        append_samples(samples_path, records)
-        tokens = sum(rec["n_tokens"] for rec in records)
-        totals["new_samples"] += len(records)
-        totals["new_tokens"] += tokens
-        progress.update(len(records), tokens)
-
+    writer = _SampleWriter(samples_path, SampleProgress(total, position=position))
     t1 = time.perf_counter()
-    if settings.engine_used == "vllm":
-
-        def on_finished(done):
-            save([
-                sample_record(job, r, r.start + j, o.text, o.token_ids, o.finish_reason == "length")
-                for r, outputs in done
-                for j, o in enumerate(outputs)
-            ])  # fmt: skip
-
-        window = window_size(job, engine.llm, requests)
-        kwargs = dict(window=window, params=lambda r: vllm_params(settings, r), on_finished=on_finished,
-                      lora_request=lora)  # fmt: skip
-        try:
-            if settings.stream:
-                stream(engine.llm, source, **kwargs)
-            else:
-                stream_chunked(engine.llm, source, chunk=settings.chunk_size * settings.n, **kwargs)
-        except Exception as e:  # the engine is dead whatever vLLM raised; the finished samples are saved
-            progress.close()
-            raise EngineDied(_engine_died_message(job, e, samples_path)) from e
+    if job.settings.engine_used == "vllm":
+        _generate_vllm(job, engine, lora, requests, source, writer)
     else:
-        while batch := source.take(settings.chunk_size):
-            records = []
-            for r in batch:
-                (samples,) = engine.generate([r.prompt_ids], request_sampling(settings, r), n=r.count)
-                records += [
-                    sample_record(job, r, r.start + j, s.text, s.token_ids, s.finish_reason == "length")
-                    for j, s in enumerate(samples)
-                ]
-            save(records)
-            source.finished(len(batch))
-    progress.close()
-    return {"engine_start_s": start_s, "generation_s": time.perf_counter() - t1, **totals}
+        _generate_transformers(job, engine, source, writer)
+    writer.progress.close()
+    return {"engine_start_s": start_s, "generation_s": time.perf_counter() - t1, **writer.totals}
+
+
+def _start_engine(job: EvalJob, scratch: Path) -> tuple[Any, Any]:
+    """(the job's engine, the `LoRARequest` vLLM serves its adapter under, or None): `build_engine` returns
+    the adapter's path only when vLLM serves it unmerged."""
+    lora = None
+    engine, lora_path = build_engine(job, scratch)
+    if lora_path:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest("adapter", 1, lora_path)
+    return engine, lora
+
+
+class _SampleWriter:
+    """Appends graded records to the samples file as they come (a killed run keeps them) and counts them: the
+    timings' new samples and tokens, and the progress bar."""
+
+    def __init__(self, samples_path: Path, progress: SampleProgress):
+        self.samples_path, self.progress = samples_path, progress
+        self.totals = {"new_samples": 0, "new_tokens": 0}
+
+    def __call__(self, records: list[dict[str, Any]]) -> None:
+        append_samples(self.samples_path, records)
+        tokens = sum(rec["n_tokens"] for rec in records)
+        self.totals["new_samples"] += len(records)
+        self.totals["new_tokens"] += tokens
+        self.progress.update(len(records), tokens)
+
+
+def _generate_vllm(
+    job: EvalJob, engine, lora, requests: list[Request], source: Source, save: _SampleWriter
+) -> None:
+    """vLLM: the streaming loop (or its chunked schedule), each sample saved as it finishes. Whatever vLLM
+    raises, the engine is dead: `EngineDied` says what was kept and how to go on."""
+    settings = job.settings
+
+    def on_finished(done):
+        save([
+            sample_record(job, r, r.start + j, o.text, o.token_ids, o.finish_reason == "length")
+            for r, outputs in done
+            for j, o in enumerate(outputs)
+        ])  # fmt: skip
+
+    window = window_size(job, engine.llm, requests)
+    kwargs = dict(window=window, params=lambda r: vllm_params(settings, r), on_finished=on_finished,
+                  lora_request=lora)  # fmt: skip
+    try:
+        if settings.stream:
+            stream(engine.llm, source, **kwargs)
+        else:
+            stream_chunked(engine.llm, source, chunk=settings.chunk_size * settings.n, **kwargs)
+    except Exception as e:  # the engine is dead whatever vLLM raised; the finished samples are saved
+        save.progress.close()
+        raise EngineDied(_engine_died_message(job, e, save.samples_path)) from e
+
+
+def _generate_transformers(job: EvalJob, engine, source: Source, save: _SampleWriter) -> None:
+    """transformers: chunks of `chunk_size` requests, one `generate` call per request, saved after each
+    chunk."""
+    settings = job.settings
+    while batch := source.take(settings.chunk_size):
+        records = []
+        for r in batch:
+            (samples,) = engine.generate([r.prompt_ids], request_sampling(settings, r), n=r.count)
+            records += [
+                sample_record(job, r, r.start + j, s.text, s.token_ids, s.finish_reason == "length")
+                for j, s in enumerate(samples)
+            ]
+        save(records)
+        source.finished(len(batch))
 
 
 # --- the engine dying ---------------------------------------------------------------------------------------

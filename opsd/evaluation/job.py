@@ -175,53 +175,18 @@ def resolve_adapter_mode(merge_adapter: str, engine: str, has_adapter: bool, cud
 def resolve_job(config: EvalConfig, loaded: Loaded | None = None, benchmark: str | None = None) -> EvalJob:
     """Check every input before any engine starts. `loaded`: the problems of `benchmark`, already read
     (`opsd.evaluation.benchmarks.load_benchmark`), instead of those of `config.dataset`."""
-    from opsd.method.prompts import PromptBuilder
     from opsd.models import load_tokenizer
 
-    if loaded is None:
-        problems = load_problems(config)
-    else:
-        problems = loaded.problems[: config.limit] if config.limit else list(loaded.problems)
+    problems = _job_problems(config, loaded)
     model_path = resolve_model(config.model)
     adapter_path, adapter_cfg = read_adapter(config.adapter) if config.adapter else ("", {})
-    base = adapter_cfg.get("base_model_name_or_path")
-    if base and base != model_path and Path(base).name != Path(model_path).name:
-        logger.warning(
-            "the adapter was trained on %r but the model is %r; pass the training base model as --model",
-            base,
-            model_path,
-        )
+    _warn_on_another_base(adapter_cfg.get("base_model_name_or_path"), model_path)
     tokenizer = load_tokenizer(model_path)
-    try:
-        builder = PromptBuilder(
-            tokenizer,
-            student_template_file=config.prompt_file,
-            student_thinking=config.thinking,
-            thinking_switch=config.thinking_switch,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from None
+    builder = _prompt_builder(config, tokenizer)
     engine = choose_engine(config.engine)
-    if config.kv_cache_dtype != "auto" and (engine != "vllm" or not cuda_available()):
-        where = "the transformers engine" if engine != "vllm" else "vLLM on a CPU"
-        raise UserError(
-            f"--kv-cache-dtype {config.kv_cache_dtype} needs vLLM on a GPU, and this run uses {where}; leave it "
-            "at auto"
-        )
-    dataset = config.dataset if loaded is None else loaded.source
-    if Path(dataset).expanduser().is_file():
-        dataset = str(Path(dataset).expanduser().resolve())
-    adapter_mode = resolve_adapter_mode(config.merge_adapter, engine, bool(adapter_path), cuda_available())
-    if adapter_mode == "merged" and config.merge_adapter == "auto":
-        logger.info(
-            "merging the adapter first: vLLM's CPU backend serves LoRA slowly and can fail on seeded "
-            "requests (--no-merge-adapter serves it as a LoRA)"
-        )
-    elif adapter_mode == "vllm-lora" and cuda_available():
-        logger.info(
-            "serving the adapter as a vLLM LoRA: its samples are not reproducible run to run on a GPU "
-            "(vLLM's LoRA kernels); --merge-adapter gives byte-identical reruns"
-        )
+    _check_kv_cache_dtype(config, engine)
+    dataset = _dataset_source(config, loaded)
+    adapter_mode = _adapter_mode(config, engine, adapter_path)
     settings = EvalSettings.of(
         config,
         model_path=model_path,
@@ -238,3 +203,70 @@ def resolve_job(config: EvalConfig, loaded: Loaded | None = None, benchmark: str
         dataset_commit=None if loaded is None else loaded.commit,
     )
     return EvalJob(settings, problems, tokenizer, builder, Path(config.out).expanduser())
+
+
+def _job_problems(config: EvalConfig, loaded: Loaded | None) -> list[dict[str, Any]]:
+    """The problems of `config.dataset`, or of the benchmark already read, cut to `--limit`."""
+    if loaded is None:
+        return load_problems(config)
+    return loaded.problems[: config.limit] if config.limit else list(loaded.problems)
+
+
+def _warn_on_another_base(base: str | None, model_path: str) -> None:
+    """A warning when the adapter names another base model (not a refusal: a local copy of the base has
+    another path)."""
+    if base and base != model_path and Path(base).name != Path(model_path).name:
+        logger.warning(
+            "the adapter was trained on %r but the model is %r; pass the training base model as --model",
+            base,
+            model_path,
+        )
+
+
+def _prompt_builder(config: EvalConfig, tokenizer):
+    """The student's prompt, as training builds it; a missing or malformed template file is a user error."""
+    from opsd.method.prompts import PromptBuilder
+
+    try:
+        return PromptBuilder(
+            tokenizer,
+            student_template_file=config.prompt_file,
+            student_thinking=config.thinking,
+            thinking_switch=config.thinking_switch,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _check_kv_cache_dtype(config: EvalConfig, engine: str) -> None:
+    """A quantized KV cache exists only in vLLM on a GPU: refused elsewhere rather than ignored."""
+    if config.kv_cache_dtype != "auto" and (engine != "vllm" or not cuda_available()):
+        where = "the transformers engine" if engine != "vllm" else "vLLM on a CPU"
+        raise UserError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs vLLM on a GPU, and this run uses {where}; leave it "
+            "at auto"
+        )
+
+
+def _dataset_source(config: EvalConfig, loaded: Loaded | None) -> str:
+    """Where the problems came from, as the summary records it: a local file by its absolute path."""
+    dataset = config.dataset if loaded is None else loaded.source
+    if Path(dataset).expanduser().is_file():
+        dataset = str(Path(dataset).expanduser().resolve())
+    return dataset
+
+
+def _adapter_mode(config: EvalConfig, engine: str, adapter_path: str) -> str:
+    """How the adapter is served (`resolve_adapter_mode`), with what that choice costs said in the log."""
+    adapter_mode = resolve_adapter_mode(config.merge_adapter, engine, bool(adapter_path), cuda_available())
+    if adapter_mode == "merged" and config.merge_adapter == "auto":
+        logger.info(
+            "merging the adapter first: vLLM's CPU backend serves LoRA slowly and can fail on seeded "
+            "requests (--no-merge-adapter serves it as a LoRA)"
+        )
+    elif adapter_mode == "vllm-lora" and cuda_available():
+        logger.info(
+            "serving the adapter as a vLLM LoRA: its samples are not reproducible run to run on a GPU "
+            "(vLLM's LoRA kernels); --merge-adapter gives byte-identical reruns"
+        )
+    return adapter_mode

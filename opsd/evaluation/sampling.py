@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opsd.configuration.engine_env import fixed_kv_cache, single_node_engine_env
+from opsd.method.engine_env import single_node_engine_env
 from opsd.method.hidden import left_pad
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def vllm_available() -> bool:
 
 
 class VLLMEngine:
-    """vLLM's offline `LLM`; `lora_path` in `generate` serves a LoRA checkpoint without merging it."""
+    """vLLM's offline `LLM`; `lora_path` in `generate` serves a LoRA checkpoint without merging it;
+    `kv_cache_bytes` fixes its KV cache (None: vLLM sizes it)."""
 
     def __init__(
         self,
@@ -77,9 +78,9 @@ class VLLMEngine:
         max_lora_rank: int = 64,
         dtype: str | None = None,
         kv_cache_dtype: str = "auto",
+        kv_cache_bytes: int | None = None,
     ):
         single_node_engine_env()
-        fixed_kv_cache()
         from vllm import LLM
 
         if dtype is None:
@@ -100,6 +101,8 @@ class VLLMEngine:
             kwargs["max_lora_rank"] = max_lora_rank
         if kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = kv_cache_dtype
+        if kv_cache_bytes is not None:  # a fixed KV cache (OPSD_KV_CACHE_GIB): no start-up memory profile
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 

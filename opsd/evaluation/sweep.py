@@ -64,6 +64,7 @@ from opsd.evaluation.job import EvalJob, resolve_job, resolve_model
 from opsd.evaluation.plan import missing_requests, report_lines
 from opsd.evaluation.requests import ListSource, Request
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
+from opsd.method.engine_env import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class SweepEngine:
             self.base_path, max_model_len=max_model_len, gpu_memory_utilization=self.config.gpu_memory_utilization,
             tensor_parallel_size=self.config.tensor_parallel_size, seed=self.config.seed,
             enable_lora=self.enable_lora, max_lora_rank=rank, kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_bytes=kv_cache_bytes(),
         )  # fmt: skip
         self.starts += 1
 
@@ -366,54 +368,21 @@ def write_table(out: Path, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
 
 def run_sweep(config: EvalConfig) -> list[str]:
     """Score every entry of the sweep (module docstring); returns the table and where things are."""
-    from opsd.evaluation.report import step_point, write_step_plot
+    from opsd.evaluation.report import load_summary
 
     t0 = time.perf_counter()
     out = Path(config.out).expanduser()
     entries = expand(config.checkpoints, config.base)
     declared, why = declare_step(entries, config.step)
     logger.info("reported result, declared before scoring: %s", why)
-    # Every input is checked, and every result directory's settings, before the engine starts.
-    jobs = [resolve_job(child_config(config, e)) for e in entries]
-    base_path = resolve_model(config.model)
-    for entry, job in zip(entries, jobs, strict=True):
-        if entry.kind == "full":
-            _check_full_fine_tune(job, base_path)
+    jobs, base_path = _resolve_jobs(config, entries)
     plans: list[list[Request]] = [missing_requests(job) for job in jobs]
     todo = [(e, j) for e, j, p in zip(entries, jobs, plans, strict=True) if p]
     logger.info("sweep of %d evaluation(s) into %s: %d to sample (%s)", len(entries), out, len(todo),
                 ", ".join(e.name for e, _ in todo) or "none")  # fmt: skip
     vllm = jobs[0].settings.engine_used == "vllm"
     served = SweepEngine(config, base_path, [j for _, j in todo]) if vllm else None
-    lines: list[str] = []
-    engine_start_s = 0.0
-    for i, (entry, job, requests) in enumerate(zip(entries, jobs, plans, strict=True), 1):
-        t_job = time.perf_counter()
-        if not requests and (job.out / SUMMARY_FILE).is_file():
-            logger.info("sweep %d/%d: %s is complete; skipped", i, len(entries), entry.name)
-            continue
-        timings = dict(NO_TIMINGS)
-        if requests:
-            missing = sum(r.count for r in requests)
-            logger.info("sweep %d/%d: %s (%s): %d missing samples into %s", i, len(entries), entry.name,
-                        job.settings.adapter_mode or entry.kind, missing, job.out)  # fmt: skip
-            engine = None
-            if served is not None:
-                t_load = time.perf_counter()
-                started = served.starts
-                engine = served.serve(job)
-                if served.starts > started:
-                    engine_start_s = time.perf_counter() - t_load
-            scratch = job.out / ".merged-model"
-            timings = generate_missing(job, requests, ListSource(requests), job.out / SAMPLES_FILE, scratch,
-                                       served=engine)  # fmt: skip
-            if engine is not None:
-                # Time to put this evaluation's weights in the engine (its start, for the first one).
-                timings["engine_start_s"] = time.perf_counter() - t_load - timings["generation_s"]
-        lines += [f"== {entry.name}", *report_lines(job, timings, time.perf_counter() - t_job)]
-
-    from opsd.evaluation.report import load_summary
-
+    lines, engine_start_s = _sample_entries(entries, jobs, plans, served)
     summaries = [load_summary(str(j.out)) for j in jobs]
     base_summary = summaries[0] if config.base else None
     rows = [_summary_row(e, s, base_summary) for e, s in zip(entries, summaries, strict=True)]
@@ -430,13 +399,86 @@ def run_sweep(config: EvalConfig) -> list[str]:
         ],  # fmt: skip
     }
     table = write_table(out, rows, extra)
+    png = _write_plot(out, entries, jobs, summaries)
+    return [*lines, "", *table, "", *_closing_lines(out, png, rows, extra, declared, why)]
+
+
+def _resolve_jobs(config: EvalConfig, entries: list[Entry]) -> tuple[list[EvalJob], str]:
+    """(every entry's job, the base model's path): every input is checked, and every result directory's
+    settings, before the engine starts."""
+    jobs = [resolve_job(child_config(config, e)) for e in entries]
+    base_path = resolve_model(config.model)
+    for entry, job in zip(entries, jobs, strict=True):
+        if entry.kind == "full":
+            _check_full_fine_tune(job, base_path)
+    return jobs, base_path
+
+
+def _sample_entries(
+    entries: list[Entry], jobs: list[EvalJob], plans: list[list[Request]], served: SweepEngine | None
+) -> tuple[list[str], float]:
+    """Sample every entry's missing samples in order (a complete entry is skipped); returns the entries'
+    report lines and the time the shared engine took to start (0.0 if it did not start)."""
+    lines: list[str] = []
+    engine_start_s = 0.0
+    for i, (entry, job, requests) in enumerate(zip(entries, jobs, plans, strict=True), 1):
+        t_job = time.perf_counter()
+        if not requests and (job.out / SUMMARY_FILE).is_file():
+            logger.info("sweep %d/%d: %s is complete; skipped", i, len(entries), entry.name)
+            continue
+        timings = dict(NO_TIMINGS)
+        if requests:
+            missing = sum(r.count for r in requests)
+            logger.info("sweep %d/%d: %s (%s): %d missing samples into %s", i, len(entries), entry.name,
+                        job.settings.adapter_mode or entry.kind, missing, job.out)  # fmt: skip
+            timings, start_s = _sample_entry(job, requests, served)
+            if start_s is not None:
+                engine_start_s = start_s
+        lines += [f"== {entry.name}", *report_lines(job, timings, time.perf_counter() - t_job)]
+    return lines, engine_start_s
+
+
+def _sample_entry(
+    job: EvalJob, requests: list[Request], served: SweepEngine | None
+) -> tuple[dict[str, float], float | None]:
+    """One entry's missing samples, in the shared engine when there is one; returns its timings and the
+    engine's start time when the engine started for this entry (else None)."""
+    engine = None
+    start_s = None
+    if served is not None:
+        t_load = time.perf_counter()
+        started = served.starts
+        engine = served.serve(job)
+        if served.starts > started:
+            start_s = time.perf_counter() - t_load
+    scratch = job.out / ".merged-model"
+    timings = generate_missing(job, requests, ListSource(requests), job.out / SAMPLES_FILE, scratch,
+                               served=engine)  # fmt: skip
+    if engine is not None:
+        # Time to put this evaluation's weights in the engine (its start, for the first one).
+        timings["engine_start_s"] = time.perf_counter() - t_load - timings["generation_s"]
+    return timings, start_s
+
+
+def _write_plot(
+    out: Path, entries: list[Entry], jobs: list[EvalJob], summaries: list[dict[str, Any]]
+) -> Path:
+    """The score-by-step plot of the base and of the entries whose step is known."""
+    from opsd.evaluation.report import step_point, write_step_plot
+
     points = [step_point(str(j.out), s) for e, j, s in zip(entries, jobs, summaries, strict=True)
               if e.kind == "base" or s.get("step") is not None]  # fmt: skip
-    png = write_step_plot(points, out)
+    return write_step_plot(points, out)
+
+
+def _closing_lines(
+    out: Path, png: Path, rows: list[dict[str, Any]], extra: dict[str, Any], declared: Entry | None, why: str
+) -> list[str]:
+    """Where the table and plot are, and the result declared before scoring (the first row when none was)."""
     head = next(r for r in rows if declared is None or r["name"] == declared.name)
     vs = head["vs_base"]
     diff = "" if not vs else f", {vs['mean_diff']:+.2f} vs base [{_fmt(vs['ci_low'])}, {_fmt(vs['ci_high'])}]"
-    return [*lines, "", *table, "", f"table: {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / SWEEP_FILE}",
+    return [f"table: {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / SWEEP_FILE}",
             f"plot: {png}", f"engine starts: {extra['engine_starts']}",
             f"reported: {head['name']}, declared before scoring ({why})",
             f"  {head['label']} {head['avg']:.2f} ± {_fmt(head['avg_se'])}{diff}"]  # fmt: skip

@@ -3,7 +3,7 @@
 An arm is `NAME=FILE` (a recipe file, e.g. configs/recipes/published.env) or `NAME=KEY=VALUE[,KEY=VALUE]`
 (overrides on top of `--recipe`, recipe.env by default). Either way the arm's whole recipe is written to
 `DIR/recipes/NAME.env` (`Arm.recipe_text`) and every cell of the arm trains from that copy. Arms are compared
-by their parsed settings (`opsd.configuration.sources.recipe.parse_recipe`), not by file text: comments and
+by their parsed settings (`opsd.configuration.sources.parse_recipe`), not by file text: comments and
 key order do not matter.
 """
 
@@ -74,9 +74,9 @@ def absolute_paths(recipe: dict[str, str], cwd: Path) -> dict[str, str]:
 def effective_recipe(settings: dict[str, object]) -> dict[str, object]:
     """The method an arm trains: a dry run's resolved settings (field -> value) restricted to the method's keys
     (`RECIPE_KEYS`), less the fields those settings leave without effect
-    (`opsd.configuration.checks.inert.inert_fields`). Two arms with equal effective recipes train alike."""
-    from opsd.configuration.checks.inert import inert_fields
-    from opsd.configuration.sources.keys import RECIPE_KEYS
+    (`opsd.configuration.checks.inert_fields`). Two arms with equal effective recipes train alike."""
+    from opsd.configuration.checks import inert_fields
+    from opsd.configuration.switches import RECIPE_KEYS
 
     idle = inert_fields(settings)
     return {k: v for k, v in sorted(settings.items()) if k in RECIPE_KEYS and k not in idle}
@@ -86,7 +86,7 @@ def parse_arm(text: str, base_recipe: Path | None, cwd: Path = Path()) -> Arm:
     """`NAME=FILE` or `NAME=KEY=VALUE[,KEY=VALUE...]` (on top of `base_recipe`, None: the defaults) into an Arm;
     UserError if bad, a missing `base_recipe` included. Paths (the file, `PATH_SETTINGS`) are read relative to
     `cwd` and recorded absolute."""
-    from opsd.configuration.sources.recipe import RecipeError, parse_recipe
+    from opsd.configuration.sources import RecipeError, parse_recipe
 
     name, sep, rest = text.partition("=")
     name = name.strip()

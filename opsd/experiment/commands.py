@@ -160,9 +160,8 @@ def visible_gpus(requested: str | None) -> list[str]:
 
 def refuse_method_env(environ=os.environ) -> None:
     """OPSD_* method switches in the environment would apply to every arm unrecorded: they belong in an arm."""
-    from opsd.configuration.sources.aliases import ALIASES
-    from opsd.configuration.sources.keys import CAPPED_KEYS
-    from opsd.configuration.sources.recipe import ENV_PREFIX, RESERVED_ENV
+    from opsd.configuration.sources import RESERVED_ENV
+    from opsd.configuration.switches import ALIASES, CAPPED_KEYS, ENV_PREFIX
 
     found = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if found:
@@ -192,18 +191,54 @@ def split_eval_flags(text: str) -> list[str]:
 
 
 def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.Spec:
+    """The experiment's spec from the flags, each value not given kept from `old` (the recorded spec) or the
+    default; every value is checked here, before anything runs."""
     from opsd.launch.capped import PROFILES
 
     profile = a.profile or (old.profile if old else "full")
     if profile not in PROFILES:
         raise UserError(f"--profile {profile!r}: choose one of {', '.join(sorted(PROFILES))}")
-    # Every path a user gives is read where it was given, and recorded absolute: the jobs run in the checkout.
+    eval_flags = _eval_flags(a, old)
+    gpus_per_run = _gpus_per_run(a, old, gpus)
+    arms = _arms(a, old)
+    if a.model == "":
+        raise UserError(
+            "--model '': name a model (a hub id, a local directory, or `embedded` for the embedded "
+            "SmolLM2-135M-Instruct), or leave --model out for the profile's"
+        )
+    seeds = (
+        S.parse_seeds(a.seeds)
+        if a.seeds is not None
+        else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
+    )
+    prof = PROFILES[profile]
+    for value, what in ((a.model, "--model"), (a.dataset, "--dataset")):
+        if value is not None:
+            S.check_text(value, what)  # before it is read as a path: a NUL byte is no path
+    accelerate = _accelerate_config(a, old)
+    return S.Spec(
+        profile=profile,
+        model=S.absolute_path(a.model) if a.model is not None else (old.model if old else prof.model),
+        dataset=S.absolute_path(a.dataset, data=True) if a.dataset is not None else (old.dataset if old else prof.dataset),
+        eval_flags=eval_flags, gpus_per_run=gpus_per_run, arms=arms or dict(old.arms), seeds=seeds,
+        accelerate_config=accelerate,
+    )  # fmt: skip
+
+
+def _eval_flags(a: argparse.Namespace, old: S.Spec | None) -> list[str]:
+    """The evaluation's flags, checked. Every path a user gives is read where it was given, and recorded
+    absolute: the jobs run in the checkout."""
     eval_flags = (
         S.absolute_eval_flags(split_eval_flags(a.eval_flags))
         if a.eval_flags is not None
         else (old.eval_flags if old else [])
     )
     S.check_eval_flags(eval_flags)
+    return eval_flags
+
+
+def _gpus_per_run(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> int:
+    """GPUs per cell: 1, 2, 4 or 8 dividing the visible GPUs, or 0 without GPUs (one CPU process per cell)."""
     gpus_per_run = (
         a.gpus_per_run if a.gpus_per_run is not None else (old.gpus_per_run if old else (1 if gpus else 0))
     )
@@ -218,6 +253,12 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
         raise UserError(
             f"--gpus-per-run {gpus_per_run} does not divide the {len(gpus)} GPU(s) {','.join(gpus)}"
         )
+    return gpus_per_run
+
+
+def _arms(a: argparse.Namespace, old: S.Spec | None) -> dict[str, dict]:
+    """The arms the flags name ({name: {recipe, source}}; empty: the recorded ones stay), each parsed against
+    --recipe; a new experiment needs two."""
     base_recipe = None
     if a.recipe:  # '' starts inline arms from the defaults
         from opsd.paths import RECIPE_FILE, check_file
@@ -240,33 +281,18 @@ def make_spec(a: argparse.Namespace, old: S.Spec | None, gpus: list[str]) -> S.S
             f"a new experiment needs at least two arms, got {len(arms)}: --arm NAME=RECIPE_FILE or "
             "--arm NAME=KEY=VALUE, once per arm"
         )
-    if a.model == "":
-        raise UserError(
-            "--model '': name a model (a hub id, a local directory, or `embedded` for the embedded "
-            "SmolLM2-135M-Instruct), or leave --model out for the profile's"
-        )
-    seeds = (
-        S.parse_seeds(a.seeds)
-        if a.seeds is not None
-        else (old.seeds if old else S.parse_seeds(DEFAULT_SEEDS))
-    )
-    prof = PROFILES[profile]
-    for value, what in ((a.model, "--model"), (a.dataset, "--dataset")):
-        if value is not None:
-            S.check_text(value, what)  # before it is read as a path: a NUL byte is no path
+    return arms
+
+
+def _accelerate_config(a: argparse.Namespace, old: S.Spec | None) -> str:
+    """The accelerate config file, resolved ('' for none), or the recorded one when the flag is not given."""
     accelerate = old.accelerate_config if old and a.accelerate_config is None else (a.accelerate_config or "")
     if accelerate:
         from opsd.paths import ACCELERATE_CONFIG, check_file
 
         accelerate = str(check_file(accelerate, ACCELERATE_CONFIG).resolve())
         S.check_text(accelerate, "--accelerate-config")
-    return S.Spec(
-        profile=profile,
-        model=S.absolute_path(a.model) if a.model is not None else (old.model if old else prof.model),
-        dataset=S.absolute_path(a.dataset, data=True) if a.dataset is not None else (old.dataset if old else prof.dataset),
-        eval_flags=eval_flags, gpus_per_run=gpus_per_run, arms=arms or dict(old.arms), seeds=seeds,
-        accelerate_config=accelerate,
-    )  # fmt: skip
+    return accelerate
 
 
 def dry_run_argv(scratch: Path, spec: S.Spec, arm: str) -> list[str]:
@@ -358,7 +384,7 @@ def check_distinct_arms(spec: S.Spec, resolved: dict[str, dict], fresh: list[str
     nothing; log a warning for each such setting of an arm that differs all the same."""
     from dataclasses import fields
 
-    from opsd.configuration.checks.inert import inert_fields
+    from opsd.configuration.checks import inert_fields
     from opsd.configuration.config import OPSDConfig
     from opsd.experiment.arms import effective_recipe
 

@@ -405,7 +405,7 @@ _REWRITE = "it was edited or damaged: restore it, or run the experiment again in
 
 def _check_data(data: dict) -> str | None:
     """What is wrong with experiment.json's content, in words; None when every field is as a run writes it."""
-    from opsd.configuration.sources.recipe import RecipeError, parse_recipe
+    from opsd.configuration.sources import RecipeError, parse_recipe
     from opsd.launch.capped import PROFILES
 
     names = [f.name for f in fields(Spec)]
@@ -490,7 +490,7 @@ def save(directory: Path, spec: Spec) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     write_atomically(directory / EXPERIMENT_FILE, text.encode())
     (directory / RECIPES).mkdir(exist_ok=True)
-    from opsd.configuration.sources.recipe import parse_recipe
+    from opsd.configuration.sources import parse_recipe
 
     for name, recipe in recipes.items():
         path = recipe_path(directory, name)

@@ -621,19 +621,39 @@ def _benchmark_lines(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """verdict.md: the settings, the arms' table, each arm against the baseline, the benchmarks, the ledger and
+    how to read the intervals."""
+    names = _metric_names(result)
+    planned = result["seeds_planned"]
+    lines = [f"# Experiment {_code(result['directory'])}", ""]
+    lines += _setting_lines(result, names)
+    lines += _arm_lines(result, names)
+    lines += _comparison_lines(result)
+    lines += _benchmark_lines(result)
+    lines += _ledger_lines(result, len(planned))
+    lines += _reading_lines()
+    return "\n".join(lines)
+
+
+def _metric_names(result: dict[str, Any]) -> dict[str, str]:
+    """Each metric's name in the tables, as the evaluation labels it (avg@n, pass@k, maj@k)."""
     labels = result["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
-    names = {
+    return {
         "avg": labels["avg"],
         "pass_at_k": labels["pass_at_k"],
         "maj": labels["maj"],
         "format_rate": "format",
     }
+
+
+def _setting_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """What was run: profile, model, data, evaluation flags and seeds; the base model, the benchmarks and the
+    reported step where there are."""
     planned = result["seeds_planned"]
-    lines = [f"# Experiment {_code(result['directory'])}", ""]
     s = result["settings"]
-    lines += [f"Profile {_code(s['profile'])}, model {_code(s['model'] or '(embedded SmolLM2-135M)')}, training data "
-              f"{_code(s['dataset'])}, evaluation flags {_code(' '.join(s['eval_flags']) or '(eval_aime.py defaults)')}; "
-              f"seeds planned: {', '.join(map(str, planned))}. Points are percent; ± is the between-seed SE.", ""]  # fmt: skip
+    lines = [f"Profile {_code(s['profile'])}, model {_code(s['model'] or '(embedded SmolLM2-135M)')}, training data "
+             f"{_code(s['dataset'])}, evaluation flags {_code(' '.join(s['eval_flags']) or '(eval_aime.py defaults)')}; "
+             f"seeds planned: {', '.join(map(str, planned))}. Points are percent; ± is the between-seed SE.", ""]  # fmt: skip
     if result["base"]:
         b = result["base"]
         n_base = len(result["base_per_seed"])
@@ -645,8 +665,14 @@ def markdown(result: dict[str, Any]) -> str:
                   "benchmark's own follow under Per benchmark.", ""]  # fmt: skip
     if result.get("step", S.STEPS) != S.STEPS:
         lines += [f"Reported step: {result['step']}, declared with --step in the evaluation flags.", ""]
-    lines += ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
-              "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
+    return lines
+
+
+def _arm_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """## Arms: each arm's mean over its seeds; the seeds missing and what the curves and timings leave out."""
+    planned = result["seeds_planned"]
+    lines = ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
+             "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
     for arm, e in result["arms"].items():
         got = len(e["per_seed"])
         vs_base = _ci(e.get("vs_base", {}).get("accuracy", {}).get("interval"))
@@ -663,7 +689,13 @@ def markdown(result: dict[str, Any]) -> str:
                   "whole number)."]  # fmt: skip
     if result["jobs_lines_skipped"]:
         lines += ["", "The job timings leave out the last line of jobs.jsonl, cut short by a stop mid-write."]
-    lines += ["", f"## Against the baseline `{result['baseline']}`", ""]
+    return lines
+
+
+def _comparison_lines(result: dict[str, Any]) -> list[str]:
+    """## Against the baseline: each arm's verdict per comparison, with its seeds, bootstrap and planning."""
+    planned = result["seeds_planned"]
+    lines = ["", f"## Against the baseline `{result['baseline']}`", ""]
     if not result["comparisons"]:
         lines += ["No comparison yet: the baseline and another arm need at least one common scored seed.", ""]
     for arm, comp in result["comparisons"].items():
@@ -680,19 +712,21 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"  - {_split(c['variance'])}")
             lines.append(f"  - {c['planning']}")
         lines.append("")
-    lines += _benchmark_lines(result)
-    lines += _ledger_lines(result, len(planned))
-    lines += ["## How to read this", "",
-              "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
-              "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "
-              "difference carries its own evaluation noise and the seed-to-seed spread of training, so the "
-              "interval carries both: every training seed draws its own evaluation samples (the same in every "
-              "arm and in the base model for that seed), so the evaluation noise averages out over seeds too. It "
-              "holds the problem set fixed. The bootstrap beside it also resamples problems; with few seeds it is "
-              "too narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread. "
-              "The detectable difference and the seeds needed are estimates from the seeds run: their 95% range "
-              "says how far they can be off.", ""]  # fmt: skip
-    return "\n".join(lines)
+    return lines
+
+
+def _reading_lines() -> list[str]:
+    """## How to read this: what the intervals hold and leave out."""
+    return ["## How to read this", "",
+            "The interval reported is the seed-paired t interval: the mean over seeds of (arm − baseline), "
+            "each seed's difference paired per (problem, sample), with Student's t over the seeds. Each seed's "
+            "difference carries its own evaluation noise and the seed-to-seed spread of training, so the "
+            "interval carries both: every training seed draws its own evaluation samples (the same in every "
+            "arm and in the base model for that seed), so the evaluation noise averages out over seeds too. It "
+            "holds the problem set fixed. The bootstrap beside it also resamples problems; with few seeds it is "
+            "too narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread. "
+            "The detectable difference and the seeds needed are estimates from the seeds run: their 95% range "
+            "says how far they can be off.", ""]  # fmt: skip
 
 
 def figures(result: dict[str, Any]) -> dict[str, bytes]:

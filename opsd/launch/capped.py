@@ -6,7 +6,7 @@ number of processes. How each process splits its share into micro-batches is mem
 (`opsd.speed.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine
 on a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
 `-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
-which `opsd_train.py --capped` checks against the whitelist in `opsd.configuration.sources.recipe`.
+which `opsd_train.py --capped` checks against the whitelist (the roles declared in `opsd.configuration.switches`).
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
@@ -163,7 +163,7 @@ def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
     import io
     import logging
 
-    from opsd.configuration.engine_env import training_process_env
+    from opsd.method.engine_env import training_process_env
 
     training_process_env()  # as opsd_train.py sets it, before TRL loads
     from opsd.launch.preflight import dry_run
@@ -185,12 +185,44 @@ def check_config(plan: Plan, root: Path, *, debug: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Plan the capped run, check it as training will, print the plan; then (not in a dry run) train."""
+    argv, passthrough = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    debug, argv = split_debug(argv)
+    a = _parser().parse_args(argv)
+    visible, gpu, num_gpus = _gpu_processes(a)
+    root = Path(a.root)
+    # Absolute, not resolved: a message about the recipe names the file given, not where a link leads.
+    recipe = Path(a.recipe).expanduser().absolute() if a.recipe else root / "recipe.env"
+    try:
+        if a.runs_dir:  # runs/<name>/capped_seed<seed> is created under it: it must be or become a directory
+            check_output_dir(a.runs_dir, "--runs-dir")
+        notes = _machine_notes(a, visible, gpu, num_gpus)
+        plan = _launch_plan(a, num_gpus, gpu, root, recipe, passthrough)
+        from opsd.configuration.sources import resolve_with_replaced
+
+        overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
+        checked = check_config(plan, root, debug=debug)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        return report(err, "train_capped", debug=debug)
+    out = _printed_plan(plan, overrides, replaced, checked, notes)
+    print(json.dumps(out, indent=1, default=str), file=sys.stderr if not a.dry_run else sys.stdout)
+    if a.dry_run:
+        return 0
+    return _train(plan)
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the harness's own flags, the flags after `--`): everything after `--` goes to opsd_train.py
+    (operational keys only)."""
     passthrough: list[str] = []
-    if "--" in argv:  # everything after `--` goes to opsd_train.py (operational keys only)
+    if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
-    debug, argv = split_debug(argv)
+    return argv, passthrough
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The harness's flags (the module docstring's synopsis)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="opsd")
     p.add_argument("--seed", type=int, default=42)
@@ -224,52 +256,64 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="resume a run whose recipe changed; the changes go to its opsd_config.json history",
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def _gpu_processes(a: argparse.Namespace) -> tuple[int, bool, int]:
+    """(GPUs visible, whether the plan is for GPUs, processes planned): an explicit --num-gpus plans GPU
+    processes whatever this machine has; without it, DEFAULT_GPUS where a GPU is present, else one CPU process."""
     import torch
 
     visible = torch.cuda.device_count()
     gpu = a.num_gpus is not None or visible > 0
     num_gpus = a.num_gpus if a.num_gpus is not None else (DEFAULT_GPUS if visible else 1)
-    root = Path(a.root)
-    # Absolute, not resolved: a message about the recipe names the file given, not where a link leads.
-    recipe = Path(a.recipe).expanduser().absolute() if a.recipe else root / "recipe.env"
-    notes = []
-    try:
-        if a.runs_dir:  # runs/<name>/capped_seed<seed> is created under it: it must be or become a directory
-            check_output_dir(a.runs_dir, "--runs-dir")
-        if gpu and visible < num_gpus:
-            problem = f"{num_gpus} GPU process(es) planned, and this machine has {visible} GPU(s)"
-            if a.dry_run:
-                notes.append(f"{problem}: this is the plan for a machine with {num_gpus}")
-            elif visible == 0:
-                raise UserError(
-                    f"{problem}; run on a machine with {num_gpus} GPUs, or leave out --num-gpus to train in one "
-                    "CPU process (--profile demo or smoke fit a CPU)"
-                )
-            else:
-                raise UserError(
-                    f"{problem}; pass --num-gpus {visible} (the same budget) or run where there are more"
-                )
-        plan = make_plan(
-            name=a.name, seed=a.seed, num_gpus=num_gpus, profile=a.profile, model=a.model,
-            dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
-            runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
-            accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
-        )  # fmt: skip
-        from opsd.configuration.sources.keys import BUDGET_KEYS, CAPPED_KEYS
-        from opsd.configuration.sources.recipe import (
-            flag_overrides,
-            replaced_message,
-            resolve_with_replaced,
-            to_argv,
-        )
+    return visible, gpu, num_gpus
 
-        plan.command += to_argv(flag_overrides(passthrough))
-        plan.command += ["--allow-config-change"] if a.allow_config_change else []
-        overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
-        checked = check_config(plan, root, debug=debug)
-    except (UserError, ValueError, FileNotFoundError) as err:
-        return report(err, "train_capped", debug=debug)
+
+def _machine_notes(a: argparse.Namespace, visible: int, gpu: bool, num_gpus: int) -> list[str]:
+    """More GPU processes planned than this machine has: a note in a dry run (the plan for a bigger machine),
+    else a refusal that says what to pass."""
+    notes = []
+    if gpu and visible < num_gpus:
+        problem = f"{num_gpus} GPU process(es) planned, and this machine has {visible} GPU(s)"
+        if a.dry_run:
+            notes.append(f"{problem}: this is the plan for a machine with {num_gpus}")
+        elif visible == 0:
+            raise UserError(
+                f"{problem}; run on a machine with {num_gpus} GPUs, or leave out --num-gpus to train in one "
+                "CPU process (--profile demo or smoke fit a CPU)"
+            )
+        else:
+            raise UserError(
+                f"{problem}; pass --num-gpus {visible} (the same budget) or run where there are more"
+            )
+    return notes
+
+
+def _launch_plan(
+    a: argparse.Namespace, num_gpus: int, gpu: bool, root: Path, recipe: Path, passthrough: list[str]
+) -> Plan:
+    """The plan (`make_plan`), its command extended with the pass-through flags (operational keys only) and
+    --allow-config-change."""
+    plan = make_plan(
+        name=a.name, seed=a.seed, num_gpus=num_gpus, profile=a.profile, model=a.model,
+        dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
+        runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
+        accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
+    )  # fmt: skip
+    from opsd.configuration.sources import flag_overrides, to_argv
+
+    plan.command += to_argv(flag_overrides(passthrough))
+    plan.command += ["--allow-config-change"] if a.allow_config_change else []
+    return plan
+
+
+def _printed_plan(plan: Plan, overrides, replaced, checked: dict, notes: list[str]) -> dict:
+    """The plan as printed: the command, the recipe's overrides (and the lines an OPSD_* value replaces), the
+    values training will use for every key the harness fixes or lets you tune, and the budget arithmetic."""
+    from opsd.configuration.sources import replaced_message
+    from opsd.configuration.switches import BUDGET_KEYS, CAPPED_KEYS
+
     out = asdict(plan)
     out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
     out["replaced"] = [replaced_message(o, by) for o, by in replaced]  # recipe lines an OPSD_* value replaces
@@ -284,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{micro['accumulation']} accumulation x {plan.num_processes} process(es) ({micro['reason']})"
     )
     out["shell"] = shlex.join(plan.command)
-    print(json.dumps(out, indent=1, default=str), file=sys.stderr if not a.dry_run else sys.stdout)
-    if a.dry_run:
-        return 0
+    return out
+
+
+def _train(plan: Plan) -> int:
+    """Run the planned command; a run that stops before its final checkpoint is complete says how to resume."""
     rc = subprocess.run(plan.command).returncode
     final = Path(plan.final_checkpoint)
     if rc != 0 or not (final / ".complete").is_file():

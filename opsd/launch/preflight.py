@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.sources.cli import parse_config
+from opsd.configuration.sources import parse_config
 from opsd.paths import check_output_dir
 
 logger = logging.getLogger("opsd")
@@ -108,7 +108,7 @@ def check_run(config: OPSDConfig, extra: argparse.Namespace, *, num_processes: i
     """Every check before the model loads: the inputs (`check_inputs`), `OPSD_KV_CACHE_GIB`, and that a rerun in
     a run directory keeps its method and budget (opsd/run/resume.py; `num_processes` too, None in a dry run)
     and its teacher pairing (opsd/run/resume.py), refused before anything is written. Raises `UserError`."""
-    from opsd.configuration.engine_env import kv_cache_gib
+    from opsd.method.engine_env import kv_cache_gib
     from opsd.run.resume import check_saved_pairing, json_settings, resume_history
 
     dataset, pairing_record = check_inputs(config, dry_run=extra.dry_run)
@@ -134,7 +134,7 @@ def dry_run_report(config: OPSDConfig, extra: argparse.Namespace) -> dict[str, A
         config,
         checked.dataset,
         None,
-        colocated_engine=config.rollout_engine != "transformers" and config.vllm_mode == "colocate",
+        colocated_engine=config.use_vllm and config.vllm_mode == "colocate",
         prompt_builder=None,  # no model path: no plan reads the prompts
     )
     return {

@@ -74,37 +74,46 @@ def completion_rows(
         if n == 0:
             start += n
             continue
-        row = {
-            "step": step,
-            "problem": problems[b],
-            "reference": references[b],
-            "completion": tokenizer.decode(ids.tolist()),
-            "num_tokens": n,
-            "divergence_mean": None,
-            "divergence_max": None,
-            "divergence_first": None,
-            "top_tokens": [],
-        }
+        row = _plain_row(step, problems[b], references[b], tokenizer.decode(ids.tolist()), n)
         if teacher_hidden_NH is not None:
             h_s, h_t = student_hidden_NH[start : start + n], teacher_hidden_NH[start : start + n]
-            _, stats, _ = token_divergence_with_grad(
-                head_logits(h_s, student_weight_VH, transform),
-                head_logits(h_t, teacher_weight_VH, transform),
-                settings=settings,
-                target_ids_N=ids,
-                need_grad=False,
-            )
-            d = stats["divergence"]
-            worst = d.topk(min(TOP_TOKENS, n)).indices.tolist()
-            row.update(
-                divergence_mean=float(d.mean()),
-                divergence_max=float(d.max()),
-                divergence_first=float(d[0]),
-                top_tokens=[[i, tokenizer.decode([int(ids[i])]), float(d[i])] for i in worst],
-            )
+            logits_s = head_logits(h_s, student_weight_VH, transform)
+            logits_t = head_logits(h_t, teacher_weight_VH, transform)
+            row.update(_divergence_fields(logits_s, logits_t, ids, settings, tokenizer))
         out.append(row)
         start += n
     return out
+
+
+def _plain_row(step: int, problem: str, reference: str, completion: str, n: int) -> dict[str, Any]:
+    """A row's text and length, its divergence fields empty (what a loss without a teacher logs)."""
+    return {
+        "step": step,
+        "problem": problem,
+        "reference": reference,
+        "completion": completion,
+        "num_tokens": n,
+        "divergence_mean": None,
+        "divergence_max": None,
+        "divergence_first": None,
+        "top_tokens": [],
+    }
+
+
+def _divergence_fields(logits_s, logits_t, ids, settings: LossSettings, tokenizer) -> dict[str, Any]:
+    """A row's divergence summary from its student and teacher logits (n, V): the loss's own per-token D_β,
+    its mean, max, first value and the `TOP_TOKENS` largest with their text."""
+    _, stats, _ = token_divergence_with_grad(
+        logits_s, logits_t, settings=settings, target_ids_N=ids, need_grad=False
+    )
+    d = stats["divergence"]
+    worst = d.topk(min(TOP_TOKENS, len(ids))).indices.tolist()
+    return {
+        "divergence_mean": float(d.mean()),
+        "divergence_max": float(d.max()),
+        "divergence_first": float(d[0]),
+        "top_tokens": [[i, tokenizer.decode([int(ids[i])]), float(d[i])] for i in worst],
+    }
 
 
 def append(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:

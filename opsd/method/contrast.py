@@ -13,7 +13,7 @@ column of the trainer's table (`contrast_context`), made at load time beside `pr
   `teacher_ref_max_chars` before its boxed answer is such a row. Results stated as the answer's value (`= 14`)
   are replaced with it; wrong hints that still mention that value elsewhere are counted and logged. It is
   refused with `teacher_ref_fraction` < 1 (the cut would most often remove the answer from both hints:
-  opsd.configuration.checks.ranges).
+  opsd.configuration.checks.check_teacher_variants).
 
 The column is built from each row's own reference and answer, before the teacher pairing: a shuffled pairing
 then moves c and c~ together, so a teacher reading another problem's reference is contrasted with that

@@ -15,18 +15,16 @@ an engine started once can serve the base model and any number of checkpoints (e
 
 Engine. The colocated engine runs at the trainer's dtype (`engine_arguments`: TRL starts vLLM without one, and
 vLLM's CPU backend would run a float32 model in bfloat16, so rollouts would come from another model than the one the
-loss scores), an MLA model on vLLM's CPU_MLA backend on a CPU (`opsd.configuration.engine_env.cpu_mla_backend`),
+loss scores), an MLA model on vLLM's CPU_MLA backend on a CPU (`opsd.method.engine_env.cpu_mla_backend`),
 and returns the log-prob of every sampled token (`rollout/logprob_gap`, `opsd.run.logprob_gap`). A failure of
 vLLM's once it is up (a push, a generation) is one line, as at its start (`opsd.method.engine_classes`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -54,16 +52,20 @@ def first_rollout_row(process_index: int, tensor_parallel_size: int, num_rows: i
 
 class RolloutSeeds:
     """The seeds of a run's rollouts: `for_rows(first, n)` for n rows starting at global position `first` of
-    the current step (`step_of()`, e.g. the trainer's global step), or of the probe inside `probe()`."""
+    step `current_step` (set by the engine before each generation), or of the probe inside `probe()`."""
 
-    def __init__(self, seed: int, step_of: Callable[[], int]):
+    def __init__(self, seed: int):
         self.seed = seed
-        self._step_of = step_of
+        self.current_step = 0
         self._override: int | None = None
 
     @property
     def step(self) -> int:
-        return self._step_of() if self._override is None else self._override
+        return self.current_step if self._override is None else self._override
+
+    def at_step(self, step: int) -> None:
+        """The rows generated next are step `step`'s."""
+        self.current_step = step
 
     def for_rows(self, first: int, n: int) -> list[int]:
         return [row_seed(self.seed, self.step, first + j) for j in range(n)]
@@ -76,27 +78,6 @@ class RolloutSeeds:
             yield
         finally:
             self._override = None
-
-
-class SeededLLM:
-    """A `vllm.LLM` whose `generate` gives every prompt its own seed; everything else is the wrapped engine's."""
-
-    def __init__(self, llm, seeds_for: Callable[[int], list[int]]):
-        self.llm = llm
-        self.seeds_for = seeds_for  # number of prompts -> one seed per prompt
-
-    def __getattr__(self, name):
-        return getattr(self.llm, name)
-
-    def generate(self, prompts, sampling_params=None, **kwargs):
-        if sampling_params is not None and not isinstance(sampling_params, list | tuple):
-            per_row = []
-            for seed in self.seeds_for(len(prompts)):
-                sp = sampling_params.clone()
-                sp.seed = seed
-                per_row.append(sp)
-            sampling_params = per_row
-        return self.llm.generate(prompts, sampling_params=sampling_params, **kwargs)
 
 
 # -- weights ------------------------------------------------------------------------------------------------
@@ -253,9 +234,8 @@ def sync_colocated_engine(generation, model, *, on_cpu: bool) -> None:
         tied = model.config.get_text_config().tie_word_embeddings
         push_weights(llm, weights, tie_word_embeddings=tied)
         return
-    if generation.enable_sleep_mode:
+    if generation.enable_sleep_mode:  # TRL's `generate` calls this before each generation (the weights slept)
         llm.wake_up(tags=["weights"])
-        generation._llm_weights_sleeping = False
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
 
@@ -269,164 +249,8 @@ def weights_dtype(model) -> torch.dtype:
 
 def engine_arguments(model) -> dict:
     """What OPSD's colocated engine starts with beside TRL's arguments, for the trainer's `model`: its dtype, and
-    vLLM's CPU_MLA backend for an MLA model on a CPU (`opsd.configuration.engine_env.cpu_mla_backend`)."""
-    from opsd.configuration.engine_env import cpu_mla_backend
+    vLLM's CPU_MLA backend for an MLA model on a CPU (`opsd.method.engine_env.cpu_mla_backend`)."""
+    from opsd.method.engine_env import cpu_mla_backend
 
     dtype = str(weights_dtype(model)).removeprefix("torch.")
     return {"dtype": dtype, **cpu_mla_backend(model.config.get_text_config())}
-
-
-@contextmanager
-def opsd_engine(
-    seeds: RolloutSeeds,
-    clock,
-    *,
-    max_num_seqs: int,
-    tensor_parallel_size: int,
-    process_index: int,
-    owner=None,
-    log_dir: str | None = None,
-):
-    """While active, the engine TRL's trainer creates is OPSD's (`OPSDGeneration`): SDFTTrainer.__init__ builds
-    `trl.generation.vllm_generation.VLLMGeneration` by name and has no setting for its class, so the name is
-    replaced for the duration, in `owner` (the module whose global the trainer reads: TRL's `vllm_generation` for
-    SDFTTrainer, `trl.trainer.grpo_trainer` for GRPOTrainer, which imports the class by name). `clock` (a
-    `PhaseClock`) times the weight pushes as phase `weight_sync`; a failure of the started engine keeps its log in
-    `log_dir` (the run directory)."""
-    if owner is None:
-        from trl.generation import vllm_generation as owner
-
-    original = owner.VLLMGeneration
-    owner.VLLMGeneration = functools.partial(
-        _generation_class(original),
-        seeds=seeds,
-        clock=clock,
-        max_num_seqs_limit=max_num_seqs,
-        rank_in_batch=process_index // tensor_parallel_size,
-        first_row=lambda n: first_rollout_row(process_index, tensor_parallel_size, n),
-        log_dir=log_dir,
-    )
-    try:
-        yield
-    finally:
-        owner.VLLMGeneration = original
-
-
-@contextmanager
-def trainer_engine(config, model, seeds: RolloutSeeds, clock, *, owner=None):
-    """The block in which a TRL trainer's `__init__` creates its rollout engine, as every method's trainer drives
-    it: with a colocated engine, the model's classes kept out of the engine's in-place decoration (before it
-    starts), OPSD's engine class (`opsd_engine`; `owner` as there) and a start-up failure refused in one line."""
-    from opsd.method.engine_classes import engine_start_refusal, own_classes
-
-    colocated = config.use_vllm and config.vllm_mode == "colocate"
-    if colocated and isinstance(model, torch.nn.Module):
-        own_classes(model)
-    with (
-        opsd_engine(
-            seeds,
-            clock,
-            max_num_seqs=config.vllm_max_num_seqs,
-            tensor_parallel_size=config.vllm_tensor_parallel_size,
-            process_index=config.process_index,
-            owner=owner,
-            log_dir=config.output_dir,
-        ),
-        engine_start_refusal(colocated, model, config.output_dir),
-    ):
-        yield
-
-
-@functools.cache
-def _generation_class(base: type) -> type:
-    trl_module = sys.modules[base.__module__]  # where TRL's `_init_vllm` reads `LLM`
-
-    class OPSDGeneration(base):
-        """TRL's `VLLMGeneration` with OPSD's seeds and weight pushes, every setting passed where TRL reads it:
-
-        - `max_num_seqs_limit` > 0 caps the colocated engine's batch (TRL sizes it from the batch with no setting
-          of its own). On vLLM's CPU backend a decode step's numerics depend on how many sequences it holds, so
-          one at a time makes seeded rollouts independent of how the batch is split across processes;
-        - a colocated engine does not detokenise: training reads token ids only, and vLLM would otherwise
-          detokenise every sequence at every decode step in this process, between GPU steps;
-        - the colocated engine starts with `engine_arguments` (the trainer's dtype; CPU_MLA on a CPU), which
-          TRL's `_init_vllm` has no setting for;
-        - every generation returns the sampled tokens' log-probs (as processed for sampling: temperature, top-k,
-          top-p), for `rollout/logprob_gap`;
-        - the colocated engine is a `SeededLLM` (one seed per row); a server samples the whole batch from one
-          seed per step and process group (its i-th sample of a prompt from seed + i), in `generation_kwargs`;
-        - `sync_weights`, which TRL calls whenever the weights changed, pushes the merged weights out of place
-          (`sync_colocated_engine`); a server and ZeRO-3's sharded parameters take TRL's path;
-        - a colocated engine's failure in a push or a generation (and the sleep and wake-up inside them) is one
-          line (`opsd.method.engine_classes.engine_failure`), its log kept in `log_dir`.
-        """
-
-        def __init__(
-            self, *args, seeds, clock, max_num_seqs_limit, rank_in_batch, first_row, log_dir, **kwargs
-        ):
-            self.seeds, self.clock = seeds, clock
-            self.rank_in_batch, self.first_row = rank_in_batch, first_row
-            self.log_dir = log_dir
-            self.generations = 0
-            if max_num_seqs_limit > 0:
-                kwargs["max_num_seqs"] = max_num_seqs_limit
-            if kwargs.get("mode") == "colocate":
-                kwargs["generation_kwargs"] = {"detokenize": False, **(kwargs.get("generation_kwargs") or {})}
-            if kwargs.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
-                kwargs["logprobs"] = 0
-            super().__init__(*args, **kwargs)
-
-        def _init_vllm(self) -> None:
-            if self.mode != "colocate":
-                super()._init_vllm()
-                return
-            arguments = engine_arguments(self.accelerator.unwrap_model(self.model))
-            llm_class = trl_module.LLM
-            trl_module.LLM = functools.partial(llm_class, **arguments)
-            try:
-                super()._init_vllm()
-            finally:
-                trl_module.LLM = llm_class
-            logger.info(
-                "the colocated vLLM engine runs %s", ", ".join(f"{k}={v}" for k, v in arguments.items())
-            )
-            self.llm = SeededLLM(self.llm, lambda n: self.seeds.for_rows(self.first_row(n), n))
-
-        @property
-        def generation_kwargs(self) -> dict:
-            if self.mode == "colocate":
-                return self.fixed_generation_kwargs
-            return {
-                **self.fixed_generation_kwargs,
-                "seed": row_seed(self.seeds.seed, self.seeds.step, self.rank_in_batch),
-            }
-
-        @generation_kwargs.setter
-        def generation_kwargs(self, value: dict) -> None:
-            self.fixed_generation_kwargs = value
-
-        def _engine_failure(self, failed: str):
-            from opsd.method.engine_classes import engine_failure
-
-            if self.mode != "colocate":
-                return nullcontext()
-            return engine_failure(self.accelerator.unwrap_model(self.model), self.log_dir, failed=failed)
-
-        def generate(self, *args, **kwargs):
-            # The first generation is the first forward: a kernel may refuse the model's shapes there.
-            failed = "on its first generation" if self.generations == 0 else "on a generation"
-            with self._engine_failure(failed):
-                out = super().generate(*args, **kwargs)
-            self.generations += 1
-            return out
-
-        def sync_weights(self) -> None:
-            with self.clock.phase("weight_sync"), self._engine_failure("on a weight push"):
-                plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-                if self.mode != "colocate" or (plugin is not None and plugin.zero_stage == 3):
-                    super().sync_weights()
-                    return
-                on_cpu = self.accelerator.device.type == "cpu"
-                sync_colocated_engine(self, self.accelerator.unwrap_model(self.model), on_cpu=on_cpu)
-
-    return OPSDGeneration

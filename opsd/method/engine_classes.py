@@ -345,7 +345,7 @@ def _cause(err: BaseException, output: str, config=None, declared: dict | None =
 
 def _amx_mla_refusal(message: str, config) -> str | None:
     """The refusal of vLLM's AMX MLA kernel (its choice for MLA on a CPU with AMX, unless CPU_MLA is asked for:
-    `opsd.configuration.engine_env.cpu_mla_backend`) in a few words, naming the kernel and the dimension."""
+    `opsd.method.engine_env.cpu_mla_backend`) in a few words, naming the kernel and the dimension."""
     kernel = "vLLM's AMX MLA kernel (AMX_MLA, picked on a CPU with AMX)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     features = re.search(r"invalid weight input features (\d+)", message)

@@ -18,6 +18,7 @@ whose logits none of them reproduce is refused with one line.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from opsd.errors import UnsupportedModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -357,3 +360,36 @@ def lm_head_weight(model) -> torch.Tensor:
             "use a model whose lm_head has none"
         )
     return head.weight
+
+
+class CheckedForwards:
+    """`completion_hidden` for a trainer's models, with the loss's logit transform picked on the first forward of
+    the first model and checked on the first forward of every model (`resolve_logit_transform`, `one_transform`):
+    `transform` is what the loss applies after the lm_head. `unwrap` gives the bare model of a wrapped one (the
+    accelerator's)."""
+
+    def __init__(self, unwrap, *, fix_positions: bool, pad_token_id: int | None):
+        self.unwrap = unwrap
+        self.fix_positions = fix_positions
+        self.pad_token_id = pad_token_id
+        self.transform: LogitTransform | None = None
+        self.checked: set[int] = set()
+
+    def __call__(self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC):
+        return completion_hidden(
+            model, prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC,
+            fix_positions=self.fix_positions, pad_token_id=self.pad_token_id,
+            on_last_logits=None if id(model) in self.checked else self._check(model),
+        )  # fmt: skip
+
+    def _check(self, model):
+        def check(hidden_BH, logits_BV):
+            unwrapped = self.unwrap(model)
+            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
+            if self.transform is None:
+                logger.info("logit transform after the lm_head, checked against the model's logits: %s",
+                            found.describe())  # fmt: skip
+            self.transform = one_transform(self.transform, found)
+            self.checked.add(id(model))
+
+        return check

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from opsd.method import token_weights
-from opsd.method.contrast_target import bucket_index, contrast_support
+from opsd.method.contrast_target import ContrastSupport, bucket_index, contrast_support
 from opsd.method.hidden import IDENTITY, LogitTransform
 
 STAT_KEYS = ("divergence", "clipped_frac", "top1_agree", "abs_advantage")
@@ -63,13 +63,13 @@ class LossSettings:
     """The loss's arguments, built in one place from a checked config (`loss_settings`).
 
     beta: the divergence's interpolation in [0, 1]; temperature > 0 of both distributions; clip > 0 and
-    clip_mode (opsd.configuration.checks.choices.CLIP_MODES) the clip of the divergence; teacher_support_k:
+    clip_mode (opsd.configuration.switches.CHOICES) the clip of the divergence; teacher_support_k:
     both distributions restricted to the teacher's top-k entries when 0 < k < V, else the full vocabulary;
     loss_type (LOSS_TYPES); chunk_size > 0: tokens whose (chunk, V) logits exist at a time;
     contrast: None for OPSD's teacher, else RLCSD's target (`ContrastSettings`; teacher forwards under wrong
     hints, docs/method.md §1.10); fixed_advantage < 0: the constant advantage of loss_type="fixed_advantage" (no
     teacher); token_weight: the per-token weight (`opsd.method.token_weights.TOKEN_WEIGHTS`). The config checks
-    every value where it enters (opsd/configuration/checks/ranges.py, choices.py); nothing here does again.
+    every value where it enters (opsd/configuration/checks.py); nothing here does again.
     """
 
     beta: float
@@ -99,7 +99,7 @@ def loss_settings(config) -> LossSettings:
     log, benchmarks). Here rather than on the config: the config sits a floor below the method (its fields
     checked there), and what the loss reads of them is the loss's business."""
     contrast = None
-    if config.teacher_contrast != "none":
+    if config.contrast_on:
         contrast = ContrastSettings(
             alpha=config.contrast_weight,
             top_k=config.contrast_top_k,
@@ -120,22 +120,72 @@ def loss_settings(config) -> LossSettings:
     )
 
 
-def pointwise_jsd_terms(logp_s_NV: torch.Tensor, logp_t_NV: torch.Tensor, beta: float) -> torch.Tensor:
-    """Per-vocabulary-entry terms of D_beta; ``terms_NV.sum(-1)`` is the per-token divergence.
+# ------------------------------------------------------------------------------------------------------------
+# The divergence D_beta, one class per case: `terms` (its value per vocabulary entry; the sum over v is the
+# per-token divergence) and `dlogp` (its gradient d D_beta / d log p_S over a support, unclipped), side by side.
+# The endpoints are classes of their own because log(0) * 0 would be NaN in the mixture's formula. Inputs are
+# log-probabilities (N, K); outputs (N, K), no reduction.
+# ------------------------------------------------------------------------------------------------------------
+class ForwardKL:
+    """beta = 0: KL(p_T || p_S). term_v = p_T (log p_T - log p_S); d/dlog p_S = -p_T."""
 
-    term_v = beta p_T (log p_T - log M) + (1 - beta) p_S (log p_S - log M). The endpoints are special-cased
-    (beta = 0: p_T (log p_T - log p_S); beta = 1: p_S (log p_S - log p_T)) because log(0) * 0 would be NaN;
-    for 0 < beta < 1, log M = logaddexp(log beta + log p_T, log(1 - beta) + log p_S) is computed in log space.
-    Inputs are log-probabilities (N, V); output (N, V), no reduction.
-    """
+    @staticmethod
+    def terms(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        return logp_t_NK.exp() * (logp_t_NK - logp_s_NK)
+
+    @staticmethod
+    def dlogp(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        return logp_t_NK.exp().neg_()
+
+
+class ReverseKL:
+    """beta = 1: KL(p_S || p_T). term_v = p_S (log p_S - log p_T); d/dlog p_S = p_S (log p_S - log p_T + 1)."""
+
+    @staticmethod
+    def terms(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        return logp_s_NK.exp() * (logp_s_NK - logp_t_NK)
+
+    @staticmethod
+    def dlogp(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        return (logp_s_NK - logp_t_NK).add_(1.0).mul_(logp_s_NK.exp())
+
+
+@dataclass(frozen=True)
+class GeneralizedJSD:
+    """0 < beta < 1: beta KL(p_T || M) + (1 - beta) KL(p_S || M), M = beta p_T + (1 - beta) p_S.
+    term_v = beta p_T (log p_T - log M) + (1 - beta) p_S (log p_S - log M); d/dlog p_S = (1 - beta) p_S (log p_S -
+    log M) (the terms through M cancel)."""
+
+    beta: float
+
+    def log_mixture(self, logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        """log M in log space: logaddexp(log beta + log p_T, log(1 - beta) + log p_S)."""
+        return torch.logaddexp(logp_t_NK + math.log(self.beta), logp_s_NK + math.log1p(-self.beta))
+
+    def terms(self, logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        log_m_NK = self.log_mixture(logp_s_NK, logp_t_NK)
+        return self.beta * logp_t_NK.exp() * (logp_t_NK - log_m_NK) + (1.0 - self.beta) * logp_s_NK.exp() * (
+            logp_s_NK - log_m_NK
+        )
+
+    def dlogp(self, logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor) -> torch.Tensor:
+        log_m_NK = self.log_mixture(logp_s_NK, logp_t_NK)
+        return (logp_s_NK - log_m_NK).mul_(logp_s_NK.exp()).mul_(1.0 - self.beta)
+
+
+def divergence(beta: float) -> ForwardKL | ReverseKL | GeneralizedJSD:
+    """D_beta's class: forward KL at beta = 0, reverse KL at beta = 1, the generalized JSD in between."""
     if beta == 0.0:
-        return logp_t_NV.exp() * (logp_t_NV - logp_s_NV)
+        return ForwardKL()
     if beta == 1.0:
-        return logp_s_NV.exp() * (logp_s_NV - logp_t_NV)
-    log_m_NV = torch.logaddexp(logp_t_NV + math.log(beta), logp_s_NV + math.log1p(-beta))
-    return beta * logp_t_NV.exp() * (logp_t_NV - log_m_NV) + (1.0 - beta) * logp_s_NV.exp() * (
-        logp_s_NV - log_m_NV
-    )
+        return ReverseKL()
+    return GeneralizedJSD(beta)
+
+
+def pointwise_jsd_terms(logp_s_NV: torch.Tensor, logp_t_NV: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-vocabulary-entry terms of D_beta (`divergence(beta).terms`); ``terms_NV.sum(-1)`` is the per-token
+    divergence. Inputs are log-probabilities (N, V); output (N, V), no reduction."""
+    return divergence(beta).terms(logp_s_NV, logp_t_NV)
 
 
 def clip_divergence(
@@ -180,19 +230,6 @@ def log_prob_at(
 ) -> torch.Tensor:
     """log p(y) = logit_y / tau - logsumexp over the support (full vocab, or the teacher's top-k)."""
     return scaled_logits_NV.gather(-1, ids_N[:, None]).squeeze(-1) - support_NK.logsumexp(-1)
-
-
-def jsd_dlogp(logp_s_NK: torch.Tensor, logp_t_NK: torch.Tensor, beta: float) -> torch.Tensor:
-    """a = d D_beta / d log p_S over a support (N, K), unclipped:
-    beta = 0:      -p_T                               (forward KL)
-    beta = 1:       p_S (log p_S - log p_T + 1)       (reverse KL)
-    0 < beta < 1:  (1 - beta) p_S (log p_S - log M)"""
-    if beta == 0.0:
-        return logp_t_NK.exp().neg_()
-    if beta == 1.0:
-        return (logp_s_NK - logp_t_NK).add_(1.0).mul_(logp_s_NK.exp())
-    log_m_NK = torch.logaddexp(logp_t_NK + math.log(beta), logp_s_NK + math.log1p(-beta))
-    return (logp_s_NK - log_m_NK).mul_(logp_s_NK.exp()).mul_(1.0 - beta)
 
 
 @dataclass(frozen=True)
@@ -241,15 +278,17 @@ def token_divergence_with_grad(
     """Per-token OPSD loss on flat tokens, and d(loss_N.sum())/d(student logits) (N, V) in float32 written out
     in closed form instead of recorded by autograd (the chunked loss's inner step); math in float32.
 
-    The loss's target is the teacher (`_teacher_loss`: both distributions log_softmax(logits / temperature), over
+    The loss's target is the teacher (`_TeacherTarget`: both distributions log_softmax(logits / temperature), over
     the teacher's top-k when ``settings.teacher_support_k > 0``), RLCSD's q with ``settings.contrast`` (`contrast`:
-    the wrong hints' logits (J, N, V), valid (J, N), eos id; `_contrast_loss`), or none (`_fixed_advantage`).
-    loss_type="jsd": the clipped sum_v term_v (`clip_divergence`); "sampled_token": -sg(A) log p_S(y) with
-    A = log p_target(y) - log p_S(y), y = target_ids_N, unclipped; "fixed_advantage": -a log p_S(y). A token
-    weight (`settings.token_weight`) multiplies loss and gradient; the row-wise ones come as `weights_N`.
+    the wrong hints' logits (J, N, V), valid (J, N), eos id; `_ContrastTarget`), or none (`_fixed_advantage_loss`).
+    Each loss type has one function with its value and its gradient: loss_type="jsd" (`_divergence_loss`): the
+    clipped sum_v term_v (`clip_divergence`) of D_beta (`divergence`: `ForwardKL`, `ReverseKL`, `GeneralizedJSD`);
+    "sampled_token" (`_sampled_token_loss`): -sg(A) log p_S(y) with A = log p_target(y) - log p_S(y),
+    y = target_ids_N, unclipped; "fixed_advantage" (`_fixed_advantage_loss`): -a log p_S(y). A token weight
+    (`settings.token_weight`) multiplies loss and gradient; the row-wise ones come as `weights_N`.
 
-    Gradient: with x = student logits / tau and a = dL/dlogp over the support (`jsd_dlogp` times the clip's
-    weight), dL/dx = a - softmax(x) sum(a) through log_softmax (`bucket_gradient` through the buckets);
+    Gradient: with x = student logits / tau and a = dL/dlogp over the support (the divergence's `dlogp` times the
+    clip's weight), dL/dx = a - softmax(x) sum(a) through log_softmax (`bucket_gradient` through the buckets);
     sampled_token and fixed_advantage: dL/dx = -A (onehot(y) - softmax(x) over the support); dL/dlogits =
     dL/dx / tau. No autograd graph is kept, so a chunk costs a few (N, V) float32 buffers.
 
@@ -260,15 +299,12 @@ def token_divergence_with_grad(
     need_grad).
     """
     if settings.loss_type == "fixed_advantage":
-        return _fixed_advantage(student_logits_NV, settings, target_ids_N, need_grad)
+        return _fixed_advantage_loss(student_logits_NV, settings, target_ids_N, need_grad)
     with torch.no_grad():
         x_NV = _scaled(student_logits_NV, settings.temperature)
         xt_NV = _scaled(teacher_logits_NV, settings.temperature)
         top1_agree_N = (x_NV.argmax(-1) == xt_NV.argmax(-1)).float()
-        if settings.contrast is None:
-            loss_N, stats, grad_NV = _teacher_loss(x_NV, xt_NV, settings, target_ids_N, need_grad)
-        else:
-            loss_N, stats, grad_NV = _contrast_loss(x_NV, xt_NV, contrast, settings, target_ids_N, need_grad)
+        loss_N, stats, grad_NV = _target_loss(x_NV, xt_NV, contrast, settings, target_ids_N, need_grad)
         stats["top1_agree"] = top1_agree_N
         advantage_N = stats["advantage"]
         if advantage_N is None:
@@ -282,65 +318,152 @@ def token_divergence_with_grad(
     return loss_N, stats, grad_NV
 
 
-def _teacher_loss(x_NV, xt_NV, settings: LossSettings, ids_N, need_grad: bool):
-    """OPSD's teacher p_T: the loss, stats and dL/dx over the full vocabulary or the teacher's top-k."""
-    tau = settings.temperature
-    x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
-    logp_s_NK = F.log_softmax(x_NK, -1)
-    logp_t_NK = F.log_softmax(xt_NK, -1)
-    advantage_N = None
-    if ids_N is not None:
-        advantage_N = log_prob_at(xt_NV, xt_NK, ids_N) - log_prob_at(x_NV, x_NK, ids_N)
-    terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, settings.beta)
-    stats = {"divergence": terms_NK.sum(-1), "advantage": advantage_N}
-    grad_NV = None
-    if settings.loss_type == "jsd":
-        loss_N, stats["clipped_frac"], weight = clip_divergence(
-            terms_NK, clip=settings.clip, clip_mode=settings.clip_mode
-        )
-        if need_grad:
-            a_NK = jsd_dlogp(logp_s_NK, logp_t_NK, settings.beta).mul_(weight)
-            grad_NV = _through_log_softmax(a_NK, logp_s_NK, idx_NK, x_NV.shape, tau)
+def _target_loss(x_NV, xt_NV, contrast: tuple | None, settings: LossSettings, ids_N, need_grad: bool):
+    """The loss against a teacher's target, the one place that picks the target and the loss type: (loss_N, stats,
+    dL/dlogits). The target lives only inside this call, so its (N, K) buffers are gone before the token weight."""
+    if settings.contrast is None:
+        target = _TeacherTarget.from_logits(x_NV, xt_NV, settings, ids_N)
     else:
-        loss_N = -advantage_N * log_prob_at(x_NV, x_NK, ids_N)
-        stats["clipped_frac"] = torch.zeros_like(loss_N)
-        if need_grad:
-            grad_NV = _policy_gradient(logp_s_NK, advantage_N, idx_NK, x_NV.shape, ids_N, tau)
-    return loss_N, stats, grad_NV
+        target = _ContrastTarget.from_logits(x_NV, xt_NV, contrast, settings, ids_N)
+    loss_of_type = _divergence_loss if settings.loss_type == "jsd" else _sampled_token_loss
+    loss_N, clipped_frac_N, grad_NV = loss_of_type(target, settings, need_grad)
+    return target.weighted(loss_N), {**target.stats, "clipped_frac": clipped_frac_N}, grad_NV
 
 
-def _contrast_loss(x_NV, xt_NV, contrast: tuple, settings: LossSettings, ids_N, need_grad: bool):
-    """RLCSD's target q on the buckets (`opsd.method.contrast_target`): the loss against q, times the KL weight."""
-    logits_JNV, valid_JN, eos_token_id = contrast
-    c = settings.contrast
-    xw_JNV = _scaled(logits_JNV, settings.temperature)
-    sup = contrast_support(
-        x_NV, xt_NV, xw_JNV, valid_JN, alpha=c.alpha, top_k=c.top_k, floor=c.floor, kl_tau=c.kl_tau
+# ------------------------------------------------------------------------------------------------------------
+# The targets: the student and the target over the loss's support, and the chain rule from a gradient over that
+# support to the logits. Both offer the same fields and methods to the loss types below.
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class _TeacherTarget:
+    """OPSD's teacher p_T over the full vocabulary or the teacher's top-k (`idx_NK`; None: full): the student's and
+    the teacher's log-probabilities there (logp_s_NK, logp_t_NK), D_beta's terms and the stats "divergence" and
+    "advantage" (log p_T(y) - log p_S(y) of the sampled tokens; None without them)."""
+
+    x_NV: torch.Tensor
+    x_NK: torch.Tensor
+    idx_NK: torch.Tensor | None
+    logp_s_NK: torch.Tensor
+    logp_t_NK: torch.Tensor
+    terms_NK: torch.Tensor
+    advantage_N: torch.Tensor | None
+    ids_N: torch.Tensor | None
+    temperature: float
+    stats: dict
+
+    @classmethod
+    def from_logits(cls, x_NV, xt_NV, settings: LossSettings, ids_N) -> _TeacherTarget:
+        x_NK, xt_NK, idx_NK = teacher_support(x_NV, xt_NV, settings.teacher_support_k)
+        logp_s_NK = F.log_softmax(x_NK, -1)
+        logp_t_NK = F.log_softmax(xt_NK, -1)
+        advantage_N = None
+        if ids_N is not None:
+            advantage_N = log_prob_at(xt_NV, xt_NK, ids_N) - log_prob_at(x_NV, x_NK, ids_N)
+        terms_NK = pointwise_jsd_terms(logp_s_NK, logp_t_NK, settings.beta)
+        stats = {"divergence": terms_NK.sum(-1), "advantage": advantage_N}
+        tau = settings.temperature
+        return cls(x_NV, x_NK, idx_NK, logp_s_NK, logp_t_NK, terms_NK, advantage_N, ids_N, tau, stats)
+
+    def log_p_sampled(self) -> torch.Tensor:
+        """log p_S(y) over the support."""
+        return log_prob_at(self.x_NV, self.x_NK, self.ids_N)
+
+    def through_support(self, a_NK: torch.Tensor) -> torch.Tensor:
+        """dL/dlogits from a = dL/dlog p_S over the support, through log_softmax; consumes logp_s_NK."""
+        return _through_log_softmax(a_NK, self.logp_s_NK, self.idx_NK, self.x_NV.shape, self.temperature)
+
+    def policy_gradient(self, advantage_N: torch.Tensor) -> torch.Tensor:
+        """d(-A log p_S(y))/dlogits in closed form; consumes logp_s_NK."""
+        shape = self.x_NV.shape
+        return _policy_gradient(self.logp_s_NK, advantage_N, self.idx_NK, shape, self.ids_N, self.temperature)
+
+    def weighted(self, loss_N: torch.Tensor) -> torch.Tensor:
+        return loss_N
+
+
+@dataclass
+class _ContrastTarget:
+    """RLCSD's q on the buckets (`opsd.method.contrast_target`): the student's and q's bucket log-probabilities
+    (logp_s_NK, logp_t_NK, K = k + 1), D_beta's terms against q, the stats "divergence", the contrast's and
+    "advantage" (log q(y) - log p_S(y) of the sampled tokens' buckets; None without them). Every token's loss and
+    gradient is multiplied by the KL weight (`sup.weight_N`)."""
+
+    sup: ContrastSupport
+    terms_NK: torch.Tensor
+    bucket_N1: torch.Tensor | None
+    logp_y_N: torch.Tensor | None
+    advantage_N: torch.Tensor | None
+    temperature: float
+    stats: dict
+
+    @property
+    def logp_s_NK(self) -> torch.Tensor:
+        return self.sup.logp_s_NB
+
+    @property
+    def logp_t_NK(self) -> torch.Tensor:
+        return self.sup.log_q_NB
+
+    @classmethod
+    def from_logits(cls, x_NV, xt_NV, contrast: tuple, settings: LossSettings, ids_N) -> _ContrastTarget:
+        logits_JNV, valid_JN, eos_token_id = contrast
+        c = settings.contrast
+        xw_JNV = _scaled(logits_JNV, settings.temperature)
+        sup = contrast_support(
+            x_NV, xt_NV, xw_JNV, valid_JN, alpha=c.alpha, top_k=c.top_k, floor=c.floor, kl_tau=c.kl_tau
+        )
+        del xw_JNV
+        terms_NB = pointwise_jsd_terms(sup.logp_s_NB, sup.log_q_NB, settings.beta)
+        stats = {"divergence": terms_NB.sum(-1), **sup.stats(eos_token_id), "advantage": None}
+        bucket_N1 = logp_y_N = None
+        if ids_N is not None:
+            bucket_N1 = bucket_index(sup.idx_NK, ids_N)[:, None]
+            logp_y_N = sup.logp_s_NB.gather(-1, bucket_N1)[:, 0]
+            stats["advantage"] = sup.log_q_NB.gather(-1, bucket_N1)[:, 0] - logp_y_N
+        return cls(sup, terms_NB, bucket_N1, logp_y_N, stats["advantage"], settings.temperature, stats)
+
+    def log_p_sampled(self) -> torch.Tensor:
+        """log p_S of the sampled tokens' buckets."""
+        return self.logp_y_N
+
+    def through_support(self, a_NB: torch.Tensor) -> torch.Tensor:
+        """dL/dlogits from a = dL/dlog p_S over the buckets, times the KL weight (`bucket_gradient`); consumes
+        a_NB."""
+        return self.sup.gradient(a_NB.mul_(self.sup.weight_N[:, None])).div_(self.temperature)
+
+    def policy_gradient(self, advantage_N: torch.Tensor) -> torch.Tensor:
+        """d(-A log p_S(y))/dlogits: a = -A at the sampled token's bucket, through the buckets."""
+        a_NB = torch.zeros_like(self.sup.logp_s_NB).scatter_(-1, self.bucket_N1, -advantage_N[:, None])
+        return self.through_support(a_NB)
+
+    def weighted(self, loss_N: torch.Tensor) -> torch.Tensor:
+        return loss_N * self.sup.weight_N
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The loss types, each its value and its closed-form gradient: (loss_N, clipped_frac_N, dL/dlogits or None).
+# ------------------------------------------------------------------------------------------------------------
+def _divergence_loss(target: _TeacherTarget | _ContrastTarget, settings: LossSettings, need_grad: bool):
+    """loss_type="jsd": the clipped sum_v term_v of D_beta (`clip_divergence`). Gradient: a = D_beta's `dlogp` times
+    the clip's weight (d loss / d term_v), then through the target's support to the logits."""
+    loss_N, clipped_frac_N, weight = clip_divergence(
+        target.terms_NK, clip=settings.clip, clip_mode=settings.clip_mode
     )
-    del xw_JNV
-    terms_NB = pointwise_jsd_terms(sup.logp_s_NB, sup.log_q_NB, settings.beta)
-    stats = {"divergence": terms_NB.sum(-1), **sup.stats(eos_token_id), "advantage": None}
-    if ids_N is not None:
-        bucket_N1 = bucket_index(sup.idx_NK, ids_N)[:, None]
-        logp_y_N = sup.logp_s_NB.gather(-1, bucket_N1)[:, 0]
-        stats["advantage"] = sup.log_q_NB.gather(-1, bucket_N1)[:, 0] - logp_y_N
-    a_NB = None
-    if settings.loss_type == "jsd":
-        loss_N, stats["clipped_frac"], weight = clip_divergence(
-            terms_NB, clip=settings.clip, clip_mode=settings.clip_mode
-        )
-        if need_grad:
-            a_NB = jsd_dlogp(sup.logp_s_NB, sup.log_q_NB, settings.beta).mul_(weight)
-    else:
-        advantage_N = stats["advantage"]
-        loss_N = -advantage_N * logp_y_N
-        stats["clipped_frac"] = torch.zeros_like(loss_N)
-        if need_grad:
-            a_NB = torch.zeros_like(sup.logp_s_NB).scatter_(-1, bucket_N1, -advantage_N[:, None])
     grad_NV = None
-    if a_NB is not None:
-        grad_NV = sup.gradient(a_NB.mul_(sup.weight_N[:, None])).div_(settings.temperature)
-    return loss_N * sup.weight_N, stats, grad_NV
+    if need_grad:
+        a_NK = divergence(settings.beta).dlogp(target.logp_s_NK, target.logp_t_NK).mul_(weight)
+        grad_NV = target.through_support(a_NK)
+    return loss_N, clipped_frac_N, grad_NV
+
+
+def _sampled_token_loss(target: _TeacherTarget | _ContrastTarget, settings: LossSettings, need_grad: bool):
+    """loss_type="sampled_token": -sg(A) log p_S(y) with A = log p_target(y) - log p_S(y), unclipped. Gradient:
+    -A (onehot(y) - p_S) over the support (the target's `policy_gradient`)."""
+    advantage_N = target.advantage_N
+    loss_N = -advantage_N * target.log_p_sampled()
+    clipped_frac_N = torch.zeros_like(loss_N)
+    grad_NV = target.policy_gradient(advantage_N) if need_grad else None
+    return loss_N, clipped_frac_N, grad_NV
 
 
 def _token_weights(mode: str, xt_NV, advantage_N, given_N):
@@ -357,8 +480,9 @@ def _token_weights(mode: str, xt_NV, advantage_N, given_N):
     return token_weights.positive_only(advantage_N)
 
 
-def _fixed_advantage(student_logits_NV, settings: LossSettings, target_ids_N, need_grad: bool):
-    """loss_type="fixed_advantage": loss_N = -a log p_S(y) over the full vocabulary, no teacher."""
+def _fixed_advantage_loss(student_logits_NV, settings: LossSettings, target_ids_N, need_grad: bool):
+    """loss_type="fixed_advantage": loss_N = -a log p_S(y) over the full vocabulary, no teacher. Gradient:
+    -a (onehot(y) - p_S) (`_policy_gradient`)."""
     if target_ids_N is None:
         raise ValueError("loss_type='fixed_advantage' needs the sampled token ids")
     with torch.no_grad():

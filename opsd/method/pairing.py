@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opsd.configuration.checks.choices import check_choice
+from opsd.configuration.checks import check_choice
 from opsd.errors import InvalidValue
 from opsd.grading import answer_keys
 

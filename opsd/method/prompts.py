@@ -22,8 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.configuration.checks.choices import REFERENCE_COLUMNS
-from opsd.configuration.checks.ranges import REFERENCE_FRACTION_DECIMALS
+from opsd.configuration.switches import REFERENCE_COLUMNS, REFERENCE_FRACTION_DECIMALS
 from opsd.errors import InvalidValue, UnsupportedModel
 from opsd.paths import PROMPT_FILE, read_text
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-# The choices (`token_weight`) are declared in opsd.configuration.checks.choices.TOKEN_WEIGHTS.
+# The choices (`token_weight`) are declared with the switch, in opsd.configuration.switches.
 # Weights that read a row's tokens in order (the loss is given each token's row); the others are per token.
 ROW_WEIGHTS = ("position_early", "position_late")
 

@@ -26,8 +26,8 @@ import trl
 from transformers import TrainingArguments
 from trl.trainer import grpo_trainer as trl_grpo
 
-from opsd.method.engine import RolloutSeeds, trainer_engine
 from opsd.method.prompts import PromptBuilder
+from opsd.method.rollouts import build_rollout_engine
 from opsd.rl.reward import CorrectAnswer
 from opsd.run.step_watch import ComputeLedger, PhaseClock, StepTimer, metrics
 
@@ -83,12 +83,15 @@ class GRPOTrainer(trl.GRPOTrainer):
     Built as `OPSDTrainer` is, from the run's `OPSDConfig` (`args`, kept as `self.config`); `self.args` is the
     `GRPOConfig` TRL runs (`grpo_args`)."""
 
-    def __init__(self, model, args, train_dataset, processing_class, peft_config=None, prompt_builder=None):
+    def __init__(
+        self, model, args, train_dataset, processing_class, peft_config=None, prompt_builder=None, engine=None
+    ):
         self.config = config = args
-        self.seeds = RolloutSeeds(config.seed, step_of=lambda: self.state.global_step)
         self.clock = PhaseClock()
         self.reward = CorrectAnswer()
-        with trainer_engine(config, model, self.seeds, self.clock, owner=trl_grpo):
+        # The rollout engine, as OPSDTrainer takes it; TRL's GRPOTrainer drives it (its pushes and generations).
+        self.engine = engine or build_rollout_engine(config)
+        with self.engine.in_place_of_trl(model, owner=trl_grpo):
             super().__init__(
                 model=model,
                 reward_funcs=[self.reward],
@@ -97,6 +100,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 processing_class=processing_class,
                 peft_config=peft_config,
             )
+        self.engine.bind(self)
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, config)
         self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)
         self.step_timer = StepTimer(self._metrics["train"], self.clock, self.ledger)
@@ -120,6 +124,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
+        if self.engine.name == "vllm":
+            self.engine.seeds.at_step(self.state.global_step)  # the rows' seeds are the step's
         with self.clock.phase("rollout"):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images

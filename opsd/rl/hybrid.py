@@ -33,13 +33,11 @@ import torch
 from opsd.method.contrast import rows_with_contrast, sibling_hints
 from opsd.method.contrast_target import modulated_advantages, sampled_log_ratio
 from opsd.method.hidden import (
-    completion_hidden,
+    CheckedForwards,
     eval_mode,
     left_pad,
     lm_head_weight,
     loss_token_mask,
-    one_transform,
-    resolve_logit_transform,
 )
 from opsd.method.loss import (
     ContrastHidden,
@@ -67,10 +65,14 @@ class HybridTrainer(GRPOTrainer):
         self.loss_settings = loss_settings(c)
         self.contrast = c.teacher_contrast
         # RLCSD's modulation of the GRPO advantages: with a contrast and a weight.
-        self.modulate = self.contrast != "none" and c.contrast_rl_weight > 0
+        self.modulate = c.contrast_on and c.contrast_rl_weight > 0
         self.teacher_rows_needed = self.loss_settings.needs_teacher and (self.sd_weight > 0 or self.modulate)
-        # The loss's logit transform (opsd.method.hidden), picked on the first forward and checked on it.
-        self.logit_transform = None
+        # Completion hidden states, the loss's logit transform checked on each model's first forward.
+        self.forwards = CheckedForwards(
+            self.accelerator.unwrap_model,
+            fix_positions=c.fix_position_ids,
+            pad_token_id=self._tokenizer.pad_token_id,
+        )
 
     # -- the batch: TRL's, plus the teacher's rows ------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -105,7 +107,7 @@ class HybridTrainer(GRPOTrainer):
         """(the hint c per row, the wrong hints c~ per row or None without a contrast). A row without a pair
         (`own_wrong`) has c = None and no wrong hint."""
         references = [x.get("privileged_context") for x in inputs]
-        if self.contrast == "none":
+        if not self.config.contrast_on:
             return references, None
         if self.contrast != "own_wrong":
             return references, [[x[CONTRAST_COLUMN]] for x in inputs]
@@ -271,18 +273,10 @@ class HybridTrainer(GRPOTrainer):
                 yield
 
     def _hidden(self, model, prompt_ids, prompt_mask, inputs) -> torch.Tensor:
-        def check(hidden_BH, logits_BV):
-            unwrapped = self.accelerator.unwrap_model(model)
-            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
-            self.logit_transform = one_transform(self.logit_transform, found)
-
-        return completion_hidden(
-            model,
-            prompt_ids,
-            prompt_mask,
-            inputs["completion_ids"],
-            inputs["completion_mask"],
-            fix_positions=self.config.fix_position_ids,
-            pad_token_id=self._tokenizer.pad_token_id,
-            on_last_logits=check if self.logit_transform is None else None,
+        return self.forwards(
+            model, prompt_ids, prompt_mask, inputs["completion_ids"], inputs["completion_mask"]
         )
+
+    @property
+    def logit_transform(self):
+        return self.forwards.transform

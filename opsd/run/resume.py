@@ -30,8 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from opsd.configuration.sources.aliases import canonical_keys
-from opsd.configuration.sources.keys import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS
+from opsd.configuration.switches import BUDGET_KEYS, OPERATIONAL_KEYS, RECIPE_KEYS, Switches
 from opsd.errors import InvalidValue
 from opsd.rundir import ALLOW_FLAG, CONFIG_FILE, PAIRING_FILE, latest_complete_checkpoint
 
@@ -45,9 +44,10 @@ SPLIT_KEYS = frozenset({
 })  # fmt: skip
 PROBLEMS_PER_PROCESS = "problems_per_process_per_step"
 # Settings that may change when a run resumes. `micro_batch_size` is operational (memory for time on the
-# same arithmetic), whether or not this release has the field.
+# same arithmetic), whether or not this release has the field. `use_vllm` is the machine's answer to
+# `rollout_engine` (which is compared): with rollout_engine=auto, whether vLLM is installed.
 MAY_CHANGE = OPERATIONAL_KEYS | SPLIT_KEYS | {
-    "micro_batch_size", "max_steps", "save_steps", "save_strategy", "save_total_limit", "output_dir",
+    "micro_batch_size", "use_vllm", "max_steps", "save_steps", "save_strategy", "save_total_limit", "output_dir",
     "resume_from_checkpoint", "logging_dir", "logging_strategy", "push_to_hub", "hub_model_id",
     "hub_strategy", "hub_private_repo", "dataloader_num_workers", "dataloader_prefetch_factor",
 }  # fmt: skip
@@ -65,12 +65,8 @@ SHOWN_CHARS = 60
 def compared_keys() -> frozenset[str]:
     """Every setting whose change on resume is refused: the recipe, the budget, OPSD's own fields and the
     inherited method settings, less what may change."""
-    from opsd.configuration.config import OPSDConfig
-
-    inherited = {f.name for f in dataclasses.fields(OPSDConfig.__mro__[1])}
-    own = {f.name for f in dataclasses.fields(OPSDConfig)} - inherited
-    # Fields OPSDConfig redeclares (published defaults for TRL arguments) are OPSD settings too.
-    own |= set(OPSDConfig.__dict__.get("__annotations__", {}))
+    # OPSD's own fields and those it redeclares (published defaults for TRL arguments) are OPSD settings.
+    own = {f.name for f in dataclasses.fields(Switches)}
     return frozenset(
         (RECIPE_KEYS | BUDGET_KEYS | own | METHOD_KEYS | {PROBLEMS_PER_PROCESS}) - MAY_CHANGE - NOT_SETTINGS
     )
@@ -106,8 +102,11 @@ def check_resume(
 
     `saved` is the run's opsd_config.json, `current` the resolved settings of this command (JSON values),
     `where` the output directory, `at_step` the step of the checkpoint being resumed. A setting saved under
-    an older name (`opsd.configuration.sources.aliases`) is compared under its canonical one.
+    an older name (`opsd.configuration.sources.canonical_keys`) is compared under its canonical one.
     """
+    # With the command line's parser, which imports TRL: here, when a run resumes.
+    from opsd.configuration.sources import canonical_keys
+
     saved = canonical_keys(saved, source=where, quiet=True)
     history = list(saved.get(HISTORY_KEY) or [])
     changes = config_changes(_with_problems_per_process(saved), _with_problems_per_process(current))

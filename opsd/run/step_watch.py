@@ -17,6 +17,7 @@ produced them and reduced over processes there.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -27,7 +28,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
@@ -175,12 +175,15 @@ class NonFiniteGuard(TrainerCallback):
     """Skips every optimizer step whose loss or gradient is not finite, and stops after `max_consecutive`.
 
     A skipped step changes nothing: its gradients are dropped before `optimizer.step()` (torch optimizers
-    leave a parameter without a gradient untouched: no moment update, no step count, no weight decay) and
-    the optimizer reports the step as skipped, so the LR schedule does not advance either (as DeepSpeed and
-    AMP loss scaling do). It still counts as an optimizer step: `global_step` and the data move on. Each step
-    logs `train/nonfinite_skipped` (1 if skipped, else 0). Under DeepSpeed the engine has already stepped
-    during backward and skips non-finite gradients itself (`check_grad_overflow`); there this guard only
-    counts the skipped steps and stops the run.
+    leave a parameter without a gradient untouched: no moment update, no step count, no weight decay), and
+    the LR schedule does not advance either (as under DeepSpeed's and AMP's overflow skips): the trainer
+    steps its scheduler after the optimizer, and `on_step_end` puts the scheduler and the optimizer's
+    hyperparameters back as they were before the step (`HeldSchedule`, through their public `state_dict` /
+    `load_state_dict`), before the step is logged or saved. It still counts as an optimizer step:
+    `global_step` and the data move on. Each step logs `train/nonfinite_skipped` (1 if skipped, else 0).
+    Under DeepSpeed the engine has already stepped during backward and skips non-finite gradients itself
+    (`check_grad_overflow`), its scheduler with it; there this guard only counts the skipped steps and stops
+    the run.
     """
 
     def __init__(self, metrics: dict, accelerator, max_consecutive: int):
@@ -190,12 +193,15 @@ class NonFiniteGuard(TrainerCallback):
         self.consecutive = 0
         self.last_skipped = False
         self._loss_bad = None  # tensor flag over the current step's micro-batches; no sync per micro-batch
+        self._held: HeldSchedule | None = None  # a skipped step's schedule, put back at its end
 
     def note_loss(self, loss: torch.Tensor) -> None:
         bad = ~torch.isfinite(loss.detach()).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(
+        self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
+    ):
         bad = torch.zeros((), device=self.accelerator.device)
         if self._loss_bad is not None:
             bad = bad + self._loss_bad.float()
@@ -210,9 +216,7 @@ class NonFiniteGuard(TrainerCallback):
         skipped = bool(self.accelerator.reduce(bad, reduction="sum") > 0)
         if skipped and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
             model.zero_grad(set_to_none=True)
-        if isinstance(optimizer, AcceleratedOptimizer):
-            # Read back by the trainer (`optimizer_step_was_skipped`) to hold the LR scheduler.
-            optimizer._is_overflow = skipped
+            self._held = HeldSchedule(lr_scheduler, optimizer)
         self.last_skipped = skipped
         self.metrics["train/nonfinite_skipped"].append(float(skipped))
         if not skipped:
@@ -232,11 +236,40 @@ class NonFiniteGuard(TrainerCallback):
                 "max_nonfinite_steps to tolerate longer runs of bad steps."
             )
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._held is not None:
+            self._held.restore()
+            self._held = None
+
+
+class HeldSchedule:
+    """The LR schedule of a skipped optimizer step, held: taken before the step, `restore` puts the scheduler's
+    state and the optimizer's hyperparameters (each param group's but its parameters: the learning rate the
+    scheduler set) back as they were, so the next step runs at this one's rate and the schedule resumes where
+    it stood, as if the scheduler had not stepped. Either may be None (a callback handler that holds none)."""
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+        self.schedule = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+        groups = optimizer.param_groups if optimizer is not None else []
+        self.groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in groups])
+
+    def restore(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(self.schedule))
+        if self.optimizer is not None:
+            for group, held in zip(self.optimizer.param_groups, self.groups, strict=True):
+                for key, value in held.items():
+                    if isinstance(group.get(key), torch.Tensor):
+                        group[key].copy_(value)  # in place, as torch's schedulers set a tensor rate
+                    else:
+                        group[key] = value
+
 
 # -- rollout correctness -------------------------------------------------------------------------------
-ROLLOUT_KEYS = ("rollout/correct", "rollout/boxed", "rollout/length")
 # Each math-verify call gets this long (the evaluation's default), in the grader's worker process.
 GRADE_TIMEOUT_S = 5.0
+GRADER_THREAD = "opsd-grade"  # the name of the grader's thread (its prefix: the pool numbers it)
 
 
 def grade_sums(texts: Sequence[str], answers: Sequence[str], lengths: Sequence[int]) -> list[float]:
@@ -272,7 +305,7 @@ class RolloutGrader:
         self, decode: Callable[[list[list[int]]], list[str]], reduce: Callable[[torch.Tensor], torch.Tensor]
     ):
         self.decode, self.reduce = decode, reduce
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opsd-grade")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=GRADER_THREAD)
         self.pending: Future | None = None
 
     def submit(self, completion_ids: list[list[int]], answers: Sequence[str]) -> None:

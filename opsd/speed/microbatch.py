@@ -6,7 +6,7 @@ micro-batches and processes (docs/method.md §1.5). So splitting those rows into
 total changes nothing but the order of float sums; a larger m only costs memory and saves time.
 
 `micro_batch_size` chooses m and re-derives the accumulation from the problems per process. `OPSDConfig`
-parses it once (`opsd.configuration.checks.choices.parse_micro_batch_size`) into one of:
+parses it once (`opsd.configuration.checks.parse_micro_batch_size`) into one of:
 - None (unset, the default; "" reads as unset): `per_device_train_batch_size` as given;
 - a positive integer: that m, which must divide the problems per process;
 - `AUTO` ("auto"): on a GPU, the largest divisor whose estimated memory fits beside the colocated engine
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from opsd.configuration.checks.choices import AUTO
+from opsd.configuration.switches import AUTO
 from opsd.errors import InvalidValue
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ Ten more families, held out from the first list and measured after it (docs/fami
   `noaux_tc` top-k with its score-correction bias, as the released config.json sets it, which vLLM reads); MLA
   attention with a latent of rank 512 plus 64 rotary dims (vLLM's CPU MLA kernel takes only that size), untied.
   Its qk_nope_head_dim of 16 is one vLLM's AMX MLA kernel (its choice on a CPU with AMX) refuses: the trainer's
-  engine runs MLA on the CPU_MLA kernel on every CPU (`opsd.configuration.engine_env.cpu_mla_backend`).
+  engine runs MLA on the CPU_MLA kernel on every CPU (`opsd.method.engine_env.cpu_mla_backend`).
 - qwen3_moe: a dense-MLP layer (`mlp_only_layers=[0]`), then a MoE layer of 4 experts top-2, untied.
 - bamba: Mamba2, then attention (conv kernel 4, scan chunk 16), untied.
 

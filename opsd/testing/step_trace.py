@@ -1,5 +1,5 @@
 """The step path, measured: which repo files one optimizer step runs, and where it passes between the repo and
-TRL/transformers.
+TRL/transformers, and between the repo and every third-party library.
 
     python -m opsd.testing.step_trace            # the published settings, vLLM colocated rollouts
     python -m opsd.testing.step_trace --engine transformers --gradient-accumulation 1
@@ -10,26 +10,40 @@ gradient checkpointing, colocated vLLM; a tiny batch and completion length), tra
 step's `on_step_begin` to its `on_step_end` (every micro-batch, the generation, the backward passes, the optimizer
 step and the callbacks in between; logging and saving come after it).
 
-Every Python frame is on one of three sides by its file: the repo (files under the repository root, outside
-site-packages, except this tool), TRL/transformers (site-packages/trl, site-packages/transformers), or other
-(torch, peft, accelerate, vLLM, the standard library, C code): other frames are transparent, a call through them
-is a call from the nearest repo or TRL/transformers frame below. Counted:
+Two counts, each with its own sides; a frame of neither side is transparent (a call through it is a call from
+the nearest frame below it that has a side):
 
-- repo files: the repo files with a function that ran during the step;
-- a switch: a place where control passes between the repo and TRL/transformers, i.e. a distinct (calling
-  function, called function) pair whose caller is on one side and callee on the other. Each is counted once
-  however often it runs (a loop over layers or micro-batches passes the same place again) and its return is
-  not counted again; `crossings` is how many times such calls ran. The calling thread only (the rollout
-  grading runs on its own thread, off the step's path).
+- `switches`: the repo (files under the repository root, outside site-packages, except this tool) against
+  TRL/transformers (site-packages/trl, transformers' Trainer and its callback machinery); everything else
+  (torch, peft, accelerate, vLLM, the rest of transformers, the standard library, C code) is transparent. The
+  calling thread only.
+- `library switches`: the repo against every third-party library (site-packages: TRL, transformers, peft,
+  accelerate, vLLM, math-verify, ...) as one side; torch and the standard library stay transparent. The calling
+  thread and the rollout grader's (`opsd.run.step_watch.GRADER_THREAD`, traced with `threading.setprofile`,
+  its work during the step counted), so the grading's calls into the tokenizer and math-verify count too
+  (math-verify's timed verification runs in a worker process, which is not traced).
+
+Counted:
+
+- repo files: the repo files with a function that ran during the step (the calling thread);
+- a switch: a place where control passes between the two sides, i.e. a distinct (calling function, called
+  function) pair whose caller is on one side and callee on the other. Each is counted once however often it
+  runs (a loop over layers or micro-batches passes the same place again) and its return is not counted again;
+  `crossings` is how many times such calls ran.
+
+`--json` prints the counts as one JSON object instead of the listing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import re
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,62 +55,132 @@ SELF = str(Path(__file__).resolve())
 MICRO_BATCH = 2  # rows per micro-batch of the traced run
 # TRL, and transformers' Trainer with its callback machinery: the code that calls the trainer's hooks.
 TRAINER_CODE = re.compile(r"/site-packages/(trl/|transformers/trainer[^/]*\.py$)")
+# Every third-party library but torch: what the second count takes as one side against the repo.
+THIRD_PARTY = re.compile(r"/site-packages/(?!torch/)")
 
 
+@functools.cache
 def side(filename: str) -> str | None:
     """'repo', 'trl' (TRL or transformers' Trainer) or None (transparent) for a code object's file."""
     if TRAINER_CODE.search(filename):
         return "trl"
-    if "/site-packages/" in filename or filename == SELF:
-        return None
-    if filename.startswith(str(REPO) + os.sep):
-        return "repo"
-    return None
+    return "repo" if _in_repo(filename) else None
+
+
+@functools.cache
+def library_side(filename: str) -> str | None:
+    """'repo', 'library' (any third-party library but torch) or None (torch, the standard library: transparent)
+    for a code object's file."""
+    if THIRD_PARTY.search(filename):
+        return "library"
+    return "repo" if _in_repo(filename) else None
+
+
+def _in_repo(filename: str) -> bool:
+    return "/site-packages/" not in filename and filename != SELF and filename.startswith(str(REPO) + os.sep)
+
+
+def _switch(frame, callee: str, side_of, switches: dict[tuple[str, str], int]) -> None:
+    """Counts the call of `frame` (on side `callee`) in `switches` if its caller, the nearest frame below it that
+    has a side, is on the other side."""
+    caller = frame.f_back
+    while caller is not None and side_of(caller.f_code.co_filename) is None:
+        caller = caller.f_back
+    if caller is None or side_of(caller.f_code.co_filename) == callee:
+        return
+    edge = (_name(caller.f_code), _name(frame.f_code))
+    switches[edge] = switches.get(edge, 0) + 1
 
 
 @dataclass
 class StepTrace:
-    """What one traced step ran: repo files, switches (distinct crossing call sites) and crossings (calls)."""
+    """What one traced step ran: repo files, and for each count its switches (distinct crossing call sites) and
+    crossings (calls): `switches` (repo <-> TRL/transformers' Trainer), `library_switches` (repo <-> every
+    third-party library, the calling thread's and the grader thread's, `grader_switches`, together)."""
 
     files: set[str] = field(default_factory=set)
     switches: dict[tuple[str, str], int] = field(default_factory=dict)
+    step_library_switches: dict[tuple[str, str], int] = field(default_factory=dict)
+    grader_switches: dict[tuple[str, str], int] = field(default_factory=dict)
+    active: bool = False  # between the step's start and end: the grader's thread counts only then
 
     @property
     def crossings(self) -> int:
         return sum(self.switches.values())
 
+    @property
+    def library_switches(self) -> dict[tuple[str, str], int]:
+        both = dict(self.step_library_switches)
+        for edge, n in self.grader_switches.items():
+            both[edge] = both.get(edge, 0) + n
+        return both
+
+    @property
+    def library_crossings(self) -> int:
+        return sum(self.library_switches.values())
+
     def profile(self, frame, event, arg) -> None:
+        """The calling thread's profile (`sys.setprofile`) while the step runs."""
         if event != "call":
             return
-        callee = side(frame.f_code.co_filename)
-        if callee is None:
-            return
-        if callee == "repo":
-            self.files.add(str(Path(frame.f_code.co_filename).resolve().relative_to(REPO)))
-        caller_frame = frame.f_back
-        while caller_frame is not None and side(caller_frame.f_code.co_filename) is None:
-            caller_frame = caller_frame.f_back
-        if caller_frame is None or side(caller_frame.f_code.co_filename) == callee:
-            return
-        edge = (_name(caller_frame), _name(frame))
-        self.switches[edge] = self.switches.get(edge, 0) + 1
+        filename = frame.f_code.co_filename
+        if (callee := side(filename)) is not None:
+            if callee == "repo":
+                self.files.add(_repo_path(filename))
+            _switch(frame, callee, side, self.switches)
+        if (callee := library_side(filename)) is not None:
+            _switch(frame, callee, library_side, self.step_library_switches)
+
+    def grader_profile(self, frame, event, arg) -> None:
+        """The rollout grader's thread's profile: its calls while the step runs."""
+        if event == "call" and self.active and (callee := library_side(frame.f_code.co_filename)) is not None:
+            _switch(frame, callee, library_side, self.grader_switches)
+
+    def thread_starts(self, frame, event, arg) -> None:
+        """`threading.setprofile`'s hook, run first in every thread started while it is set: the grader's
+        thread keeps `grader_profile`, any other thread runs unprofiled."""
+        from opsd.run.step_watch import GRADER_THREAD
+
+        grader = threading.current_thread().name.startswith(GRADER_THREAD)
+        sys.setprofile(self.grader_profile if grader else None)
+        if grader:
+            self.grader_profile(frame, event, arg)
+
+    def summary(self) -> dict:
+        return {
+            "repo_files": sorted(self.files),
+            "switches": len(self.switches),
+            "crossings": self.crossings,
+            "library_switches": len(self.library_switches),
+            "library_crossings": self.library_crossings,
+            "grader_library_switches": len(self.grader_switches),
+        }
 
     def report(self) -> str:
         lines = [f"repo files: {len(self.files)}"]
         lines += [f"  {f}" for f in sorted(self.files)]
-        lines.append(f"switches: {len(self.switches)} (crossings: {self.crossings})")
+        lines.append(
+            f"switches (repo <-> TRL/transformers' Trainer): {len(self.switches)} (crossings: {self.crossings})"
+        )
         lines += [f"  {a} -> {b} x{n}" for (a, b), n in self.switches.items()]
+        lines.append(
+            f"library switches (repo <-> every third-party library, the grader's thread included): "
+            f"{len(self.library_switches)} (crossings: {self.library_crossings}; in the grader's thread: "
+            f"{len(self.grader_switches)})"
+        )
+        lines += [f"  {a} -> {b} x{n}" for (a, b), n in self.library_switches.items()]
         return "\n".join(lines)
 
 
-def _name(frame) -> str:
-    code = frame.f_code
+@functools.cache
+def _repo_path(filename: str) -> str:
+    return str(Path(filename).resolve().relative_to(REPO))
+
+
+@functools.cache
+def _name(code) -> str:
     path = Path(code.co_filename).resolve()
-    where = (
-        str(path.relative_to(REPO))
-        if side(code.co_filename) == "repo"
-        else path.parent.name + "/" + path.name
-    )
+    where = _repo_path(code.co_filename) if _in_repo(code.co_filename) else path.parent.name + "/" + path.name
     return f"{where}:{code.co_qualname}"
 
 
@@ -117,11 +201,13 @@ def trace_step(
     class Start(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == step:
+                trace.active = True
                 sys.setprofile(trace.profile)
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             sys.setprofile(None)
+            trace.active = False
 
     cfg = OPSDConfig(
         output_dir=str(out_dir), max_steps=step + 1, per_device_train_batch_size=MICRO_BATCH,
@@ -146,10 +232,13 @@ def trace_step(
     )  # fmt: skip
     trainer.callback_handler.callbacks.insert(0, Start())
     trainer.add_callback(Stop())
+    threading.setprofile(trace.thread_starts)  # the grader's thread starts at the first generation
     try:
         trainer.train()
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
+        trace.active = False
     return trace
 
 
@@ -191,6 +280,7 @@ def parse_trace_args(argv: list[str] | None) -> argparse.Namespace:
         "--gradient-accumulation", type=accumulation_steps, default=2, metavar="N",
         help="Micro-batches of the traced step (default 2, the published recipe's).",
     )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="Print the counts as one JSON object.")
     return parser.parse_args(argv)
 
 
@@ -203,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         trace = trace_step(
             model_dir, Path(tmp) / "run", engine=args.engine, gradient_accumulation=args.gradient_accumulation
         )
-    print(trace.report())
+    print(json.dumps({"engine": args.engine, **trace.summary()}) if args.json else trace.report())
 
 
 if __name__ == "__main__":

@@ -541,7 +541,7 @@ def test_recipe_keys_of_another_method_are_refused_in_one_line(tmp_path):
 def test_every_shipped_recipe_passes_the_dry_run(tmp_path, recipe):
     """Each shipped recipe, the other methods' included, passes every check a real run makes (no key another
     method reads, a valid number of rollouts per problem)."""
-    from opsd.configuration.sources.recipe import parse_recipe
+    from opsd.configuration.sources import parse_recipe
 
     dry = run(
         "opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--dry-run", "--recipe", recipe], tmp_path

@@ -1,5 +1,5 @@
-"""The range table (opsd/configuration/checks/ranges.py) through every entry path, TRL options OPSD derives
-itself, YAMLs written for transformers 4 / open-r1, and the hints of unknown keys."""
+"""The ranges the switches declare (opsd/configuration/switches.py) through every entry path, TRL options and
+other fields OPSD derives itself, YAMLs written for transformers 4 / open-r1, and the hints of unknown keys."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import math
 import pytest
 import yaml
 
-from opsd.configuration.checks.choices import CHOICES
-from opsd.configuration.checks.ranges import RANGES, range_error
-from opsd.configuration.sources.keys import CAPPED_KEYS
-from opsd.configuration.sources.recipe import RecipeError, parse_recipe
+from opsd.configuration.checks import range_error
+from opsd.configuration.sources import RecipeError, parse_recipe
+from opsd.configuration.switches import CAPPED_KEYS, CHOICES, RANGES
 from opsd.errors import InvalidValue, UserError
 
 # field -> (a value well inside, an edge value that is still allowed, a value just outside). Hand-written:
@@ -81,7 +80,7 @@ CASES: dict[str, tuple[object, object, object]] = {
 }
 
 
-# Refusals that come from a rule between fields (opsd.configuration.checks.ranges.check_cross_fields), with
+# Refusals that come from a rule between fields (opsd.configuration.checks.check_cross_fields), with
 # max_steps=100.
 CROSS = {
     "warmup_steps": "warmup_steps=100.0 is out of range: must be below max_steps=100 (the whole run would be "
@@ -89,7 +88,7 @@ CROSS = {
 }
 
 
-# Fields only one method reads (opsd.configuration.checks.methods), set with it in every entry path: alone they
+# Fields only one method reads (opsd.configuration.checks.check_method), set with it in every entry path: alone they
 # would be refused for that reason, not their range.
 CONTEXT = {
     name: {"method": "hybrid"}
@@ -104,7 +103,7 @@ CONTEXT = {
 
 
 # Upper bounds (and the lower bounds above 0) of the magnitudes that reach the loss or the update, each at the edge
-# that holds in float32 and just past it (opsd/configuration/checks/ranges.py gives each its reason;
+# that holds in float32 and just past it (opsd/configuration/switches.py gives each its reason;
 # tests/integration/test_inputs_extremes.py runs a step at every edge).
 BOUNDS: dict[str, tuple[object, object]] = {
     "learning_rate": (1.0, 1.5),
@@ -167,7 +166,7 @@ def _text(value: object) -> str:
 
 def _via(path: str, name: str, value: object, tmp_path, data):
     """Parse `name=value` through one entry path; returns the config (the dry run: its printed config)."""
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
     from opsd_train import main
 
     out = ["--output_dir", str(tmp_path / "run")]
@@ -263,7 +262,7 @@ def test_every_choice_through_every_entry_path(name, tmp_path, tiny_data, capsys
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     with pytest.raises(
         InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and in \(0, 1\]"
@@ -272,13 +271,13 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
 
 
 def test_warmup_over_half_is_a_note(tmp_path, caplog):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
     assert "warmup_steps=60.0 is over half of max_steps=100" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks.ranges"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "0.1"], environ={})
     assert "over half" not in caplog.text
 
@@ -295,7 +294,7 @@ def test_warmup_over_half_is_a_note(tmp_path, caplog):
     ],
 )
 def test_trl_teacher_options_are_refused(args, message, tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     with pytest.raises(InvalidValue, match=message) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -303,7 +302,7 @@ def test_trl_teacher_options_are_refused(args, message, tmp_path):
 
 
 def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     out = ["--output_dir", str(tmp_path)]
     cfg, _ = parse_config([*out, "--teacher_mode", "dynamic", "--teacher_model_kind", "live"], environ={})
@@ -315,6 +314,53 @@ def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
     # SDFTConfig's own defaults cannot be told from unset: they pass and are replaced by OPSD's values.
     cfg, _ = parse_config([*out, "--teacher_update_rate", "0.05", "--teacher_model_kind", "base"], environ={})
     assert cfg.teacher_model_kind == "base" and math.isclose(cfg.teacher_update_rate, 1 - 0.999)
+
+
+# -- fields derived from others, once -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_rollout_engine_is_derived_with_the_config(installed, tmp_path, monkeypatch, caplog):
+    """`use_vllm` comes from `rollout_engine` when the config is built (not rewritten after its checks): auto is
+    whether vLLM is installed, with a warning when not; vllm without vLLM is one line naming the fix; a caller's
+    own `use_vllm` decides under auto and must agree with vllm or transformers."""
+    from opsd.configuration import config
+    from opsd.configuration.sources import parse_config
+
+    monkeypatch.setattr(config, "vllm_installed", lambda: installed)
+
+    def build(**settings):
+        return config.OPSDConfig(output_dir=str(tmp_path), **settings)
+
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
+        assert build().use_vllm is installed
+    assert ("vLLM is not installed; rollouts use transformers.generate" in caplog.text) is not installed
+    assert build(rollout_engine="transformers").use_vllm is False
+    for given in (True, False):  # tests and benchmarks pick the engine so
+        assert build(use_vllm=given).use_vllm is given
+        assert build(use_vllm=given).with_micro_batch(2, 4).use_vllm is given
+    with pytest.raises(ValueError, match="use_vllm=True disagrees with rollout_engine=transformers"):
+        build(rollout_engine="transformers", use_vllm=True)
+    if installed:
+        assert build(rollout_engine="vllm").use_vllm is True
+        return
+    with pytest.raises(InvalidValue) as info:
+        parse_config(["--output_dir", str(tmp_path)], environ={"OPSD_ROLLOUT_ENGINE": "vllm"})
+    assert str(info.value) == (
+        "rollout_engine=vllm but vLLM is not installed: `pip install opsd[vllm]` (GPU) or `pip install opsd[cpu]`; "
+        "or use --rollout_engine transformers (from env OPSD_ROLLOUT_ENGINE)"
+    )
+
+
+def test_whether_the_teacher_is_contrastive_is_one_property_the_loss_reads(tmp_path):
+    from opsd.configuration.config import OPSDConfig
+    from opsd.method.loss import loss_settings
+
+    for contrast in CHOICES["teacher_contrast"]:
+        method = "hybrid" if contrast == "own_wrong" else "opsd"
+        cfg = OPSDConfig(output_dir=str(tmp_path), use_vllm=False, teacher_contrast=contrast, method=method)
+        assert cfg.contrast_on is (contrast != "none")
+        assert (loss_settings(cfg).contrast is not None) is cfg.contrast_on
 
 
 # -- YAML configs written for TRL / open-r1 ---------------------------------------------------------------------
@@ -371,11 +417,11 @@ warmup_ratio: 0.1
 
 
 def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     cfg_path = tmp_path / "config_opsd.yaml"
     cfg_path.write_text(OPEN_R1_YAML)
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.sources.legacy"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.sources"):
         cfg, _ = parse_config(["--config", str(cfg_path)], environ={})
     assert cfg.warmup_steps == 0.1 and cfg.get_warmup_steps(cfg.max_steps) == 20  # the fraction form
     assert cfg.lr_scheduler_type.value == "cosine" and cfg.learning_rate == 2e-5 and cfg.max_steps == 200
@@ -383,7 +429,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and cfg.lora_dropout == 0.05
     assert cfg.report_to == []  # transformers reads a list holding "none" as no tracker
     assert cfg.push_to_hub is False and cfg.eval_strategy.value == "no" and cfg.do_eval is False
-    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.sources.legacy"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.sources"]
     assert len(notes) == 5, notes  # one per translated or ignored key
     for key in ("warmup_ratio", "overwrite_output_dir", "evaluation_strategy", "eval_strategy", "do_eval"):
         assert any(f"note: {key}=" in n for n in notes), key
@@ -431,7 +477,7 @@ ALIAS_BOMB = (
     ],
 )
 def test_yaml_mistakes_are_one_line(text, message, tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(text)
@@ -516,7 +562,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
     ],
 )
 def test_cli_mistakes_get_the_hint(args, message, tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     with pytest.raises(InvalidValue) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -540,13 +586,13 @@ def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
     and never cuts one, so a recipe's value is named as ignored instead of passing silently."""
     import logging
 
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})
     assert cfg.max_prompt_length == 512
     assert "max_prompt_length=512 is ignored" in caplog.text and "max_teacher_prompt_length" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.config"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         parse_config(["--output_dir", str(tmp_path)], environ={})
     assert "max_prompt_length" not in caplog.text

@@ -116,12 +116,14 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 
 def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
-    """The seeded engine (`SeededLLM` drawing `RolloutSeeds`, as OPSD's engine wraps the colocated one) against the
-    engine with one seed."""
+    """The seeds the training engine gives each row (`SeededLLM.generate`: `per_row_params` of `RolloutSeeds`,
+    row i of a call of n rows from `first_rollout_row` + i) on a real engine, against the engine with one seed."""
     from vllm import SamplingParams
 
-    from opsd.method.engine import RolloutSeeds, SeededLLM
+    from opsd.method.engine import RolloutSeeds
+    from opsd.method.engine_vllm import SeededLLM, per_row_params
 
+    assert issubclass(SeededLLM, type(vllm_tiny.llm))  # the training engine is a vLLM engine, not a wrapper
     tok = vllm_tiny.llm.get_tokenizer()
     rows = [{"prompt_token_ids": tok("What is 2 + 3?").input_ids}] * 4 + [
         {"prompt_token_ids": tok("Compute 7 * 6.").input_ids}
@@ -135,25 +137,18 @@ def test_training_rollout_seeds_are_per_row_and_split_invariant(vllm_tiny):
     shared = texts(vllm_tiny.llm.generate(rows, sampling_params=sp, use_tqdm=False))
     assert len(set(shared[:4])) == 1
     # Per-row seeds: distinct samples for the repeated prompt.
-    seeds = RolloutSeeds(3, step_of=lambda: 5)
+    seeds = RolloutSeeds(3)
+    seeds.at_step(5)
 
-    def seeded(
-        first_row,
-    ):  # as OPSDGeneration wraps its engine: row i of a call of n rows from first_row(n) + i
-        return SeededLLM(vllm_tiny.llm, lambda n: seeds.for_rows(first_row(n), n))
+    def seeded(part, first):
+        params = per_row_params(sp, seeds.for_rows(first, len(part)))
+        return texts(vllm_tiny.llm.generate(part, sampling_params=params, use_tqdm=False))
 
-    whole = seeded(lambda n: 0)
-    got = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
+    got = seeded(rows, 0)
     assert len(set(got[:4])) > 1
     # Two "processes" with contiguous shares draw exactly the rows of the single call.
-    first = seeded(lambda n: 0)
-    second = seeded(lambda n: 3)
-    split = texts(first.generate(rows[:3], sampling_params=sp, use_tqdm=False)) + texts(
-        second.generate(rows[3:], sampling_params=sp, use_tqdm=False)
-    )
-    assert split == got
+    assert seeded(rows[:3], 0) + seeded(rows[3:], 3) == got
     # The probe's rollouts use other seeds than any training step's.
     with seeds.probe():
-        probe = texts(whole.generate(rows, sampling_params=sp, use_tqdm=False))
+        probe = seeded(rows, 0)
     assert probe != got and seeds.step == 5
-    assert whole.get_tokenizer() is vllm_tiny.llm.get_tokenizer()  # everything else is the engine's

@@ -62,7 +62,7 @@ def family_dirs(tmp_path_factory):
 def _engine(model_dir, arguments: dict):
     from vllm import LLM
 
-    from opsd.configuration.engine_env import single_node_engine_env
+    from opsd.method.engine_env import single_node_engine_env
 
     single_node_engine_env()
     # As TRL starts the trainer's engine: the log-probs returned are those of the distribution sampled from.

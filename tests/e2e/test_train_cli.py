@@ -164,7 +164,7 @@ def test_bad_recipe_line_is_named(tmp_path):
 
 
 def test_precedence_defaults_yaml_cli_recipe_env(tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     yaml = tmp_path / "c.yaml"
     yaml.write_text("beta: 0.1\ntemperature: 0.9\ntop_k_loss: 3\nwavg_last: 2\n")
@@ -197,9 +197,8 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
     canonical one with a note that names it, and refuses both names at once."""
     import logging
 
-    from opsd.configuration.sources.aliases import ALIASES
-    from opsd.configuration.sources.cli import parse_config
-    from opsd.configuration.sources.recipe import RecipeError
+    from opsd.configuration.sources import RecipeError, parse_config
+    from opsd.configuration.switches import ALIASES
     from opsd.errors import InvalidValue
 
     assert ALIASES == {"jsd_token_clip": "divergence_clip"}
@@ -234,7 +233,7 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
 
 
 def test_every_shipped_config_loads(tmp_path):
-    from opsd.configuration.sources.cli import parse_config
+    from opsd.configuration.sources import parse_config
 
     configs = sorted((ROOT / "configs").rglob("*.yaml"))
     assert configs
@@ -298,7 +297,7 @@ def test_full_finetuning_fixed_teacher_is_a_frozen_copy(tiny_model_dir, tmp_path
 
 
 def test_shipped_recipes_parse_and_match_the_spec():
-    from opsd.configuration.sources.recipe import parse_recipe
+    from opsd.configuration.sources import parse_recipe
 
     recipes = {p.name: p for p in (ROOT / "configs" / "recipes").glob("*.env")}
     assert {"published.env", "improved.env"} <= set(recipes)

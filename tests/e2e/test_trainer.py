@@ -5,7 +5,7 @@ import torch
 
 from opsd.method.hidden import lm_head_weight, positions
 from opsd.method.prompts import teacher_rows
-from tests.conftest import free_port
+from tests.conftest import colocated_rendezvous
 
 
 def _naive_positions(prompt_mask, completion_width):
@@ -51,19 +51,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    # The colocated engine's rendezvous: its own port, and nothing of it inherited by the processes later tests
-    # start. TRL's engine set-up writes the single-process rendezvous (RANK, LOCAL_RANK, WORLD_SIZE,
-    # MASTER_ADDR) into os.environ; set here, the context removes them again on exit (a later harness dry run
-    # in this worker otherwise took itself for one rank of a distributed job).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MASTER_PORT", str(free_port()))
-        for name, value in (
-            ("RANK", "0"),
-            ("LOCAL_RANK", "0"),
-            ("WORLD_SIZE", "1"),
-            ("MASTER_ADDR", "127.0.0.1"),
-        ):
-            patch.setenv(name, value)
+    with colocated_rendezvous():  # the colocated engine's, restored on exit
         trainer = OPSDTrainer(
             model=model,
             args=cfg,
@@ -122,7 +110,7 @@ def _scoring_batch(trainer, tok):
 
 def _teacher_hidden(trainer, b):
     width = b["teacher_input_ids"].size(1) - b["completion_ids"].size(1)
-    with torch.no_grad(), trainer._get_teacher_context_for_self_distillation():
+    with torch.no_grad(), trainer.teacher_context():
         return trainer._completion_hidden(
             trainer.teacher_model,
             b["teacher_input_ids"][:, :width],
@@ -209,15 +197,15 @@ def test_engine_logprobs_equal_trainer_after_update(trained):
     student = _student_logprobs(trainer, batch)
     torch.testing.assert_close(student, engine, atol=2e-3, rtol=1e-3)
     # The engine serves the updated student, not the initial weights.
-    with trainer._get_teacher_context_for_self_distillation():
+    with trainer.teacher_context():
         base = _student_logprobs(trainer, batch)
     assert (base - engine).abs().max() > 1e-2
     # The reference code's positions disagree with the engine on the shorter (left-padded) prompt.
-    trainer.args.fix_position_ids = False
+    trainer.forwards.fix_positions = False  # as a run with fix_position_ids=False builds its forwards
     try:
         shifted = _student_logprobs(trainer, batch)
     finally:
-        trainer.args.fix_position_ids = True
+        trainer.forwards.fix_positions = True
     assert (shifted - engine).abs().max() > 1e-3
 
 

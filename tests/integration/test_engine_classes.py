@@ -263,8 +263,8 @@ def test_the_engine_starts_at_the_trainers_dtype(tiny_model_dir, dtype):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    from opsd.configuration.engine_env import cpu_mla_backend
     from opsd.method.engine import engine_arguments
+    from opsd.method.engine_env import cpu_mla_backend
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
     student = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))

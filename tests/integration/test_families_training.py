@@ -66,14 +66,14 @@ def test_the_loss_is_the_models_own_divergence_and_two_steps_change_every_layer_
     every layer."""
     trainer = _trainer(family_dirs[family], tmp_path, clip_mode="none", beta=0.5)
     torch.manual_seed(0)
-    batch = trainer._prepare_training_batch([trainer.train_dataset[i] for i in range(2)])
+    batch = trainer.rollout_batch([trainer.train_dataset[i] for i in range(2)])
     c_ids, c_mask = batch["completion_ids"], batch["completion_mask"]
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
         assert trainer.logit_transform == TRANSFORMS.get(family, IDENTITY)
         width = batch["teacher_input_ids"].size(1) - c_ids.size(1)
         student = _own_logits(trainer.model, batch["prompt_ids"], batch["prompt_mask"], c_ids, c_mask)
-        with trainer._get_teacher_context_for_self_distillation():
+        with trainer.teacher_context():
             teacher = _own_logits(
                 trainer.teacher_model,
                 batch["teacher_input_ids"][:, :width],

@@ -3,7 +3,7 @@ model on the CPU: no value the checks let through may make step 1 raise (-1e308 
 "cannot be converted to type float without overflow"), skip it as non-finite (-1e38 once skipped every step,
 silently), or leave a weight non-finite for the next step (adam_epsilon=0: Adam's 0 / 0 where a gradient is 0).
 
-The ends come from the range table itself (opsd/configuration/checks/ranges.py), so a bound that moves is swept
+The ends come from the ranges the switches declare (opsd/configuration/switches.py), so a bound that moves is swept
 where it moves; an end the table leaves open is swept at the largest number it accepts. A step costs about a
 second on two busy cores, so the switches go together: one step with every switch at its low end, one with every
 switch at its high end (harder than one at a time: the extremes meet), and alone the ends that would hide the
@@ -20,9 +20,8 @@ import sys
 import pytest
 import torch
 
-from opsd.configuration.checks.ranges import RANGES, Range
-from opsd.configuration.checks.values import field_specs
-from opsd.configuration.sources.keys import OPERATIONAL_KEYS, RECIPE_KEYS
+from opsd.configuration.sources import field_specs
+from opsd.configuration.switches import OPERATIONAL_KEYS, RANGES, RECIPE_KEYS, Range
 
 # Numeric fields of the range table a run's recipe or operational settings set (and adam_epsilon, a flag) that
 # the step does not read, or that one step cannot take to an end; each with why.

@@ -1,4 +1,4 @@
-"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.checks.choices), divisibility, the
+"""Micro-batch plans (opsd.speed.microbatch): parsing (opsd.configuration.checks), divisibility, the
 memory estimate and auto's choice, against hand-computed values."""
 
 import logging
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from opsd.configuration.checks.choices import AUTO, parse_micro_batch_size
+from opsd.configuration.checks import parse_micro_batch_size
+from opsd.configuration.switches import AUTO
 from opsd.errors import InvalidValue
 from opsd.speed import microbatch
 from opsd.speed.microbatch import GIB, ModelShape, auto_micro_batch, estimate_micro_batch_bytes, plan_for

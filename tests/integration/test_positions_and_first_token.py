@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opsd.configuration.checks.trl_options import IGNORED_SDFT_OPTIONS
+from opsd.configuration.checks import IGNORED_SDFT_OPTIONS
 from opsd.configuration.config import OPSDConfig
 from opsd.method.hidden import completion_hidden, left_pad, loss_token_mask, positions, right_pad
 from opsd.method.loss import loss_settings
@@ -98,12 +98,13 @@ def test_trainer_scores_reference_rows_when_positions_are_not_fixed(trainer, tin
     pad = tok.pad_token_id
     p_ids, p_mask = left_pad(prompts, pad, "cpu")
     c_ids, c_mask = right_pad(completions, pad, "cpu")
-    trainer.args.fix_position_ids = False
+    # The trainer's forwards as a run with fix_position_ids=False builds them.
+    trainer.forwards.fix_positions = False
     try:
-        with torch.no_grad(), trainer._get_teacher_context_for_self_distillation():
+        with torch.no_grad(), trainer.teacher_context():
             hidden = trainer._completion_hidden(trainer.teacher_model, p_ids, p_mask, c_ids, c_mask)
     finally:
-        trainer.args.fix_position_ids = True
+        trainer.forwards.fix_positions = True
     logp = (hidden @ model.get_output_embeddings().weight.T).log_softmax(-1)
     ours = logp.gather(-1, c_ids[c_mask.bool()][:, None])[:, 0]
     # The fixed teacher is the initial model, which `tiny` loaded from the same files.
@@ -138,7 +139,7 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
     try:
         torch.manual_seed(0)
         rows = [trainer.train_dataset[i] for i in range(2)]
-        batch = trainer._prepare_training_batch(rows)
+        batch = trainer.rollout_batch(rows)
         c_ids, c_mask = batch["completion_ids"], batch["completion_mask"]
         cols = torch.arange(c_mask.size(1)).expand_as(c_mask)
         kept_BC = c_mask.bool() & (cols >= skip)
@@ -152,7 +153,7 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
             h_s = trainer._completion_hidden(
                 trainer.model, batch["prompt_ids"], batch["prompt_mask"], c_ids, c_mask
             )
-            with trainer._get_teacher_context_for_self_distillation():
+            with trainer.teacher_context():
                 h_t = trainer._completion_hidden(
                     trainer.teacher_model,
                     batch["teacher_input_ids"][:, :width],

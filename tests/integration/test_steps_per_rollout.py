@@ -11,7 +11,7 @@ from tests.conftest import make_trainer, stop_at
 def _recorded(trainer):
     """Wraps the trainer's generate and loss calls; returns the lists they fill."""
     calls = {"generate": [], "loss": []}
-    generate, compute_loss = trainer._generate, trainer.compute_loss
+    generate, compute_loss = trainer.generate_rollouts, trainer.compute_loss
 
     def record_generate(prompt_ids):
         calls["generate"].append((trainer.state.global_step, len(prompt_ids)))
@@ -28,7 +28,7 @@ def _recorded(trainer):
             })  # fmt: skip
         return compute_loss(model, inputs, *args, **kwargs)
 
-    trainer._generate, trainer.compute_loss = record_generate, record_loss
+    trainer.generate_rollouts, trainer.compute_loss = record_generate, record_loss
     return calls
 
 

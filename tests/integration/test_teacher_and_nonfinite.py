@@ -146,12 +146,12 @@ def test_transformers_rollouts_ignore_lora_dropout(tiny_model_dir, tmp_path):
     trainer.model.train()
     prompts = [trainer.prompt_builder.student_ids(p) for p in ["What is 2 + 3?", "What is 7 * 6?"]]
     torch.manual_seed(0)
-    with_dropout = trainer._generate_transformers(prompts)[1]
+    with_dropout = trainer.engine.generate(prompts, step=0, num_generations=1)[0]
     for module in trainer.model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     torch.manual_seed(0)
-    without = trainer._generate_transformers(prompts)[1]
+    without = trainer.engine.generate(prompts, step=0, num_generations=1)[0]
     assert with_dropout == without
 
 
@@ -178,14 +178,18 @@ class NaNAt(TrainerCallback):
 
 
 class Snapshots(TrainerCallback):
-    """Trainable weights and optimizer state before and after every optimizer step."""
+    """Trainable weights, optimizer state and LR scheduler state before and after every optimizer step."""
 
     def __init__(self, trainer):
         self.trainer, self.before, self.after = trainer, {}, {}
 
     def _take(self):
         weights = {n: p.detach().clone() for n, p in self.trainer.model.named_parameters() if p.requires_grad}
-        return weights, copy.deepcopy(self.trainer.optimizer.state_dict()["state"])
+        schedule = {
+            "scheduler": copy.deepcopy(self.trainer.lr_scheduler.state_dict()),
+            "rates": [group["lr"] for group in self.trainer.optimizer.param_groups],
+        }
+        return weights, copy.deepcopy(self.trainer.optimizer.state_dict()["state"]), schedule
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.before[state.global_step + 1] = self._take()
@@ -225,6 +229,9 @@ def test_nonfinite_step_is_skipped(tiny_model_dir, tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(snaps.after[3][0][n], before[0][n]) for n in before[0]), "step 3 trained"
     assert all(s["step"].item() == 2 for s in snaps.after[3][1].values())  # Adam counted steps 1 and 3
+    _assert_same(after[2], before[2])  # the scheduler and the optimizer's rates stand where they stood
+    assert snaps.after[3][2]["scheduler"]["last_epoch"] == 2  # stepped after steps 1 and 3 only
+    assert snaps.after[3][2]["scheduler"]["_step_count"] == 3
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/nonfinite_skipped" in r]

@@ -19,7 +19,7 @@ def lora_weights(trainer) -> dict[str, torch.Tensor]:
 def count_calls(trainer, counts: dict[str, int]) -> None:
     """Counts teacher prompts rendered, entries into TRL's teacher context and model forwards (both roles)."""
     builder = trainer.prompt_builder
-    render, context = builder.teacher_ids, trainer._get_teacher_context_for_self_distillation
+    render, context = builder.teacher_ids, trainer.teacher_context
     forward = trainer._completion_hidden
 
     def completion_hidden(*a, **kw):
@@ -35,7 +35,7 @@ def count_calls(trainer, counts: dict[str, int]) -> None:
         return context(*a, **kw)
 
     builder.teacher_ids = teacher_ids
-    trainer._get_teacher_context_for_self_distillation = teacher_context
+    trainer.teacher_context = teacher_context
     trainer._completion_hidden = completion_hidden
 
 
@@ -116,7 +116,7 @@ def test_the_target_stays_where_it_is_while_the_student_moves(tiny_model_dir, tm
     trainer = make_trainer(tiny_model_dir, tmp_path, teacher_contrast="shuffled", max_steps=3, learning_rate=1e-3,
                            clip_mode="none", **NO_PROBE)  # fmt: skip
     trainer.model.eval()
-    batch = trainer._prepare_training_batch([trainer.train_dataset[i] for i in range(2)])
+    batch = trainer.rollout_batch([trainer.train_dataset[i] for i in range(2)])
     q0, p0 = target_and_student(trainer, batch)
     trainer.train()
     trainer.model.eval()

@@ -46,7 +46,7 @@ def test_the_teacher_context_runs_the_weights_trls_routing_picks(tiny_model_dir,
     model.eval()
     with torch.no_grad():
         student = _last_hidden(trainer, ids)
-        with trainer._get_teacher_context_for_self_distillation():
+        with trainer.teacher_context():
             ours = _last_hidden(trainer, ids)
         with SDFTTrainer._get_teacher_context_for_self_distillation(trainer):
             trls = _last_hidden(trainer, ids)

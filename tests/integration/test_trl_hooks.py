@@ -71,5 +71,85 @@ def test_every_listed_hook_is_overridden_and_still_defined_by_trl():
         for name, member in defined.items()
         if inspect.isfunction(member) and name != "__init__" and hasattr(SDFTTrainer, name)
     }
-    assert overrides == set(OPSDTrainer.TRL_HOOKS) | set(OPSDTrainer.OWN_CALLS)
+    assert overrides == set(OPSDTrainer.TRL_HOOKS)
     assert set(STEP_ORDER + RESUME_ORDER) == set(OPSDTrainer.TRL_HOOKS)
+
+
+# The files of OPSD's path: its trainer, its engines and its callbacks (the GRPO arms, opsd/rl, hook into TRL's
+# GRPOTrainer: theirs are another trainer's names).
+OPSD_PATH = [
+    "opsd_trainer.py",
+    *(f"opsd/{d}/*.py" for d in ("method", "run", "speed", "data", "configuration")),
+]
+
+
+def library_private_names() -> set[str]:
+    """Private names (`_x`, not dunder) that TRL's and transformers' classes under OPSD define or set on
+    themselves: SDFTTrainer's whole hierarchy (transformers' Trainer included), TRL's vLLM engine, its EMA
+    callback."""
+    import re
+
+    from trl.experimental.sdft import SDFTTrainer
+    from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    names = set()
+    for base in (SDFTTrainer, VLLMGeneration, PEFTAdapterEMACallback):
+        for cls in base.__mro__[:-1]:
+            names |= {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")}
+            names |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(cls)))
+    return names
+
+
+def private_uses(source: str, library: set[str]) -> set[str]:
+    """The library's private names that `source` overrides (a method of that name in a class with a base from a
+    library), reads, writes or calls (an attribute of that name on any object), leaving out names the module
+    itself defines for its own objects (a method of a class of its own, a module-level function)."""
+    import ast
+
+    tree = ast.parse(source)
+    own, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            # A class with a base may override a library's method (its own classes count as such too: a name
+            # both define is counted, never hidden).
+            for item in node.body:
+                names = [item.name] if isinstance(item, ast.FunctionDef) else []
+                if isinstance(item, ast.Assign):
+                    names = [t.id for t in item.targets if isinstance(t, ast.Name)]
+                for name in names:
+                    (used if node.bases and name in library else own).add(name)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            own.add(node.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in library and node.attr not in own:
+            used.add(node.attr)
+    return used & library
+
+
+def test_the_private_trl_names_are_the_listed_ones():
+    """Every private TRL/transformers name OPSD's path overrides, calls or reads is in
+    `OPSDTrainer.PRIVATE_TRL_NAMES` (at most 5, each with its reason) or is one of the model card's declarations;
+    and the finder finds each kind of use in a snippet."""
+    from pathlib import Path
+
+    from opsd_trainer import OPSDTrainer
+
+    root = Path(__file__).resolve().parents[2]
+    library = library_private_names()
+    assert {"_prepare_inputs", "_save", "_metrics", "_generate_transformers", "_init_vllm"} <= library
+    found = set()
+    for pattern in OPSD_PATH:
+        for path in sorted(root.glob(pattern)):
+            found |= private_uses(path.read_text(), library)
+    listed = OPSDTrainer.PRIVATE_TRL_NAMES
+    assert len(listed) <= 5 and all(len(why) > 40 for why in listed.values())
+    assert found == set(listed) | set(OPSDTrainer.MODEL_CARD_NAMES), found
+    # The finder: an override, a call through super(), a read on another object; not a name of the module's own.
+    snippet = (
+        "class T(SDFTTrainer):\n    def _generate(self): return super()._generate_transformers([])\n"
+        "class Own:\n    def _save(self): pass\n"
+        "def f(trainer): return trainer._metrics\n"
+    )
+    assert private_uses(snippet, library) == {"_generate", "_generate_transformers", "_metrics"}

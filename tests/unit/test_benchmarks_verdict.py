@@ -14,6 +14,7 @@ import pytest
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
 from opsd.experiment import spec, verdict
+from tests.unit.test_experiment import lay_out_experiment, make_spec
 
 T975 = {1: 12.706205, 2: 4.302653}  # two-sided 95% Student t quantiles, from a table
 BENCHES = {"aime24": 3, "hmmt25": 2}  # problems per benchmark: unequal, so the macro is not the pooled mean
@@ -69,21 +70,10 @@ def write_eval(where: Path, cell: str, seed: int) -> None:
 
 
 def experiment(directory: Path, scored_seeds=SEEDS) -> Path:
-    sp = spec.Spec(
-        profile="smoke", model="tiny/model", dataset="builtin:easy", eval_flags=["--benchmarks", ",".join(BENCHES)],
-        gpus_per_run=0, arms={a: {"recipe": {"clip_mode": c}, "source": f"{a}.env"} for a, c in (("A", "element"), ("B", "none"))},
-        seeds=list(SEEDS),
-    )  # fmt: skip
-    spec.save(directory, spec.merge(None, sp, directory))
-    for seed in SEEDS:
-        write_eval(spec.base_eval_dir(directory, seed), "base", seed)
-        for arm in ("A", "B"):
-            ckpt = spec.final_checkpoint(directory, arm, seed)
-            ckpt.mkdir(parents=True)
-            (ckpt / ".complete").touch()
-            if seed in scored_seeds:
-                write_eval(spec.eval_dir(directory, arm, seed) / "checkpoint-100", arm, seed)
-    return directory
+    """A synthetic --benchmarks experiment (`lay_out_experiment`): every cell trained, scored for `scored_seeds`."""
+    sp = make_spec(seeds=SEEDS, eval_flags=["--benchmarks", ",".join(BENCHES)])
+    unscored = {(arm, seed): 100 for arm in sp.arms for seed in SEEDS if seed not in scored_seeds}
+    return lay_out_experiment(directory, sp, write_eval, unscored=unscored)
 
 
 def macro_points(cell: str, seed: int) -> float:

@@ -47,7 +47,7 @@ def test_settings_are_the_saved_config_key_for_key():
 
 
 def test_every_eval_range_refuses_with_the_flag_the_value_and_the_range():
-    from opsd.configuration.checks.ranges import EVAL_RANGES
+    from opsd.configuration.checks import EVAL_RANGES
 
     assert set(EVAL_RANGES) <= {f.name for f in dataclasses.fields(EvalConfig)}
     for name, allowed in EVAL_RANGES.items():

@@ -1,4 +1,4 @@
-"""Tests for opsd.experiment (spec, cells, schedule, verdict, commands) and the fixed KV cache of opsd.configuration.engine_env.
+"""Tests for opsd.experiment (spec, cells, schedule, verdict, commands) and the fixed KV cache of opsd.method.engine_env.
 
 No model, engine or training run: arms are parsed from recipe files written here; commands are parsed back
 with shlex and checked against opsd.launch.capped's own plan of where a run writes; reports are built from synthetic
@@ -15,13 +15,13 @@ import math
 import random
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from opsd.configuration.engine_env import fixed_kv_cache, kv_cache_gib
-from opsd.configuration.sources.recipe import env_overrides, parse_recipe
+from opsd.configuration.sources import env_overrides, parse_recipe
 from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
@@ -29,6 +29,7 @@ from opsd.experiment import commands, power, schedule, spec, verdict
 from opsd.experiment.arms import parse_arm
 from opsd.experiment.status import CellRow, Display, Status
 from opsd.launch.capped import make_plan
+from opsd.method.engine_env import kv_cache_bytes, kv_cache_gib
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Two-sided 95% Student t quantiles t_{0.975, df}, typed from a table.
@@ -516,8 +517,9 @@ def curve(arm: str, seed: int, step: int) -> dict:
             "completions/mean_length": 100 + step + seed, "learning_rate": 1e-5}  # fmt: skip
 
 
-def write_eval(where: Path, key: tuple[str, int]) -> None:
+def write_eval(where: Path, cell: str, seed: int) -> None:
     """samples.jsonl (in a shuffled finish order) and summary.json as eval_aime.py writes them."""
+    key = (cell, seed)
     records = []
     for p, (c_row, b_row) in enumerate(zip(CORRECT[key], BOXED[key], strict=True)):
         for i, (c, b) in enumerate(zip(c_row, b_row, strict=True)):
@@ -544,26 +546,43 @@ def write_run(directory: Path, arm: str, seed: int, last_step: int) -> None:
         (run / f"checkpoint-{k}" / ".complete").touch()
 
 
-def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] | None = None,
-               arms=("A", "B"), seeds=SEEDS, base: bool = True, recipes: dict | None = None) -> Path:  # fmt: skip
-    """A synthetic experiment: every cell trained and scored but those in `unscored` (cell -> the step its
-    training reached, None for not started); `recipes` ({arm: recipe}) replaces the arms' clip modes."""
+def lay_out_experiment(
+    directory: Path,
+    sp: spec.Spec,
+    write_evaluation: Callable[[Path, str, int], None],
+    *,
+    unscored: dict[tuple[str, int], int | None] | None = None,
+    base: bool = True,
+) -> Path:
+    """A synthetic experiment directory laid out as the experiment writes one, shared by the tests that report
+    on one (here and tests/unit/test_benchmarks_verdict.py): `sp` recorded, the base model scored once per
+    seed (unless not `base`), every cell trained to step 100 and scored at its final checkpoint but those in
+    `unscored` (cell -> the step its training reached, None for not started).
+    `write_evaluation(where, cell, seed)` writes one evaluation (cell "base" for the base model)."""
     unscored = unscored or {}
-    recipes = recipes or {a: {"clip_mode": "element" if a == "A" else "none"} for a in arms}
-    sp = spec.merge(None, make_spec(recipes, seeds=seeds), directory)
-    spec.save(directory, sp)
+    spec.save(directory, spec.merge(None, sp, directory))
     if base:
-        for seed in seeds:
-            write_eval(spec.base_eval_dir(directory, seed), ("base", seed))
-    for arm in arms:
-        for seed in seeds:
+        for seed in sp.seeds:
+            write_evaluation(spec.base_eval_dir(directory, seed), "base", seed)
+    for arm in sp.arms:
+        for seed in sp.seeds:
             if (arm, seed) in unscored:
                 if unscored[arm, seed] is not None:
                     write_run(directory, arm, seed, unscored[arm, seed])
                 continue
             write_run(directory, arm, seed, 100)
-            write_eval(spec.eval_dir(directory, arm, seed) / "checkpoint-100", (arm, seed))
+            write_evaluation(spec.eval_dir(directory, arm, seed) / "checkpoint-100", arm, seed)
     return directory
+
+
+def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] | None = None,
+               arms=("A", "B"), seeds=SEEDS, base: bool = True, recipes: dict | None = None) -> Path:  # fmt: skip
+    """A synthetic experiment (`lay_out_experiment`) of this file's typed-in samples; `recipes` ({arm: recipe})
+    replaces the arms' clip modes."""
+    recipes = recipes or {a: {"clip_mode": "element" if a == "A" else "none"} for a in arms}
+    return lay_out_experiment(
+        directory, make_spec(recipes, seeds=seeds), write_eval, unscored=unscored, base=base
+    )
 
 
 def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
@@ -1108,36 +1127,37 @@ def llm_init(monkeypatch):
     return vllm, recorder, calls
 
 
-def test_kv_cache_unset_leaves_vllm_alone(llm_init) -> None:
+def test_kv_cache_unset_gives_no_engine_argument(llm_init) -> None:
+    from opsd.evaluation.sampling import VLLMEngine
+
     vllm, recorder, calls = llm_init
     assert kv_cache_gib({}) is None and kv_cache_gib({"OPSD_KV_CACHE_GIB": "  "}) is None
-    assert fixed_kv_cache({}) is None
-    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": ""}) is None
+    assert kv_cache_bytes({}) is None and kv_cache_bytes({"OPSD_KV_CACHE_GIB": ""}) is None
+    engine = object.__new__(VLLMEngine)
+    with pytest.raises(AttributeError):  # the recorder builds no engine; its arguments are what count
+        VLLMEngine.__init__(engine, "m")
+    assert "kv_cache_memory_bytes" not in calls[-1]
     assert vllm.LLM.__init__ is recorder
 
 
-def test_kv_cache_gives_every_engine_that_many_bytes(llm_init) -> None:
+def test_kv_cache_is_the_engines_constructor_argument(llm_init) -> None:
+    """The variable is read into bytes (`kv_cache_bytes`) and passed to the engine's constructor, which hands it
+    to vLLM; nothing of vLLM is replaced."""
+    from opsd.evaluation.sampling import VLLMEngine
+
     vllm, recorder, calls = llm_init
     assert kv_cache_gib({"OPSD_KV_CACHE_GIB": " 1.5 "}) == 1.5
-    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": "1.5"}) == 1.5
-    assert vllm.LLM.__init__ is not recorder
-    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m")
-    assert calls == [{"model": "m", "kv_cache_memory_bytes": 1610612736}]  # 1.5 * 2**30
-    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m", kv_cache_memory_bytes=123)
-    assert calls[-1] == {"model": "m", "kv_cache_memory_bytes": 123}  # the caller's own wins
-    # A second call does not wrap the wrapper.
-    wrapper = vllm.LLM.__init__
-    assert fixed_kv_cache({"OPSD_KV_CACHE_GIB": "1.5"}) == 1.5
-    assert vllm.LLM.__init__ is wrapper
-    calls.clear()
-    vllm.LLM.__init__(object.__new__(vllm.LLM), model="m")
-    assert calls == [{"model": "m", "kv_cache_memory_bytes": 1610612736}]
+    assert kv_cache_bytes({"OPSD_KV_CACHE_GIB": "1.5"}) == 1610612736  # 1.5 * 2**30
+    with pytest.raises(AttributeError):
+        VLLMEngine.__init__(object.__new__(VLLMEngine), "m", kv_cache_bytes=1610612736)
+    assert calls[-1]["kv_cache_memory_bytes"] == 1610612736
+    assert vllm.LLM.__init__ is recorder
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan", "inf", "1.5GiB"])
 def test_kv_cache_refuses_bad_values(llm_init, raw: str) -> None:
     vllm, recorder, calls = llm_init
-    for fn in (kv_cache_gib, fixed_kv_cache):
+    for fn in (kv_cache_gib, kv_cache_bytes):
         with pytest.raises(InvalidValue) as info:
             fn({"OPSD_KV_CACHE_GIB": raw})
         assert "OPSD_KV_CACHE_GIB" in str(info.value) and repr(raw) in str(info.value)

@@ -1,6 +1,6 @@
-"""Switches the other settings leave without effect (opsd/configuration/checks/inert.py): each is one warning line
-naming what it needs, where the run would otherwise record it as if it acted; the same value where it acts, or a
-default, says nothing. The experiment compares its arms without them (`arms.effective_recipe`)."""
+"""Switches the other settings leave without effect (opsd/configuration/checks.py, `inert_fields`): each is one
+warning line naming what it needs, where the run would otherwise record it as if it acted; the same value where it
+acts, or a default, says nothing. The experiment compares its arms without them (`arms.effective_recipe`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from opsd.configuration.checks.inert import inert_fields, warn_inert
+from opsd.configuration.checks import inert_fields, warn_inert
 from opsd.configuration.config import OPSDConfig
 from opsd.experiment.arms import effective_recipe
 
@@ -65,10 +65,10 @@ def test_a_switch_without_effect_is_one_warning_naming_what_it_needs(
 def test_the_config_logs_each_line_once(tmp_path, caplog) -> None:
     """Every entry point builds its config through OPSDConfig, which logs the lines; a config checked again (a new
     micro-batch plan re-runs the checks) does not repeat them."""
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks.inert"):
+    with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         cfg = config(tmp_path, fixed_advantage=-0.75)
         cfg.with_micro_batch(2, 1)
-    said = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.checks.inert"]
+    said = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.checks"]
     assert said == [
         "fixed_advantage=-0.75 has no effect: it needs loss_type=fixed_advantage (loss_type=jsd reads no constant "
         "advantage)"

@@ -287,8 +287,8 @@ def test_hand_computed_v3():
 
 
 def test_invalid_arguments(tmp_path):
-    # The loss's settings are checked once, where they enter: the config (opsd/configuration/checks/ranges.py,
-    # choices.py).
+    # The loss's settings are checked once, where they enter: the config (the ranges and choices the switches
+    # declare, opsd/configuration/switches.py, checked by opsd/configuration/checks.py).
     with pytest.raises(ValueError):
         OPSDConfig(output_dir=str(tmp_path), report_to="none", beta=1.5)
     with pytest.raises(ValueError):

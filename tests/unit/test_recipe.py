@@ -1,4 +1,4 @@
-"""Tests for opsd.configuration.sources.recipe: recipe.env parsing, OPSD_* environment overrides and their
+"""Tests for opsd.configuration.sources: recipe.env parsing, OPSD_* environment overrides and their
 argv round trip."""
 
 from __future__ import annotations
@@ -11,20 +11,22 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
-from opsd.configuration.checks.values import MAX_COMPLETION_CAP, field_specs
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.sources.aliases import canonical_flags, canonical_keys
-from opsd.configuration.sources.keys import BUDGET_KEYS, CAPPED_KEYS, RECIPE_KEYS
-from opsd.configuration.sources.recipe import (
+from opsd.configuration.sources import (
+    MAX_COMPLETION_CAP,
     MAX_FILE_BYTES,
     Override,
     RecipeError,
+    canonical_flags,
+    canonical_keys,
     env_overrides,
+    field_specs,
     flag_overrides,
     parse_recipe,
     resolve_overrides,
     to_argv,
 )
+from opsd.configuration.switches import BUDGET_KEYS, CAPPED_KEYS, RECIPE_KEYS, env_name, field_of_env
 from opsd.errors import InvalidValue
 
 BUDGET_MESSAGE = "fixed by the capped harness"
@@ -58,6 +60,16 @@ def typed(field: str, value: str) -> object:
 # ------------------------------------------------------------------------------------------------------------
 # Tables
 # ------------------------------------------------------------------------------------------------------------
+def test_every_field_has_one_variable_and_one_key():
+    """A field's OPSD_* variable (OPSD_ + its name in upper case unless its declaration says otherwise) and its
+    recipe.env key name that field back, and no other."""
+    variables = {env_name(f.name) for f in dataclasses.fields(OPSDConfig)}
+    assert len(variables) == len(dataclasses.fields(OPSDConfig)) and env_name("beta") == "OPSD_BETA"
+    for f in dataclasses.fields(OPSDConfig):
+        assert field_of_env(env_name(f.name)) == f.name
+        assert field_of_env(env_name(f.name).removeprefix("OPSD_")) == f.name  # the recipe.env key
+
+
 def test_key_tables_name_real_settable_fields():
     fields = {f.name for f in dataclasses.fields(OPSDConfig)}
     assert RECIPE_KEYS <= fields
@@ -398,7 +410,7 @@ def test_env_list_field_points_to_yaml():
 # ------------------------------------------------------------------------------------------------------------
 def test_env_beats_recipe(tmp_path, caplog):
     path = write(tmp_path, "BETA=0.5\nLORA_R=8\n")
-    with caplog.at_level(logging.INFO, logger="opsd.configuration.sources.recipe"):
+    with caplog.at_level(logging.INFO, logger="opsd.configuration.sources"):
         got = resolve_overrides(path, {"OPSD_BETA": "1"}, capped=True)
     assert got == [Override("lora_r", "8", f"{path}:2"), Override("beta", "1.0", "env OPSD_BETA")]
     assert f"override lora_r=8 ({path}:2)" in caplog.text

@@ -44,6 +44,7 @@ def test_the_bound_is_the_largest_step_the_traces_rows_can_fill(capsys, no_trace
     assert step_trace.parse_trace_args(["--gradient-accumulation", str(most)]).gradient_accumulation == most
     assert step_trace.parse_trace_args(["--gradient-accumulation", "1"]).gradient_accumulation == 1
     assert step_trace.parse_trace_args([]).gradient_accumulation == 2
+    assert step_trace.parse_trace_args(["--json"]).json and not step_trace.parse_trace_args([]).json
     assert run_main(step_trace.main, step_trace.PROG, ["--gradient-accumulation", str(most + 1)]) == 2
     assert f"'{most + 1}': give a whole number from 1 to {most}" in capsys.readouterr().err
     # A prefix of a flag is not taken for the flag.

@@ -7,7 +7,8 @@ engine of this repo is single-node, so loopback is always right. On a CPU, vLLM'
 size (VLLM_CPU_KVCACHE_SPACE). A user's own setting of either wins.
 
 `OPSD_KV_CACHE_GIB` (set by `python -m opsd.experiment` when several jobs share one GPU) gives every engine
-the process starts exactly that much KV cache. vLLM otherwise sizes it from a start-up memory profile of the
+the process starts exactly that much KV cache: the entry points read it (`kv_cache_bytes`) and pass it to the
+engines' constructors (nothing of vLLM is patched). vLLM otherwise sizes it from a start-up memory profile of the
 whole GPU, which fails when another process allocates or frees memory meanwhile ("No available memory for the
 cache blocks", "Error in memory profiling"); with a fixed size it skips that profile.
 
@@ -20,17 +21,16 @@ features 16") and frees `kv_b_proj` once it has packed it, so that a weight push
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 
+from opsd.configuration.switches import KV_CACHE_ENV
 from opsd.errors import InvalidValue
 
 logger = logging.getLogger(__name__)
 
 SINGLE_NODE_ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-KV_CACHE_ENV = "OPSD_KV_CACHE_GIB"
 
 
 # A training process: colocated vLLM runs in it (the trainer pushes weights into the engine), and TRL's
@@ -81,38 +81,8 @@ def kv_cache_gib(environ=os.environ) -> float | None:
     return gib
 
 
-def raw_gib(environ=os.environ) -> str:
-    return environ.get(KV_CACHE_ENV, "").strip()
-
-
-def fixed_kv_cache(environ=os.environ) -> float | None:
-    """With `OPSD_KV_CACHE_GIB` set, make every `vllm.LLM` of this process reserve exactly that KV cache
-    (`kv_cache_memory_bytes`, unless the caller passes its own). Returns the GiB applied, or None."""
+def kv_cache_bytes(environ=os.environ) -> int | None:
+    """The engine argument `kv_cache_bytes` that `OPSD_KV_CACHE_GIB` asks for (None when unset): the entry points
+    read it once and pass it to the engines they build (`kv_cache_memory_bytes` of vLLM's `LLM`)."""
     gib = kv_cache_gib(environ)
-    if gib is None:
-        return None
-    import vllm
-    from vllm.engine.arg_utils import EngineArgs
-
-    if "kv_cache_memory_bytes" not in {f.name for f in dataclasses.fields(EngineArgs)}:
-        logger.warning(
-            "%s is set, and this vLLM has no kv_cache_memory_bytes: keeping its own sizing", KV_CACHE_ENV
-        )
-        return None
-    original = vllm.LLM.__init__
-    nbytes = int(gib * 2**30)
-    applied = getattr(original, "fixed_kv_cache_bytes", None)
-    if applied is not None:  # already wrapped: keep the first size, say so if asked for another
-        if applied != nbytes:
-            raise InvalidValue(
-                f"{KV_CACHE_ENV} changed to {raw_gib(environ)} after engines took {applied / 2**30:g} GiB"
-            )
-        return gib
-
-    def init(self, *args, **kwargs):
-        kwargs.setdefault("kv_cache_memory_bytes", nbytes)
-        original(self, *args, **kwargs)
-
-    init.fixed_kv_cache_bytes = nbytes
-    vllm.LLM.__init__ = init
-    return gib
+    return None if gib is None else int(gib * 2**30)

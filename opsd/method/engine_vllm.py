@@ -1,0 +1,253 @@
+"""The vLLM rollout engine of training (`VLLMRolloutEngine`), imported only when a run uses vLLM.
+
+`VLLMRolloutEngine` is built by the entry point with its settings (seeds, the batch cap, the KV-cache size) and handed to
+the trainer. TRL's trainers construct their engine themselves inside `__init__`, by the name `VLLMGeneration`
+read from a TRL module and with no setting for its class; `VLLMRolloutEngine.in_place_of_trl` stands that name in for the
+duration of the trainer's `__init__` (a context manager: the name is TRL's again on exit) so that the engine TRL
+constructs is this one's `OPSDGeneration`, with TRL's arguments and this engine's settings. Nothing of vLLM is
+replaced: the colocated engine is a `SeededLLM` (a `vllm.LLM` subclass) built with TRL's arguments and OPSD's.
+
+`OPSDGeneration` is TRL's `VLLMGeneration` with every OPSD difference in a public method or constructor argument:
+
+- `max_num_seqs` > 0 caps the colocated engine's batch (TRL sizes it from the batch with no setting of its own).
+  On vLLM's CPU backend a decode step's numerics depend on how many sequences it holds, so one at a time makes
+  seeded rollouts independent of how the batch is split across processes;
+- a colocated engine does not detokenise: training reads token ids only, and vLLM would otherwise detokenise
+  every sequence at every decode step in this process, between GPU steps;
+- the colocated engine starts with the trainer's dtype, vLLM's CPU_MLA backend for an MLA model on a CPU
+  (`opsd.method.engine.engine_arguments`) and a fixed KV cache when one is asked for (`kv_cache_bytes`);
+- every generation returns the sampled tokens' log-probs (as processed for sampling: temperature, top-k, top-p),
+  for `rollout/logprob_gap`;
+- the colocated engine draws one seed per row (`SeededLLM`); a server samples the whole batch from one seed per
+  step and process group (its i-th sample of a prompt from seed + i), in `generation_kwargs`;
+- `sync_weights` pushes the merged weights out of place (`opsd.method.engine.sync_colocated_engine`); a server
+  and ZeRO-3's sharded parameters take TRL's path. With sleep mode the weights are discarded after every
+  generation, and TRL's `generate` pushes them again before the next: the trainer then pushes nothing itself;
+- a colocated engine's failure in a push or a generation (and the sleep and wake-up inside them) is one line
+  (`opsd.method.engine_classes.engine_failure`), its log kept in `log_dir`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from contextlib import contextmanager, nullcontext
+
+import vllm
+from trl.generation.vllm_generation import VLLMGeneration
+
+from opsd.method.engine import (
+    RolloutSeeds,
+    engine_arguments,
+    first_rollout_row,
+    row_seed,
+    sync_colocated_engine,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SeededLLM(vllm.LLM):
+    """A `vllm.LLM` whose `generate` gives every prompt its own seed (`seeds_for(n)`: one seed per prompt)."""
+
+    def __init__(self, *args, seeds_for, **kwargs):
+        self.seeds_for = seeds_for
+        super().__init__(*args, **kwargs)
+
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        if sampling_params is not None and not isinstance(sampling_params, list | tuple):
+            sampling_params = per_row_params(sampling_params, self.seeds_for(len(prompts)))
+        return super().generate(prompts, sampling_params=sampling_params, **kwargs)
+
+
+def per_row_params(sampling_params, seeds: list[int]) -> list:
+    """One copy of `sampling_params` (vLLM's `SamplingParams`) per seed, each with its seed."""
+    per_row = []
+    for seed in seeds:
+        sp = sampling_params.clone()
+        sp.seed = seed
+        per_row.append(sp)
+    return per_row
+
+
+@contextmanager
+def _replaced(module, name: str, value):
+    """`module.name` is `value` inside the block and its own again after it, however the block ends."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class OPSDGeneration(VLLMGeneration):
+    """TRL's `VLLMGeneration` as OPSD drives it (module docstring); `settings` is the `VLLMRolloutEngine` that built it."""
+
+    def __init__(self, *, settings: VLLMRolloutEngine, **trl_arguments):
+        self.settings = settings
+        self.generations = 0
+        if settings.max_num_seqs > 0:
+            trl_arguments["max_num_seqs"] = settings.max_num_seqs
+        if trl_arguments.get("mode") == "colocate":
+            fixed = trl_arguments.get("generation_kwargs") or {}
+            trl_arguments["generation_kwargs"] = {"detokenize": False, **fixed}
+        if trl_arguments.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
+            trl_arguments["logprobs"] = 0
+        colocated = trl_arguments.get("mode") == "colocate"
+        model = trl_arguments["accelerator"].unwrap_model(trl_arguments["model"])
+        llm = functools.partial(SeededLLM, seeds_for=settings.seeds_for, **settings.llm_arguments(model))
+        trl_module = sys.modules[VLLMGeneration.__module__]  # where TRL's `_init_vllm` reads `LLM`
+        with _replaced(trl_module, "LLM", llm) if colocated else nullcontext():
+            super().__init__(**trl_arguments)
+        if colocated:
+            logger.info(
+                "the colocated vLLM engine runs %s",
+                ", ".join(f"{k}={v}" for k, v in settings.llm_arguments(model).items()),
+            )
+
+    @property
+    def generation_kwargs(self) -> dict:
+        if self.mode == "colocate":
+            return self.fixed_generation_kwargs
+        seeds = self.settings.seeds
+        return {
+            **self.fixed_generation_kwargs,
+            "seed": row_seed(seeds.seed, seeds.step, self.settings.rank_in_batch),
+        }
+
+    @generation_kwargs.setter
+    def generation_kwargs(self, value: dict) -> None:  # TRL's `__init__` sets it
+        self.fixed_generation_kwargs = value
+
+    def _failure(self, failed: str):
+        from opsd.method.engine_classes import engine_failure
+
+        if self.mode != "colocate":
+            return nullcontext()
+        return engine_failure(self.accelerator.unwrap_model(self.model), self.settings.log_dir, failed=failed)
+
+    def generate(self, *args, **kwargs):
+        # The first generation is the first forward: a kernel may refuse the model's shapes there.
+        failed = "on its first generation" if self.generations == 0 else "on a generation"
+        with self._failure(failed):
+            out = super().generate(*args, **kwargs)
+        self.generations += 1
+        return out
+
+    def sync_weights(self) -> None:
+        clock = self.settings.clock
+        with clock.phase("weight_sync") if clock else nullcontext(), self._failure("on a weight push"):
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            if self.mode != "colocate" or (plugin is not None and plugin.zero_stage == 3):
+                super().sync_weights()
+                return
+            on_cpu = self.accelerator.device.type == "cpu"
+            sync_colocated_engine(self, self.accelerator.unwrap_model(self.model), on_cpu=on_cpu)
+
+
+class VLLMRolloutEngine:
+    """Training's vLLM rollouts: TRL's engine (colocated, or a server) with OPSD's seeds, weight pushes and
+    settings, every setting a constructor argument.
+
+    `seeds`: the run's rollout seeds; `max_num_seqs`: the colocated engine's batch cap (0: TRL's sizing);
+    `kv_cache_bytes`: a fixed KV cache (None: vLLM's own sizing); `tensor_parallel_size` and `process_index` place
+    this process's rows in the global batch; `log_dir`: where a failed engine's output is kept. The trainer it
+    serves (`bind`) times the weight pushes on its clock (phase `weight_sync`). `generation` is TRL's engine once a trainer has built it
+    (`in_place_of_trl`)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        *,
+        seeds: RolloutSeeds,
+        max_num_seqs: int = 0,
+        kv_cache_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
+        process_index: int = 0,
+        colocated: bool = True,
+        log_dir: str | None = None,
+    ):
+        self.seeds = seeds
+        self.colocated = colocated
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_bytes = kv_cache_bytes
+        self.tensor_parallel_size = tensor_parallel_size
+        self.process_index = process_index
+        self.rank_in_batch = process_index // tensor_parallel_size
+        self.log_dir = log_dir
+        self.clock = None  # the trainer's phase clock (`bind`)
+        self.generation: OPSDGeneration | None = None
+        self.weights_step: int | None = None  # the step whose weights the engine holds (None: as loaded)
+
+    def bind(self, trainer) -> None:
+        """The trainer's phase clock times the weight pushes."""
+        self.clock = trainer.clock
+
+    def probe(self):
+        """Inside the block, rollouts are seeded as the probe's (`opsd.method.engine.PROBE_STEP`)."""
+        return self.seeds.probe()
+
+    def seeds_for(self, n: int) -> list[int]:
+        """One seed per row of this process's `n` colocated prompts (`opsd.method.engine.first_rollout_row`)."""
+        return self.seeds.for_rows(first_rollout_row(self.process_index, self.tensor_parallel_size, n), n)
+
+    def llm_arguments(self, model) -> dict:
+        """What the colocated `vllm.LLM` starts with beside TRL's arguments."""
+        arguments = engine_arguments(model)
+        if self.kv_cache_bytes is not None:
+            arguments["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        return arguments
+
+    @contextmanager
+    def in_place_of_trl(self, model, owner=None):
+        """Inside the block, the engine a TRL trainer's `__init__` constructs by the name `VLLMGeneration` in
+        `owner` (TRL's `vllm_generation` module for SDFTTrainer; `trl.trainer.grpo_trainer` for GRPOTrainer, which
+        imports the class by name) is this engine's `OPSDGeneration`; the name is TRL's own again on exit. With a
+        colocated engine the trainer's `model` keeps classes of its own, out of reach of the engine's in-place
+        decoration (before it starts), and a start-up failure is refused in one line
+        (`opsd.method.engine_classes`)."""
+        import torch
+
+        from opsd.method.engine_classes import engine_start_refusal, own_classes
+
+        if owner is None:
+            from trl.generation import vllm_generation as owner
+
+        def build(**trl_arguments) -> OPSDGeneration:
+            self.generation = OPSDGeneration(settings=self, **trl_arguments)
+            return self.generation
+
+        if self.colocated and isinstance(model, torch.nn.Module):
+            own_classes(model)
+        with (
+            _replaced(owner, "VLLMGeneration", build),
+            engine_start_refusal(self.colocated, model, self.log_dir),
+        ):
+            yield
+
+    def generate(self, prompt_ids, *, step: int, num_generations: int):
+        """(completion ids, the sampled tokens' log-probs) of one rollout per prompt, seeded by `step`; the
+        current weights are pushed first when the engine holds another step's (`push_weights`)."""
+        self.push_weights(step)
+        self.seeds.at_step(step)
+        _, completion_ids, logprobs, _ = self.generation.generate(
+            prompts=prompt_ids, images=None, num_generations=num_generations
+        )
+        return completion_ids, logprobs
+
+    def push_weights(self, step: int) -> None:
+        """The trainer's weights into the engine, once per step that generates; with sleep mode TRL's `generate`
+        pushes them before every generation instead (the engine discards them when it sleeps)."""
+        if self.weights_step == step or self.generation.enable_sleep_mode:
+            return
+        self.generation.sync_weights()
+        self.weights_step = step
+
+    def sleep(self, level: int = 1) -> None:
+        self.generation.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.generation.llm.wake_up()
