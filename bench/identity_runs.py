@@ -61,7 +61,8 @@ def one_run(model_dir: Path, out: Path, overrides: dict) -> dict:
     torch.manual_seed(0)
     cfg = OPSDConfig(
         output_dir=str(out), per_device_train_batch_size=2, max_completion_length=12, learning_rate=5e-2,
-        save_strategy="no", gradient_checkpointing=False, logging_steps=1, completions_steps=1, **overrides,
+        save_strategy="no", gradient_checkpointing=False, logging_steps=1, completions_steps=1, bf16=False,
+        **overrides,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = OPSDTrainer(

@@ -10,6 +10,5 @@
   reads, the switches the others leave without effect, TRL's options OPSD ignores, the generation window;
 * `sources`: where a value comes from: the command line, YAML (keys transformers 5 removed, bounded values),
   `recipe.env`, `OPSD_*` and the harness's pass-through flags, older field names;
-* `docs`: docs/configuration.md's switch table, generated from the switches;
-* `engine_env`: the environment every vLLM engine of the repo starts with.
+* `docs`: docs/configuration.md's switch table, generated from the switches.
 """

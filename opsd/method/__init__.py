@@ -7,14 +7,20 @@ Modules, in the order a step uses them:
 * `lora_targets`: which modules get LoRA adapters (`auto`: every layer kind's projections), logged per layer kind;
 * `engine_classes`: the trainer's model classes kept out of the colocated engine's in-place decoration, and an
   engine that cannot start on a family refused in one line;
-* `engine`: the rollout engine as the trainer drives it: per-row seeds (the same rollouts for any number of
-  processes and on resume), and the student's merged weights pushed into it before each generation;
+* `rollouts`: the rollout engine, one object built by the entry point and handed to the trainer
+  (`build_rollout_engine`): transformers' generate on the trained model, or `engine_vllm`'s `VLLMRolloutEngine`
+  (TRL's vLLM engine with OPSD's seeds, weight pushes and settings, imported only with vLLM);
+* `engine`: what every engine shares: per-row seeds (the same rollouts for any number of processes and on
+  resume), and the student's merged weights pushed into it before each generation; `engine_env`: the
+  environment every vLLM engine of the repo starts with, and the fixed KV cache's size;
+* `rollout_stats`: the `completions/*` metrics of a generation (TRL's names and values);
 * `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution), and the
   `[teacher prompt ; completion]` rows;
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
 * `contrast`: the hints of the contrastive teacher (`teacher_contrast`: another problem's reference, the
   problem's own with its final answer replaced, or the model's own correct and wrong sibling rollouts);
-* `ema_teacher`: the EMA teacher (`teacher_mode=ema`);
+* `ema_teacher`: the EMA teacher (`teacher_mode=ema`), a callback of its own, and a checkpoint of the student's
+  adapter alone;
 * `hidden`: rows laid out for one role (positions, padding), the final hidden states of completion tokens
   (`CompletionHiddenStates`: both roles'), and what turns them into the model's logits (the lm_head, then the
   model's own scale or soft-cap, found against its logits);

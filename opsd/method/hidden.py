@@ -316,15 +316,25 @@ def tolerance(dtype: torch.dtype) -> float:
     return 16 * torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 1e-4
 
 
+def compute_dtype(weight_VH: torch.Tensor, logits_BV: torch.Tensor) -> torch.dtype:
+    """The coarsest dtype the model's logits went through: the weight's, the logits', or autocast's where it is on
+    (a float32 model trained under bf16 autocast computes its lm_head in bf16)."""
+    device = logits_BV.device.type
+    dtypes = [weight_VH.dtype, logits_BV.dtype]
+    if torch.is_autocast_enabled(device):
+        dtypes.append(torch.get_autocast_dtype(device))
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
 def resolve_logit_transform(
     config, hidden_BH: torch.Tensor, weight_VH: torch.Tensor, logits_BV: torch.Tensor
 ) -> LogitTransform:
     """The candidate (`candidates`) that reproduces the model's own logits `logits_BV` from the final hidden
     states `hidden_BH` of the same positions and the lm_head weight (V, H); the closest one wins. Raises
-    UnsupportedModel when none is within `tolerance` of the model's dtype."""
+    UnsupportedModel when none is within `tolerance` of the dtype the logits were computed in (`compute_dtype`)."""
     errors = {t: transform_error(t, hidden_BH, weight_VH, logits_BV) for t in candidates(config)}
     best = min(errors, key=errors.get)
-    if errors[best] <= tolerance(weight_VH.dtype) and math.isfinite(errors[best]):
+    if errors[best] <= tolerance(compute_dtype(weight_VH, logits_BV)) and math.isfinite(errors[best]):
         return best
     model_type = getattr(text_config(config), "model_type", "?")
     raise UnsupportedModel(

@@ -94,6 +94,21 @@ def test_resolve_in_bfloat16_keeps_scale_and_cap_apart():
     assert got == LogitTransform(1 / 8.0, 2.0)
 
 
+def test_a_float32_model_under_bf16_autocast_is_checked_at_bf16():
+    """A float32 model trained under bf16 autocast (a GPU run's default) computes its lm_head in bf16: its logits
+    sit a bf16 rounding away from the float32 h @ W.T, which passes under autocast and only there."""
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(3, 64), torch.randn(40, 64)
+    logits = (hidden.bfloat16() @ weight.bfloat16().T).float()
+    with pytest.raises(UnsupportedModel, match="relative error"):
+        resolve_logit_transform(_config(), hidden, weight, logits)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert resolve_logit_transform(_config(), hidden, weight, logits) == IDENTITY
+    # Autocast does not loosen the check for a transform the model does not apply.
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedModel):
+        resolve_logit_transform(_config(logits_scaling=8.0), hidden, weight, logits * 1.5)
+
+
 def test_a_transform_no_config_field_names_is_refused_in_one_line():
     hidden, weight, logits = _head(lambda z: z + 1.0)
     with pytest.raises(UnsupportedModel, match="model type 'test': its logits are not h @ lm_head.weight"):
