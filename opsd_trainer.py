@@ -232,8 +232,8 @@ class OPSDTrainer(SDFTTrainer):
         completion_ids, completion_mask = right_pad(rollouts, pad_id, device)
         batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                      completion_mask=completion_mask)  # fmt: skip
-        stop = [*self.eos_token_ids, pad_id]
-        self.record_metrics(completion_metrics(rollouts, stop_ids=stop, gather=self.accelerator.gather, device=device))
+        stop, gather = [*self.eos_token_ids, pad_id], self.accelerator.gather
+        self.record_metrics(completion_metrics(rollouts, stop_ids=stop, gather=gather, device=device))
         # 1c. A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
         teacher, truncated = teacher_rows(
             self.prompt_builder if self.loss_settings.needs_teacher else None,

@@ -31,15 +31,24 @@ from common import machine  # noqa: E402
 LOGGED = ("loss", "grad_norm", "opsd/divergence", "completions/mean_length")
 RUNS = {
     "transformers": dict(use_vllm=False, max_steps=3, gradient_accumulation_steps=2),
-    "steps_per_rollout_2": dict(use_vllm=False, max_steps=4, gradient_accumulation_steps=2, steps_per_rollout=2),
+    "steps_per_rollout_2": dict(
+        use_vllm=False, max_steps=4, gradient_accumulation_steps=2, steps_per_rollout=2
+    ),
     "vllm_colocate": dict(
-        use_vllm=True, vllm_max_model_length=1024, max_steps=2, gradient_accumulation_steps=2,
+        use_vllm=True,
+        vllm_max_model_length=1024,
+        max_steps=2,
+        gradient_accumulation_steps=2,
         max_teacher_prompt_length=60,
     ),  # fmt: skip
     # GPU only (vLLM's CPU backend has no sleep mode): the engine drops its weights after every generation
     "vllm_sleep": dict(
-        use_vllm=True, vllm_max_model_length=1024, max_steps=2, gradient_accumulation_steps=2,
-        max_teacher_prompt_length=60, vllm_enable_sleep_mode=True,
+        use_vllm=True,
+        vllm_max_model_length=1024,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        max_teacher_prompt_length=60,
+        vllm_enable_sleep_mode=True,
     ),  # fmt: skip
 }
 DEFAULT_RUNS = ["transformers", "steps_per_rollout_2", "vllm_colocate"]
@@ -71,10 +80,16 @@ def one_run(model_dir: Path, out: Path, overrides: dict) -> dict:
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )  # fmt: skip
     trainer.train()
-    adapters = [p.detach().cpu().numpy().tobytes() for n, p in sorted(trainer.model.named_parameters()) if ".lora_" in n]
+    adapters = [
+        p.detach().cpu().numpy().tobytes()
+        for n, p in sorted(trainer.model.named_parameters())
+        if ".lora_" in n
+    ]
     steps = [{k: r.get(k) for k in LOGGED} for r in trainer.state.log_history if "loss" in r]
     completions = out / "completions.jsonl"
-    rows = [json.loads(line) for line in completions.read_text().splitlines()] if completions.is_file() else []
+    rows = (
+        [json.loads(line) for line in completions.read_text().splitlines()] if completions.is_file() else []
+    )
     for row in rows:  # wall-clock fields are not the run's bytes
         for key in [k for k in row if "time" in k]:
             row.pop(key)
@@ -102,7 +117,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         results = {name: one_run(model_dir, Path(tmp) / name, RUNS[name]) for name in args.runs}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     record = {"machine": machine(), "commit": commit, "runs": results}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if not args.compare:

@@ -140,9 +140,7 @@ class EvalConfig:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        check_table(
-            self, EVAL_RANGES, verdict="is invalid"
-        )  # declared in opsd/configuration/checks.py
+        check_table(self, EVAL_RANGES, verdict="is invalid")  # declared in opsd/configuration/checks.py
         if self.k is not None and not 1 <= self.k <= self.n:
             raise ValueError(f"k={self.k} is invalid: pass@k needs 1 <= k <= n={self.n}")
         if self.engine not in CHOICES["rollout_engine"]:

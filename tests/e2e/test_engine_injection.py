@@ -83,7 +83,9 @@ def test_an_injected_engine_runs_and_leaves_no_patch(tiny_model_dir, tmp_path):
             continue
         changed = [key for key, value in attributes.items() if after[name].get(key) is not value]
         # What the run may add to a module: its submodules, imported on first use.
-        added = [key for key in after[name].keys() - attributes.keys() if not inspect.ismodule(after[name][key])]
+        added = [
+            key for key in after[name].keys() - attributes.keys() if not inspect.ismodule(after[name][key])
+        ]
         assert not changed and not added, (name, changed, added)
 
 

@@ -963,3 +963,12 @@ def test_no_function_of_the_package_is_over_60_lines():
     assert "opsd/method/loss.py" in sources
     offenders = long_functions(sources)
     assert not offenders, f"over {MAX_FUNCTION_LINES} lines: {', '.join(offenders)}"
+
+
+def test_the_trainer_and_the_configuration_keep_their_ceilings():
+    """The trainer reads in one sitting (at most 500 lines) and the configuration is at most 6 files: each switch
+    declared once (opsd/configuration/switches.py), not spread over a folder of tables."""
+    trainer = (ROOT / "opsd_trainer.py").read_text().splitlines()
+    assert len(trainer) <= 500, f"opsd_trainer.py is {len(trainer)} lines"
+    configuration = sorted(p.name for p in (ROOT / "opsd" / "configuration").rglob("*.py"))
+    assert len(configuration) <= 6, configuration
