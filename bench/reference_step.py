@@ -35,15 +35,15 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
         if self.use_vllm:
             gen = self.vllm_generation
             gen.generation_kwargs = {k: v for k, v in gen.generation_kwargs.items() if k != "detokenize"}
-            gen.llm = getattr(gen.llm, "llm", gen.llm)  # the reference samples with TRL's one seed per engine
+            gen.llm.seeds_for = None  # the reference samples with TRL's one seed per engine
 
     def _sample(self, prompt_ids):
         from trl.generation.vllm_generation import VLLMGeneration
 
-        if self.use_vllm and self.state.global_step != self.engine_step:
+        if self.use_vllm and self.state.global_step != self.engine.weights_step:
             with self.clock.phase("weight_sync"):
                 VLLMGeneration.sync_weights(self.vllm_generation)  # TRL's push, not OPSDGeneration's
-            self.engine_step = self.state.global_step  # so the trainer's own push is skipped
+            self.engine.weights_step = self.state.global_step  # so the engine's own push is skipped
         return super()._sample(prompt_ids)
 
     def _role_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):

@@ -555,7 +555,7 @@ def check_steps_per_rollout(config) -> None:
 
 
 def check_generation_window(config) -> None:
-    """Each optimizer step is normalised by its own valid tokens (opsd_trainer `_prepare_training_batch` counts
+    """Each optimizer step is normalised by its own valid tokens (opsd_trainer `rollout_batch` counts
     them per step of the window), so TRL's window must be whole optimizer steps (docs/method.md §1.5)."""
     k, accumulation = config.steps_per_rollout, config.gradient_accumulation_steps
     if config.steps_per_generation != k * accumulation:

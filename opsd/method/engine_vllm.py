@@ -49,14 +49,19 @@ logger = logging.getLogger(__name__)
 
 
 class SeededLLM(vllm.LLM):
-    """A `vllm.LLM` whose `generate` gives every prompt its own seed (`seeds_for(n)`: one seed per prompt)."""
+    """A `vllm.LLM` whose `generate` gives every prompt its own seed (`seeds_for(n)`: one seed per prompt; None:
+    vLLM's own, one `SamplingParams` for the call, as a reference measurement samples)."""
 
     def __init__(self, *args, seeds_for, **kwargs):
         self.seeds_for = seeds_for
         super().__init__(*args, **kwargs)
 
     def generate(self, prompts, sampling_params=None, **kwargs):
-        if sampling_params is not None and not isinstance(sampling_params, list | tuple):
+        if (
+            self.seeds_for is not None
+            and sampling_params is not None
+            and not isinstance(sampling_params, list | tuple)
+        ):
             sampling_params = per_row_params(sampling_params, self.seeds_for(len(prompts)))
         return super().generate(prompts, sampling_params=sampling_params, **kwargs)
 

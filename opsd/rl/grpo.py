@@ -8,7 +8,7 @@ over the step's completion tokens), its importance-sampling correction of the en
 `GRPOConfig` default the recipe does not set. `grpo_args` lists what the run sets. The overrides are the harness's,
 so that `method` is the only difference between two arms:
 - `_tokenize_prompts`: OPSD's student prompt (`opsd.method.prompts`: chat template, thinking switch, wording);
-- the rollout engine is OPSD's (`opsd.method.engine.opsd_engine`): one seed per row, so a run resumes on the same
+- the rollout engine is OPSD's, handed in as OPSDTrainer takes it (`opsd.method.rollouts`): one seed per row, so a run resumes on the same
   rollouts, and the merged weights pushed out of place (on vLLM's CPU backend the one push that works);
 - `_get_per_token_logps_and_entropies`: each real token at its index in its own unpadded sequence, as the engine
   placed it (`fix_position_ids`, on by default; off keeps TRL's positions, which left padding shifts);
