@@ -93,14 +93,14 @@ class OPSDGeneration(VLLMGeneration):
     def __init__(self, *, settings: VLLMRolloutEngine, **trl_arguments):
         self.settings = settings
         self.generations = 0
+        colocated = trl_arguments.get("mode") == "colocate"
         if settings.max_num_seqs > 0:
             trl_arguments["max_num_seqs"] = settings.max_num_seqs
-        if trl_arguments.get("mode") == "colocate":
+        if colocated:
             fixed = trl_arguments.get("generation_kwargs") or {}
             trl_arguments["generation_kwargs"] = {"detokenize": False, **fixed}
         if trl_arguments.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
             trl_arguments["logprobs"] = 0
-        colocated = trl_arguments.get("mode") == "colocate"
         model = trl_arguments["accelerator"].unwrap_model(trl_arguments["model"])
         llm = functools.partial(SeededLLM, seeds_for=settings.seeds_for, **settings.llm_arguments(model))
         trl_module = sys.modules[VLLMGeneration.__module__]  # where TRL's `_init_vllm` reads `LLM`
