@@ -154,8 +154,9 @@ class OPSDTrainer(SDFTTrainer):
         self.rollout_step = 0
         # Completion hidden states, the loss's logit transform checked on each model's first forward.
         self.forwards = CheckedForwards(
-            self.accelerator.unwrap_model, fix_positions=a.fix_position_ids, pad_token_id=tok.pad_token_id
-        )
+            self.accelerator.unwrap_model, fix_positions=a.fix_position_ids, pad_token_id=tok.pad_token_id,
+            mixed_precision=self.accelerator.mixed_precision,
+        )  # fmt: skip
         self.window: list[dict] | None = None  # the current window's micro-batches (`_prepare_inputs`)
         # Tokens and seconds per step, as every method books them (opsd.run.ledger); the step timer closes each row.
         self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)

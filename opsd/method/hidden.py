@@ -316,25 +316,34 @@ def tolerance(dtype: torch.dtype) -> float:
     return 16 * torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 1e-4
 
 
-def compute_dtype(weight_VH: torch.Tensor, logits_BV: torch.Tensor) -> torch.dtype:
-    """The coarsest dtype the model's logits went through: the weight's, the logits', or autocast's where it is on
-    (a float32 model trained under bf16 autocast computes its lm_head in bf16)."""
+def compute_dtype(
+    weight_VH: torch.Tensor, logits_BV: torch.Tensor, mixed_precision: torch.dtype | None = None
+) -> torch.dtype:
+    """The coarsest dtype the model's logits went through: the weight's, the logits', the run's mixed precision
+    (`mixed_precision`: a float32 model trained with bf16 computes its forward under bf16 autocast), or autocast's
+    where it is on here."""
     device = logits_BV.device.type
-    dtypes = [weight_VH.dtype, logits_BV.dtype]
+    dtypes = [weight_VH.dtype, logits_BV.dtype, *([mixed_precision] if mixed_precision else [])]
     if torch.is_autocast_enabled(device):
         dtypes.append(torch.get_autocast_dtype(device))
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
 def resolve_logit_transform(
-    config, hidden_BH: torch.Tensor, weight_VH: torch.Tensor, logits_BV: torch.Tensor
+    config,
+    hidden_BH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    logits_BV: torch.Tensor,
+    mixed_precision: torch.dtype | None = None,
 ) -> LogitTransform:
     """The candidate (`candidates`) that reproduces the model's own logits `logits_BV` from the final hidden
     states `hidden_BH` of the same positions and the lm_head weight (V, H); the closest one wins. Raises
     UnsupportedModel when none is within `tolerance` of the dtype the logits were computed in (`compute_dtype`)."""
     errors = {t: transform_error(t, hidden_BH, weight_VH, logits_BV) for t in candidates(config)}
     best = min(errors, key=errors.get)
-    if errors[best] <= tolerance(compute_dtype(weight_VH, logits_BV)) and math.isfinite(errors[best]):
+    if errors[best] <= tolerance(compute_dtype(weight_VH, logits_BV, mixed_precision)) and math.isfinite(
+        errors[best]
+    ):
         return best
     model_type = getattr(text_config(config), "model_type", "?")
     raise UnsupportedModel(
@@ -376,12 +385,16 @@ class CheckedForwards:
     """`completion_hidden` for a trainer's models, with the loss's logit transform picked on the first forward of
     the first model and checked on the first forward of every model (`resolve_logit_transform`, `one_transform`):
     `transform` is what the loss applies after the lm_head. `unwrap` gives the bare model of a wrapped one (the
-    accelerator's)."""
+    accelerator's); under `mixed_precision` the check allows that dtype's rounding."""
 
-    def __init__(self, unwrap, *, fix_positions: bool, pad_token_id: int | None):
+    def __init__(
+        self, unwrap, *, fix_positions: bool, pad_token_id: int | None, mixed_precision: str | None = None
+    ):
         self.unwrap = unwrap
         self.fix_positions = fix_positions
         self.pad_token_id = pad_token_id
+        # The accelerator's mixed precision ("bf16", "fp16", "no"): the forward's autocast dtype.
+        self.mixed_precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
         self.transform: LogitTransform | None = None
         self.checked: set[int] = set()
 
@@ -395,7 +408,9 @@ class CheckedForwards:
     def _check(self, model):
         def check(hidden_BH, logits_BV):
             unwrapped = self.unwrap(model)
-            found = resolve_logit_transform(unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV)
+            found = resolve_logit_transform(
+                unwrapped.config, hidden_BH, lm_head_weight(unwrapped), logits_BV, self.mixed_precision
+            )
             if self.transform is None:
                 logger.info("logit transform after the lm_head, checked against the model's logits: %s",
                             found.describe())  # fmt: skip

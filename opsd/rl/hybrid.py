@@ -72,6 +72,7 @@ class HybridTrainer(GRPOTrainer):
             self.accelerator.unwrap_model,
             fix_positions=c.fix_position_ids,
             pad_token_id=self._tokenizer.pad_token_id,
+            mixed_precision=self.accelerator.mixed_precision,
         )
 
     # -- the batch: TRL's, plus the teacher's rows ------------------------------------------------------------

@@ -104,6 +104,8 @@ def test_a_float32_model_under_bf16_autocast_is_checked_at_bf16():
         resolve_logit_transform(_config(), hidden, weight, logits)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert resolve_logit_transform(_config(), hidden, weight, logits) == IDENTITY
+    # The run's mixed precision, given: the check runs after the forward, outside its autocast (accelerate's).
+    assert resolve_logit_transform(_config(), hidden, weight, logits, torch.bfloat16) == IDENTITY
     # Autocast does not loosen the check for a transform the model does not apply.
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedModel):
         resolve_logit_transform(_config(logits_scaling=8.0), hidden, weight, logits * 1.5)
