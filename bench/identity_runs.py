@@ -41,16 +41,10 @@ RUNS = {
         gradient_accumulation_steps=2,
         max_teacher_prompt_length=60,
     ),  # fmt: skip
-    # GPU only (vLLM's CPU backend has no sleep mode): the engine drops its weights after every generation
-    "vllm_sleep": dict(
-        use_vllm=True,
-        vllm_max_model_length=1024,
-        max_steps=2,
-        gradient_accumulation_steps=2,
-        max_teacher_prompt_length=60,
-        vllm_enable_sleep_mode=True,
-    ),  # fmt: skip
 }
+# GPU only (vLLM's CPU backend has no sleep mode): the colocated run with an engine that drops its weights after
+# every generation.
+RUNS["vllm_sleep"] = {**RUNS["vllm_colocate"], "vllm_enable_sleep_mode": True}
 DEFAULT_RUNS = ["transformers", "steps_per_rollout_2", "vllm_colocate"]
 
 

@@ -102,14 +102,15 @@ class OPSDGeneration(VLLMGeneration):
         if trl_arguments.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
             trl_arguments["logprobs"] = 0
         model = trl_arguments["accelerator"].unwrap_model(trl_arguments["model"])
-        llm = functools.partial(SeededLLM, seeds_for=settings.seeds_for, **settings.llm_arguments(model))
+        arguments = settings.llm_arguments(model)
+        llm = functools.partial(SeededLLM, seeds_for=settings.seeds_for, **arguments)
         trl_module = sys.modules[VLLMGeneration.__module__]  # where TRL's `_init_vllm` reads `LLM`
         with _replaced(trl_module, "LLM", llm) if colocated else nullcontext():
             super().__init__(**trl_arguments)
         if colocated:
             logger.info(
                 "the colocated vLLM engine runs %s",
-                ", ".join(f"{k}={v}" for k, v in settings.llm_arguments(model).items()),
+                ", ".join(f"{k}={v}" for k, v in arguments.items()),
             )
 
     @property

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import colocated_rendezvous
 
 
 def _module_state():
@@ -48,17 +48,9 @@ def test_an_injected_engine_runs_and_leaves_no_patch(tiny_model_dir, tmp_path):
     engine = VLLMRolloutEngine(
         seeds=RolloutSeeds(cfg.seed), max_num_seqs=1, kv_cache_bytes=kv_bytes, log_dir=str(tmp_path)
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MASTER_PORT", str(free_port()))
+    with colocated_rendezvous(), pytest.MonkeyPatch.context() as patch:
         # vLLM's CPU platform would size the cache from this variable over the engine's argument.
         patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-        for name, value in (
-            ("RANK", "0"),
-            ("LOCAL_RANK", "0"),
-            ("WORLD_SIZE", "1"),
-            ("MASTER_ADDR", "127.0.0.1"),
-        ):
-            patch.setenv(name, value)
         trainer = OPSDTrainer(
             model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), args=cfg,
             train_dataset=build_paired_dataset(cfg)[0], processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),

@@ -14,28 +14,13 @@ import pytest
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
 from opsd.experiment import spec, verdict
-from tests.unit.test_experiment import lay_out_experiment, make_spec
+from tests.unit.test_experiment import lay_out_experiment, make_spec, mean, points, var1
 
 T975 = {1: 12.706205, 2: 4.302653}  # two-sided 95% Student t quantiles, from a table
 BENCHES = {"aime24": 3, "hmmt25": 2}  # problems per benchmark: unequal, so the macro is not the pooled mean
 N = 4
 SEEDS = (1, 2, 3)
 LIFT = {"base": 0.1, "A": 0.3, "B": 0.55}  # chance that a sample is correct
-
-
-def mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs)
-
-
-def var1(xs) -> float:
-    xs = list(xs)
-    m = mean(xs)
-    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-
-
-def points(table) -> float:
-    return 100.0 * mean(mean(row) for row in table)
 
 
 def within_var(a_table, b_table=None) -> float:
