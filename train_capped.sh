@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The capped budget (docs/method.md §3): exactly 100 optimizer steps of 32 problems, seed 42, via accelerate.
+# The capped budget (docs/method.md §3): exactly 100 optimizer steps of 32 problems (BUDGET_UNIT=rollouts in the
+# recipe: 32 rollouts, for method=grpo or hybrid), seed 42, via accelerate.
 #
 #   bash train_capped.sh [--name NAME] [--seed 42] [--num-gpus N] [--profile full|demo|smoke]
 #                        [--model M] [--dataset D] [--recipe recipe.env] [--runs-dir DIR]

@@ -2,7 +2,7 @@
 
     python bench/experiment_run.py --out bench/results/experiment_h200.json  # one H200, the clip preset
     python bench/experiment_run.py --preset study --out bench/results/study_h200.json  # the teacher study
-    python bench/experiment_run.py --preset rl --out bench/results/rl_h200.json  # OPSD vs GRPO vs the hybrid
+    python bench/experiment_run.py --preset rl --out bench/results/rl_h200.json  # OPSD, GRPO, the hybrid x2
     python bench/experiment_run.py --out X.json -- --out runs/exp/mine --arm ...  # experiment flags after --
 
 The presets (no flags after `--`) train the embedded SmolLM2-135M-Instruct under the capped harness (100 steps
@@ -17,16 +17,19 @@ baseline.
   target with those hints), `contrast_own` (RLCSD with its own wrong sibling rollouts: the hybrid, 4 rollouts per
   problem), `fixed_advantage` (no teacher, |a| = 0.025), `empty_ref` (teacher_ref_pairing=empty) and the four
   `token_weight` arms `weight_early`, `weight_late`, `weight_entropy`, `weight_positive`.
-- `rl`: the three methods on the study's baseline recipe (`rescale`, as above): `opsd` (the baseline), `grpo`
-  (TRL's GRPO, 4 rollouts per problem, no teacher; its clip is TRL's) and `hybrid` (GRPO + 1 x OPSD's loss on the
-  same 4 rollouts). A GRPO step samples 4 x 32 rollouts where OPSD samples 32: compare them per generated token
-  and per GPU-hour as well as per step (the report's compute ledger, docs/experiments.md). The shipped
-  configs/recipes/demo_grpo.env and demo_hybrid.env are the same methods for the CPU demo profile.
+- `rl`: four arms on the study's baseline recipe (`rescale`, as above): `opsd` (the baseline), `grpo` (TRL's
+  GRPO, 4 rollouts per problem, no teacher; its clip is TRL's), and the hybrid (GRPO + 1 x OPSD's loss on the same
+  4 rollouts) by its route, `hybrid_group` (HYBRID_ROUTE=group) and `hybrid_sample` (HYBRID_ROUTE=sample). A
+  GRPO step samples 4 x 32 rollouts where OPSD samples 32: compare them per generated token and per GPU-hour as
+  well as per step (the report's compute ledger, docs/experiments.md), and read each arm's take-off (GRPO's
+  seeds may take off or not: the report shows such an arm's seeds first). The shipped
+  configs/recipes/demo_grpo.env and demo_hybrid.env are GRPO and the hybrid for the CPU demo profile.
 
 Output: {"machine", "command", "wall_s", "timing" (per kind of job: attempts, summed and wall-clock seconds),
 "verdict" (per comparison: the reported interval, the bootstrap, variance components, minimum detectable
-difference, seeds needed for `--target-diff` points), "arms" (per seed and mean, the gain over the base model, the
-compute ledger: tokens, hours and gain per million generated tokens), "failed"}; the experiment's
+difference, seeds needed for `--target-diff` points, the arms bimodal over its seeds), "arms" (per seed and mean,
+the gain over the base model, the compute ledger: tokens, hours and gain per million generated tokens, the
+take-off: each seed's first step with half its training rollouts correct), "failed"}; the experiment's
 own report.md, summary.json and figures are in its directory.
 """
 
@@ -55,10 +58,13 @@ SHARED = [
 COMMON = ["--profile", "full", "--model", "embedded", "--dataset", "builtin:easy", "--recipe", "", *SHARED]
 # The methods, each one switch set on the recipe that learns on the embedded model (`ARM` with `rescale`): the
 # same learning rate, rollouts and held-out probe problems in every arm; GRPO's clip is TRL's (no CLIP_MODE).
+# The hybrid twice, by how it routes a problem's rollouts between its two terms (HYBRID_ROUTE, read by
+# method=hybrid only; docs/configuration.md): per group and per sample.
 RL = {
     "opsd": "",
     "grpo": "METHOD=grpo,NUM_GENERATIONS=4",
-    "hybrid": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1",
+    "hybrid_group": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=group",
+    "hybrid_sample": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=sample",
 }
 # The study's arms: one switch each on top of the recipe that learns on the embedded model.
 STUDY = {
@@ -135,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                     "plan",
                     "planning",
                     "verdict",
+                    "bimodal",
+                    "bimodal_note",
                 )
             }  # fmt: skip
             for what, c in comp.items()
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, comp in summary["comparisons"].items()
     }
     arms = {
-        arm: {k: e.get(k) for k in ("per_seed", "mean", "missing", "variance", "ledger")}
+        arm: {k: e.get(k) for k in ("per_seed", "mean", "missing", "variance", "ledger", "take_off")}
         for arm, e in summary["arms"].items()
     }
     for arm, e in summary["arms"].items():

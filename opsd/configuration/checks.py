@@ -252,8 +252,18 @@ SELF_DISTILLATION_FIELDS = (
 # Read by OPSD's own trainer only (its generation window, its compiled forwards, its probe); hybrid runs TRL's GRPO
 # step, which has none of them, and its teacher is the initial policy or the student itself (no EMA adapter).
 OPSD_TRAINER_FIELDS = ("steps_per_rollout", "compile_layers")
-# Read by method=hybrid only: the weight of its OPSD term, and RLCSD's modulation of its GRPO advantages.
-HYBRID_FIELDS = ("sd_weight", "contrast_rl_weight", "contrast_rl_tau", "contrast_rl_delta")
+# Read by method=hybrid only: the weight of its OPSD term, which rollouts each term trains on, and RLCSD's
+# modulation of its GRPO advantages; each with what it is, for the refusal.
+HYBRID_FIELDS = {
+    "sd_weight": "the weight of its OPSD term",
+    "hybrid_route": "which rollouts its GRPO and OPSD terms train on",
+    "contrast_rl_weight": "RLCSD's modulation of its GRPO advantages",
+    "contrast_rl_tau": "RLCSD's modulation of its GRPO advantages",
+    "contrast_rl_delta": "RLCSD's modulation of its GRPO advantages",
+}
+# TRL's GRPO settings (its GRPOConfig, opsd.rl.grpo.grpo_args): read by method=grpo and hybrid, which run TRL's GRPO
+# step; method=opsd has no ratio, no advantage and no reference.
+GRPO_FIELDS = ("rl_loss_type", "epsilon_high", "mask_truncated_completions", "scale_rewards", "rl_beta")
 
 HYBRID_TEACHER_MODES = ("fixed", "dynamic")
 
@@ -283,12 +293,17 @@ def _check_generations(method: str, generations: object) -> None:
 
 def _unread_switch(config, method: str, defaults: Mapping[str, object]) -> str | None:
     """The refusal of the first switch set away from its default that `method` never reads, or None."""
-    for name in HYBRID_FIELDS if method != "hybrid" else ():
+    for name, what in HYBRID_FIELDS.items() if method != "hybrid" else ():
         if getattr(config, name) != defaults[name]:
             return (
-                f"{name}={getattr(config, name)!r} is read by method=hybrid only (the weight of its OPSD term, "
-                f"RLCSD's modulation of its GRPO advantages), and method={method} has none; remove it, or set "
-                "method=hybrid"
+                f"{name}={getattr(config, name)!r} is read by method=hybrid only ({what}), and method={method} has "
+                "none; remove it, or set method=hybrid"
+            )
+    for name in GRPO_FIELDS if method == "opsd" else ():
+        if getattr(config, name) != defaults[name]:
+            return (
+                f"{name}={getattr(config, name)!r} is a GRPO setting (TRL's GRPOConfig), read by method=grpo and "
+                "hybrid only, and method=opsd has no GRPO term; remove it, or set method=grpo or hybrid"
             )
     if config.teacher_contrast == "own_wrong" and method == "opsd":
         return (
@@ -312,12 +327,25 @@ def _unread_switch(config, method: str, defaults: Mapping[str, object]) -> str |
     return None
 
 
+def _check_budget_unit(config) -> None:
+    """With budget_unit=rollouts, per_device_train_batch_size counts rollouts: whole groups of G per micro-batch."""
+    batch, G = config.per_device_train_batch_size, config.num_generations
+    if config.budget_unit != "rollouts" or batch % G == 0:
+        return
+    raise ValueError(
+        f"budget_unit=rollouts counts rollouts per micro-batch, and per_device_train_batch_size={batch} is not a "
+        f"multiple of num_generations={G} (a problem's G rollouts share a micro-batch); give a "
+        f"per_device_train_batch_size that is a multiple of {G}, or budget_unit=problems"
+    )
+
+
 def check_method(config) -> None:
     """ValueError for a number of rollouts the method cannot take (`num_generations` 0 is resolved to the method's
     own before: `OPSDConfig`'s derived fields), a switch the method does not read (set away from its default),
     sd_weight outside method=hybrid, or a hybrid teacher it cannot build."""
     method = config.method
     _check_generations(method, config.num_generations)
+    _check_budget_unit(config)
     problem = _unread_switch(config, method, {f.name: f.default for f in fields(config)})
     if problem:
         raise ValueError(problem)
@@ -331,6 +359,22 @@ def check_method(config) -> None:
             f"teacher_mode={config.teacher_mode} with method=hybrid: the hybrid's teacher is the initial policy "
             "(fixed) or the student itself (dynamic); use one of those, or method=opsd for an EMA teacher"
         )
+    _check_sampler_reproduced(config)
+
+
+def _check_sampler_reproduced(config) -> None:
+    """GRPO's ratio scores each sampled token under the sampler's distribution (temperature, top-k, top-p:
+    `opsd.method.sampler`); min_p and a repetition penalty change that distribution too, and are not reproduced."""
+    if config.method == "opsd":
+        return
+    for name, off in (("min_p", (None, 0, 0.0)), ("repetition_penalty", (1, 1.0))):
+        value = getattr(config, name, off[0])
+        if value not in off:
+            raise ValueError(
+                f"{name}={value!r} with method={config.method}: GRPO's importance ratio scores each sampled token "
+                "under the rollout sampler's distribution, which reproduces temperature, top-k and top-p only; "
+                f"remove {name} (or set method=opsd)"
+            )
 
 
 # -- switches without effect ---------------------------------------------------------------------------------------
@@ -446,6 +490,14 @@ RULES: tuple[Rule, ...] = (
         ("token_weight",),
         _hybrid_without_sd,
         lambda c: "it needs sd_weight > 0 (it weighs the tokens of the hybrid's OPSD term)",
+    ),
+    Rule(
+        ("budget_unit",),
+        lambda c: c.method == "opsd",
+        lambda c: (
+            "it needs method=grpo or hybrid (method=opsd samples one rollout per problem: a step's problems are "
+            "its rollouts)"
+        ),
     ),
     Rule(
         LORA_FIELDS,

@@ -287,6 +287,63 @@ class Switches:
         range=Range(0, MAX_LOSS_FACTOR, note="0 = the GRPO loss alone"),
         help="method=hybrid: weight of the OPSD loss added to GRPO's; 0 = TRL's GRPO loss alone.",
     )
+    hybrid_route: str = switch(
+        "mix",
+        role=METHOD,
+        choices=("mix", "group", "sample"),
+        help="method=hybrid: which rollouts each term trains on: mix (GRPO's loss + sd_weight x OPSD's on every "
+        "rollout) | group (the OPSD term only on the rollouts of groups whose rewards are all equal, which give "
+        "GRPO no signal; GRPO on the rest) | sample (correct rollouts get the GRPO term, failed ones the OPSD "
+        "term, their GRPO advantage set to 0).",
+    )
+    budget_unit: str = switch(
+        "problems",
+        role=METHOD,
+        choices=("problems", "rollouts"),
+        help="What a step's count counts (per_device_train_batch_size x gradient_accumulation_steps x processes; "
+        "the capped budget's 32): problems (each sampled G times: 32 problems x G rollouts) | rollouts (G=4: "
+        "8 problems x 4 rollouts); per_device_train_batch_size then counts rollouts and must be a multiple of "
+        "num_generations. The same for method=opsd (one rollout per problem).",
+    )
+    # GRPO (TRL's GRPOConfig, method=grpo and hybrid): OPSD's own loss_type and beta mean its divergence, so TRL's
+    # loss_type and beta are rl_loss_type and rl_beta here; the defaults are TRL's.
+    rl_loss_type: str = switch(
+        "dapo",
+        role=METHOD,
+        choices=("dapo", "dr_grpo", "grpo", "bnpo"),
+        help="GRPO's loss_type (TRL's, docs/method.md §6): dapo (TRL's default: token-level, divided by the "
+        "step's loss tokens) | dr_grpo (divided by rows x max_completion_length) | grpo (each row's mean, "
+        "then the mean over rows) | bnpo (divided by the micro-batch's loss tokens).",
+    )
+    # 0 stands for TRL's None (every source writes a number); a bound below epsilon would clip the ratio's rise
+    # tighter than its fall, the opposite of DAPO's clip-higher; a ratio above 11 is past any real update
+    # (ScaleRL's CISPO, the loosest use, recommends 5).
+    epsilon_high: float = switch(
+        0.0,
+        role=METHOD,
+        range=Range(0.2, 10, zero=True, note="0 = epsilon, 0.2; the upper bound is at least the lower"),
+        help="Upper clip of GRPO's ratio, 1 + epsilon_high (DAPO's clip-higher: 0.28); 0 = TRL's None, the "
+        "lower bound's epsilon (0.2).",
+    )
+    mask_truncated_completions: bool = switch(
+        False,
+        role=METHOD,
+        help="GRPO: leave completions cut at max_completion_length (no EOS) out of the loss (DAPO's overlong "
+        "filtering).",
+    )
+    scale_rewards: str = switch(
+        "group",
+        role=METHOD,
+        choices=("group", "batch", "none"),
+        help="GRPO's advantage scale (TRL's): group (divided by the group's reward std) | batch (by the "
+        "batch's) | none (Dr. GRPO: centred only).",
+    )
+    rl_beta: float = switch(
+        0.0,
+        role=METHOD,
+        range=Range(0, MAX_LOSS_FACTOR, note="0 = no KL term and no reference forward"),
+        help="GRPO's beta (TRL's): weight of the KL to the reference policy (the initial weights); 0 = none.",
+    )
     # Model ------------------------------------------------------------------------------------------------
     model_name_or_path: str = switch(
         "", role=BUDGET, help="Hub name or local directory; empty = the embedded SmolLM2-135M-Instruct."

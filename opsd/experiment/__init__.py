@@ -7,6 +7,8 @@ each importing only those before it:
   components); pure functions;
 * `power`: planning (the t test's power, the minimum detectable difference, the seeds needed, each with the
   range the sd's chi-square interval gives it); pure functions;
+* `take_off`: whether each seed's training rollouts took off (reached 50% correct) and when, and the comparisons
+  whose interval spans both outcomes of a bimodal arm; pure functions;
 * `arms`: an arm, its recipe parsed from `--arm` and written for its cells;
 * `spec`: an experiment's arms, seeds and shared settings (`DIR/experiment.json`, a frozen `Spec`), its directory
   layout and the commands of each cell;

@@ -515,7 +515,7 @@ def check_baseline(baseline: str | None, spec: S.Spec, directory: Path) -> None:
 
 def write_report(directory: Path, a: argparse.Namespace) -> None:
     from opsd.experiment.stats import UnpairedCells
-    from opsd.experiment.verdict import write
+    from opsd.experiment.verdict import console_lines, write
 
     try:
         result, paths = write(
@@ -526,9 +526,8 @@ def write_report(directory: Path, a: argparse.Namespace) -> None:
         if problem is None:  # the statistics were handed cells that the files do not hold: a bug
             raise
         raise UserError(problem) from err
-    for arm, comp in result["comparisons"].items():
-        for c in comp.values():
-            print(f"{arm} − {result['baseline']}: {c['verdict']}")
+    for line in console_lines(result):
+        print(line)
     for path in paths:
         print(f"written: {path}")
 

@@ -5,6 +5,7 @@ seeds, and per cell (arm, seed) its capped training run, then its evaluation as 
 Slots: on G GPUs with k GPUs per run there are G/k slots (`CUDA_VISIBLE_DEVICES` set to each slice); each slot runs up to `cells_per_gpu` jobs at once (a small model shares one GPU; every vLLM
 engine then gets a fixed KV cache, `OPSD_KV_CACHE_GIB`, so engines starting side by side skip vLLM's start-up
 memory profile, which fails when another process frees memory meanwhile). Without a GPU: one job at a time.
+Jobs side by side share the host's cores: each process's thread pools get its share (`thread_env`).
 While jobs share a GPU, the first training job starts alone until it logs its first step (it fills the
 compile caches the others then read), and starts are staggered.
 
@@ -43,6 +44,32 @@ from opsd.paths import size_text
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+# The thread pools a job's processes size from the environment: torch's intra-op threads (OpenMP, and MKL's),
+# and numpy's BLAS. Unset, each process takes every core, and jobs side by side oversubscribe the CPU.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or `taskset` narrows), or the
+    machine's count where the platform has no affinity call."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def thread_env(
+    environ: dict[str, str], cores: int, jobs_at_once: int, processes_per_job: int = 1
+) -> dict[str, str]:
+    """The `THREAD_VARIABLES` of one job's environment when `jobs_at_once` run side by side on `cores` cores,
+    each job of `processes_per_job` processes (one per GPU of its slot): each process gets its share,
+    max(1, cores // (jobs_at_once * processes_per_job)). {} where one job runs at a time (each library's own
+    default, all the cores, is then its share) or where `environ` sets OMP_NUM_THREADS (the user's choice
+    stands); a variable `environ` already sets is kept too."""
+    if jobs_at_once <= 1 or "OMP_NUM_THREADS" in environ:
+        return {}
+    threads = str(max(1, cores // (jobs_at_once * max(1, processes_per_job))))
+    return {key: threads for key in THREAD_VARIABLES if key not in environ}
 
 
 @dataclass(frozen=True, eq=False)  # slots are told apart by identity: each is one slice of this machine
@@ -110,6 +137,7 @@ class RunSettings:
     retries: int = 1  # retries of a failed job before it is recorded in failed.json
     status_every_s: float = 30.0  # the status is shown at least this often (and on every change)
     poll_s: float = 2.0  # seconds between looks at the running jobs
+    cores: int = 0  # CPU cores the jobs share; 0: this machine's (`cpu_cores`)
 
 
 @dataclass
@@ -200,10 +228,10 @@ class Runner:
             env["CUDA_VISIBLE_DEVICES"] = slot.devices
         if self.settings.kv_cache_gib > 0:
             env["OPSD_KV_CACHE_GIB"] = str(self.settings.kv_cache_gib)
-        if slot.capacity > 1:
-            env.setdefault(
-                "OMP_NUM_THREADS", "1"
-            )  # many processes share the host's cores; the work is on GPU
+        # Jobs side by side share the host's cores: each process gets its share of threads (`thread_env`).
+        at_once = sum(s.capacity for s in self.slots)
+        processes = len(slot.devices.split(",")) if slot.devices else 1
+        env.update(thread_env(env, self.settings.cores or cpu_cores(), at_once, processes))
         return env
 
     def start(self, job: Job, slot: Slot) -> None:

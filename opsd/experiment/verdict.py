@@ -15,6 +15,11 @@ The compute ledger, per arm (`ledger`): each finished training run's ledger.json
 step seconds and (on a GPU) GPU-seconds, and the gain over the base model in accuracy and format rate per
 million generated tokens with its interval; a run without a ledger (older) gives n/a. The verdict does not use it.
 
+Take-off, per arm (`take_off`, `opsd.experiment.take_off`): the seeds whose training rollouts reached 50% correct
+and the first step at which each did. An arm with seeds of both outcomes is bimodal: report.md shows its seeds
+before its mean and before every interval over seeds of both kinds (`bimodal`, `bimodal_note` of a comparison),
+and curves.png marks each seed's take-off on its lines.
+
 Writing (`write`). Every file a report reads is checked, every figure drawn and every output rendered before the
 first is written; then each is written to a temporary file beside it and renamed over it, so a report that
 fails (a damaged file, an output path that is a directory, a full disk) leaves the previous report as it was.
@@ -38,6 +43,7 @@ from opsd.errors import UserError
 from opsd.experiment import cells as C
 from opsd.experiment import power, stats
 from opsd.experiment import spec as S
+from opsd.experiment import take_off as T
 from opsd.paths import MIB, FileKind, cannot_create_in, check_file, shown, staged_write
 
 logger = logging.getLogger(__name__)
@@ -223,7 +229,28 @@ def build(directory: Path, *, baseline: str | None = None, target_diff: float = 
     result["timing"] = timing(records)
     result["step"] = step
     result["benchmarks"] = per_benchmark if benchmarks else None
+    _add_take_off(result, spec, table["trained"])
     return result
+
+
+def _add_take_off(result: dict[str, Any], spec: S.Spec, trained: dict[str, list[int]]) -> None:
+    """Each arm's take-off (`take_off.arm_take_off`, from the curves) as `take_off`, and on every comparison
+    (each arm against the baseline and against the base model, per benchmark too) `bimodal`, the arms bimodal
+    over its seeds with their seeds of each outcome, and `bimodal_note`, the sentence saying so (None if none)."""
+    result["take_off_rule"] = {"metric": T.TAKE_OFF_KEY, "threshold": T.TAKE_OFF_CORRECT}
+    take_offs = {}
+    for arm in spec.arm_names:
+        by_seed = result["curves"].get(arm, {})
+        take_offs[arm] = result["arms"][arm]["take_off"] = T.arm_take_off(by_seed, spec.seeds, trained[arm])
+    for t in (result, *(result["benchmarks"] or {}).values()):
+        for arm, comp in t["comparisons"].items():
+            for c in comp.values():
+                c["bimodal"] = T.spans_modes(take_offs, [result["baseline"], arm], c["seeds"])
+                c["bimodal_note"] = T.bimodal_note(c["bimodal"])
+        for arm, e in t["arms"].items():
+            for c in e.get("vs_base", {}).values():
+                c["bimodal"] = T.spans_modes(take_offs, [arm], c["seeds"])
+                c["bimodal_note"] = T.bimodal_note(c["bimodal"])
 
 
 def _common_seeds(a: Any, b: Any) -> list[int]:
@@ -600,6 +627,7 @@ def _benchmark_lines(result: dict[str, Any]) -> list[str]:
     if not result.get("benchmarks"):
         return []
     planned = len(result["seeds_planned"])
+    take_offs = {arm: e["take_off"] for arm, e in result["arms"].items()}
     lines = ["## Per benchmark", ""]
     for name, t in result["benchmarks"].items():
         labels = t["labels"] or {"avg": "avg", "pass_at_k": "pass@k", "maj": "maj"}
@@ -612,7 +640,8 @@ def _benchmark_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {arm} | {len(e['per_seed'])} of {planned} | {means} | {vs_base} |")
         lines.append("")
         for arm, comp in t["comparisons"].items():
-            for c in comp.values():
+            for what, c in comp.items():
+                lines += _seeds_first(f"{arm} − {result['baseline']}, {what}", c, take_offs)
                 lines.append(
                     f"- {arm} − {result['baseline']}: {c['verdict']}; bootstrap {_ci(c['bootstrap'])}"
                 )
@@ -671,7 +700,8 @@ def _setting_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
 def _arm_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
     """## Arms: each arm's mean over its seeds; the seeds missing and what the curves and timings leave out."""
     planned = result["seeds_planned"]
-    lines = ["## Arms", "", "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
+    lines = ["## Arms", "", *_bimodal_arm_lines(result, names),
+             "| arm | seeds | " + " | ".join(names[k] for k in METRICS) + " | accuracy vs base |",
              "|---" * (len(METRICS) + 3) + "|"]  # fmt: skip
     for arm, e in result["arms"].items():
         got = len(e["per_seed"])
@@ -689,7 +719,47 @@ def _arm_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
                   "whole number)."]  # fmt: skip
     if result["jobs_lines_skipped"]:
         lines += ["", "The job timings leave out the last line of jobs.jsonl, cut short by a stop mid-write."]
-    return lines
+    return lines + _take_off_lines(result)
+
+
+def _bimodal_arm_lines(result: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """Before the arms' table, each bimodal arm's seeds one by one (their take-off and final score): its mean and
+    its interval against the base model average two different outcomes."""
+    lines = []
+    for arm, e in result["arms"].items():
+        t = e["take_off"]
+        if not t["bimodal"]:
+            continue
+        first = t["first_step"]
+        finals = ", ".join(
+            f"{s}: {m['avg']:.2f} ({'never took off' if first.get(s) is None else f'took off at step {first[s]}'})"
+            for s, m in e["per_seed"].items()
+        )
+        lines.append(f"- **{arm}** is bimodal, its seeds first: {T.take_off_text(t)}; {names['avg']} per seed: "
+                     f"{finals or 'none scored yet'}. Its mean and its interval against the base model in the "
+                     "table average two different outcomes; read the seeds.")  # fmt: skip
+    return [*lines, ""] if lines else []
+
+
+def _take_off_lines(result: dict[str, Any]) -> list[str]:
+    """### Take-off: each arm's take-off rate and the step at which each seed took off."""
+    rule = result["take_off_rule"]
+    lines = ["", "### Take-off", "",
+             f"A seed takes off when its training rollouts reach {rule['threshold']:.0%} correct "
+             f"(`{rule['metric']}` >= {rule['threshold']:g} at a logged step); the step is the first such step.",
+             ""]  # fmt: skip
+    return lines + [f"- {T.describe_take_off(arm, e['take_off'])}" for arm, e in result["arms"].items()]
+
+
+def _seeds_first(what: str, c: dict[str, Any], take_offs: dict[str, dict]) -> list[str]:
+    """A comparison whose interval spans both outcomes of an arm: its per-seed differences, each with what the
+    bimodal arms did in that seed, and the sentence saying so, to come before its interval; [] otherwise."""
+    if not c["bimodal"]:
+        return []
+    seeds = ", ".join(
+        f"{k}: {v:+.2f} ({T.outcome(c['bimodal'], take_offs, k)})" for k, v in c["per_seed"].items()
+    )
+    return [f"- {what}, per seed first (an arm's outcome is bimodal): {seeds}", f"  - {c['bimodal_note']}"]
 
 
 def _comparison_lines(result: dict[str, Any]) -> list[str]:
@@ -698,16 +768,19 @@ def _comparison_lines(result: dict[str, Any]) -> list[str]:
     lines = ["", f"## Against the baseline `{result['baseline']}`", ""]
     if not result["comparisons"]:
         lines += ["No comparison yet: the baseline and another arm need at least one common scored seed.", ""]
+    take_offs = {arm: e["take_off"] for arm, e in result["arms"].items()}
     for arm, comp in result["comparisons"].items():
         lines += [f"### {arm} − {result['baseline']}", ""]
-        for c in comp.values():
+        for what, c in comp.items():
             seeds = c["seeds"]
+            lines += _seeds_first(what, c, take_offs)
             lines.append(f"- {c['verdict']}")
             if len(seeds) < len(planned):
                 lines.append(
                     f"  - over {len(seeds)} of the {len(planned)} planned seeds ({', '.join(map(str, seeds))})"
                 )
-            lines.append("  - per seed: " + ", ".join(f"{k}: {v:+.2f}" for k, v in c["per_seed"].items()))
+            if not c["bimodal"]:
+                lines.append("  - per seed: " + ", ".join(f"{k}: {v:+.2f}" for k, v in c["per_seed"].items()))
             lines.append(f"  - hierarchical bootstrap over seeds then problems: {_ci(c['bootstrap'])}")
             lines.append(f"  - {_split(c['variance'])}")
             lines.append(f"  - {c['planning']}")
@@ -726,7 +799,27 @@ def _reading_lines() -> list[str]:
             "holds the problem set fixed. The bootstrap beside it also resamples problems; with few seeds it is "
             "too narrow. With one seed the interval is over problems only and ignores the seed-to-seed spread. "
             "The detectable difference and the seeds needed are estimates from the seeds run: their 95% range "
-            "says how far they can be off.", ""]  # fmt: skip
+            "says how far they can be off.", "",
+            "An arm is bimodal when some of its seeds took off (their training rollouts reached "
+            f"{T.TAKE_OFF_CORRECT:.0%} correct) and some never did: its mean, and any interval over seeds of both "
+            "kinds, averages two different outcomes and describes neither, however wide it is. Its seeds are then "
+            "shown first and the interval says so: read the seeds (how many took off, and what each scored).",
+            ""]  # fmt: skip
+
+
+def console_lines(result: dict[str, Any]) -> list[str]:
+    """What the command prints of the verdict: each arm's take-off, then each arm against the baseline, its
+    seeds first (with the sentence saying so) where an arm of the comparison is bimodal."""
+    take_offs = {arm: e["take_off"] for arm, e in result["arms"].items()}
+    lines = [T.describe_take_off(arm, t) for arm, t in take_offs.items()]
+    for arm, comp in result["comparisons"].items():
+        for what, c in comp.items():
+            head = f"{arm} − {result['baseline']}"
+            lines += [f"{head}: {line.removeprefix('- ')}" for line in _seeds_first(what, c, take_offs)[:1]]
+            if c["bimodal_note"]:
+                lines.append(f"{head}: {c['bimodal_note']}")
+            lines.append(f"{head}: {c['verdict']}")
+    return lines
 
 
 def figures(result: dict[str, Any]) -> dict[str, bytes]:
@@ -737,7 +830,7 @@ def figures(result: dict[str, Any]) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     arms = list(result["arms"])
-    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
+    colors = _colors(arms)
     drawn: dict[str, bytes] = {}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
@@ -772,23 +865,53 @@ def figures(result: dict[str, Any]) -> dict[str, bytes]:
     fig.tight_layout()
     drawn[VERDICT_PNG] = _png(fig)
 
-    curves = result["curves"]
-    if curves:
-        fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(5 * len(CURVE_KEYS), 3.8))
-        for ax, (key, title) in zip(axes, CURVE_KEYS, strict=True):
-            for arm, by_seed in curves.items():
-                for i, points in enumerate(by_seed.values()):
-                    if points.get(key):
-                        steps, values = zip(*points[key], strict=True)
-                        ax.plot(steps, values, color=colors.get(arm), alpha=0.75, lw=1.2, marker="." if len(steps) < 15 else None,
-                                label=arm if i == 0 else None)  # fmt: skip
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("optimizer step")
-        axes[0].legend(fontsize=8)
-        fig.suptitle("Training curves, one line per seed", fontsize=10)
-        fig.tight_layout()
+    fig = draw_curves(result)
+    if fig is not None:
         drawn[CURVES_PNG] = _png(fig)
     return drawn
+
+
+def _colors(arms: list[str]) -> dict[str, Any]:
+    import matplotlib.pyplot as plt
+
+    return {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
+
+
+def draw_curves(result: dict[str, Any]):
+    """curves.png's figure (None before any run has logged a step): one panel per `CURVE_KEYS`, one line per
+    seed, and on each seed's line its take-off marked (a black-edged triangle at the line's first point at or
+    after the seed's take-off step, its `gid` `take-off ARM SEED`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = result["curves"]
+    if not curves:
+        return None
+    colors = _colors(list(result["arms"]))
+    fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(5 * len(CURVE_KEYS), 3.8))
+    for ax, (key, title) in zip(axes, CURVE_KEYS, strict=True):
+        for arm, by_seed in curves.items():
+            first = result["arms"][arm]["take_off"]["first_step"]
+            for i, (seed, points) in enumerate(by_seed.items()):
+                if not points.get(key):
+                    continue
+                steps, values = zip(*points[key], strict=True)
+                ax.plot(steps, values, color=colors.get(arm), alpha=0.75, lw=1.2, marker="." if len(steps) < 15 else None,
+                        label=arm if i == 0 else None)  # fmt: skip
+                mark = T.mark_point(points[key], first[seed]) if first.get(seed) is not None else None
+                if mark:
+                    ax.plot([mark[0]], [mark[1]], ls="none", marker="^", ms=8, mec="black", color=colors.get(arm),
+                            gid=f"take-off {arm} {seed}")  # fmt: skip
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+    axes[0].legend(fontsize=8)
+    rule = result["take_off_rule"]
+    fig.suptitle(f"Training curves, one line per seed; ▲ a seed's take-off ({rule['metric']} first >= "
+                 f"{rule['threshold']:g})", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
 
 
 def _png(fig) -> bytes:

@@ -2,11 +2,14 @@
 
 100 optimizer steps of 32 problems each (one rollout per problem), seed 42 unless `--seed` says otherwise.
 The per-device batch is 4 as published; gradient accumulation makes up the rest of the 32 from the
-number of processes. How each process splits its share into micro-batches is memory, not method
-(`opsd.speed.microbatch`): the harness passes `micro_batch_size=auto` (the largest that fits beside the engine
-on a GPU, the plan above without one), and `MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or
-`-- --micro_batch_size N` choose another divisor of the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches,
-which `opsd_train.py --capped` checks against the whitelist (the roles declared in `opsd.configuration.switches`).
+number of processes. With `BUDGET_UNIT=rollouts` in the recipe (or `OPSD_BUDGET_UNIT`) the 32 count rollouts:
+method=grpo or hybrid with G rollouts per problem then trains 32 / G problems per step, and the per-device batch
+is whole groups of G rollouts, at most 4 problems' (`split_batch`); the 100 steps and the 32 stay fixed. How
+each process splits its share into micro-batches is memory, not method (`opsd.speed.microbatch`): the harness
+passes `micro_batch_size=auto` (the largest that fits beside the engine on a GPU, the plan above without one), and
+`MICRO_BATCH_SIZE` in recipe.env, `OPSD_MICRO_BATCH_SIZE` or `-- --micro_batch_size N` choose another divisor of
+the problems per process. Researchers change the method only through `recipe.env` and `OPSD_*` switches, which
+`opsd_train.py --capped` checks against the whitelist (the roles declared in `opsd.configuration.switches`).
 
 Profiles keep the 100 steps and shrink the rest for machines without GPUs:
 - `full`: the published setting (Qwen3-1.7B, the OPSD dataset, 32 problems per step);
@@ -80,26 +83,47 @@ class Plan:
     num_processes: int
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
-    problems_per_step: int
+    problems_per_step: int  # the step's count, in budget_unit (problems, or rollouts)
     max_steps: int
     output_dir: str
     final_checkpoint: str
     accelerate_config: str
     command: list[str] = field(default_factory=list)
+    budget_unit: str = "problems"
 
 
-def split_batch(problems_per_step: int, num_processes: int) -> tuple[int, int]:
-    """(per-device batch, accumulation steps) with batch × accumulation × processes = problems_per_step."""
-    if num_processes < 1 or problems_per_step % num_processes:
+def split_batch(per_step: int, num_processes: int, group: int = 1) -> tuple[int, int]:
+    """(per-device batch, accumulation steps) with batch × accumulation × processes = per_step. `group` > 1:
+    `per_step` counts rollouts, G = `group` per problem (budget_unit=rollouts), and the batch is whole groups, at
+    most PER_DEVICE_BATCH problems' (the rollouts of a problems-unit micro-batch)."""
+    unit = "problems" if group == 1 else "rollouts"
+    if num_processes < 1 or per_step % num_processes:
         raise ValueError(
-            f"{problems_per_step} problems per step cannot be split over {num_processes} processes; "
-            "use 1, 2, 4 or 8 GPUs"
+            f"{per_step} {unit} per step cannot be split over {num_processes} processes; use 1, 2, 4 or 8 GPUs"
         )
-    per_process = problems_per_step // num_processes
-    batch = min(PER_DEVICE_BATCH, per_process)
-    while per_process % batch:
+    per_process = per_step // num_processes
+    if per_process % group:
+        raise ValueError(
+            f"budget_unit=rollouts: {per_step} rollouts per step over {num_processes} process(es) is {per_process} "
+            f"per process, not a multiple of num_generations={group}; use fewer processes, a num_generations "
+            f"that divides {per_process}, or budget_unit=problems"
+        )
+    problems = per_process // group
+    batch = min(PER_DEVICE_BATCH, problems)
+    while problems % batch:
         batch -= 1
-    return batch, per_process // batch
+    return batch * group, problems // batch
+
+
+def budget_shape(overrides) -> tuple[str, int]:
+    """(budget_unit, rollouts per problem G) as the recipe's and `OPSD_*` overrides set them (validated values;
+    the config's own checks refuse a G the method cannot take): what the plan's split keeps whole."""
+    from opsd.configuration.checks import default_generations
+
+    values = {o.field: o.value for o in overrides}
+    unit = values.get("budget_unit", "problems")
+    generations = int(values.get("num_generations", 0)) or default_generations(values.get("method", "opsd"))
+    return unit, max(generations, 1)
 
 
 def accelerate_config_for(num_processes: int, gpu: bool, root: Path) -> Path:
@@ -113,12 +137,15 @@ def accelerate_config_for(num_processes: int, gpu: bool, root: Path) -> Path:
 def make_plan(
     *, name: str, seed: int, num_gpus: int, profile: str, model: str | None, dataset: str | None,
     root: Path, gpu: bool, recipe: Path, runs_dir: Path | None = None, accelerate_config: Path | None = None,
+    budget_unit: str = "problems", generations: int = 1,
 ) -> Plan:  # fmt: skip
+    """The launch plan; `budget_unit` and `generations` (G) as the recipe sets them (`budget_shape`): with
+    rollouts, the step's count is rollouts and each per-device batch whole groups of G."""
     if profile not in PROFILES:
         raise ValueError(f"profile {profile!r}; choose one of {sorted(PROFILES)}")
     prof = PROFILES[profile]
     procs = num_gpus if gpu else 1
-    batch, accum = split_batch(prof.problems_per_step, procs)
+    batch, accum = split_batch(prof.problems_per_step, procs, generations if budget_unit == "rollouts" else 1)
     out = (runs_dir or root / "runs") / name / f"capped_seed{seed}"
     if accelerate_config is not None:
         # accelerate reads it: a regular YAML file of at most 1 MiB (opsd.paths), not a device or a FIFO.
@@ -147,7 +174,7 @@ def make_plan(
         name=name, seed=seed, profile=profile, num_processes=procs, per_device_train_batch_size=batch,
         gradient_accumulation_steps=accum, problems_per_step=prof.problems_per_step, max_steps=STEPS,
         output_dir=str(out), final_checkpoint=str(out / f"checkpoint-{STEPS}"), accelerate_config=str(cfg),
-        command=cmd,
+        command=cmd, budget_unit=budget_unit,
     )  # fmt: skip
 
 
@@ -197,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.runs_dir:  # runs/<name>/capped_seed<seed> is created under it: it must be or become a directory
             check_output_dir(a.runs_dir, "--runs-dir")
         notes = _machine_notes(a, visible, gpu, num_gpus)
-        plan = _launch_plan(a, num_gpus, gpu, root, recipe, passthrough)
         from opsd.configuration.sources import resolve_with_replaced
 
         overrides, replaced = resolve_with_replaced(recipe, os.environ, capped=True)
+        plan = _launch_plan(a, num_gpus, gpu, root, recipe, passthrough, budget_shape(overrides))
         checked = check_config(plan, root, debug=debug)
     except (UserError, ValueError, FileNotFoundError) as err:
         return report(err, "train_capped", debug=debug)
@@ -291,15 +318,17 @@ def _machine_notes(a: argparse.Namespace, visible: int, gpu: bool, num_gpus: int
 
 
 def _launch_plan(
-    a: argparse.Namespace, num_gpus: int, gpu: bool, root: Path, recipe: Path, passthrough: list[str]
-) -> Plan:
-    """The plan (`make_plan`), its command extended with the pass-through flags (operational keys only) and
-    --allow-config-change."""
+    a: argparse.Namespace, num_gpus: int, gpu: bool, root: Path, recipe: Path, passthrough: list[str],
+    shape: tuple[str, int] = ("problems", 1),
+) -> Plan:  # fmt: skip
+    """The plan (`make_plan`, for `shape`: budget_unit and G, `budget_shape`), its command extended with the
+    pass-through flags (operational keys only) and --allow-config-change."""
     plan = make_plan(
         name=a.name, seed=a.seed, num_gpus=num_gpus, profile=a.profile, model=a.model,
         dataset=a.dataset, root=root, gpu=gpu, recipe=recipe,
         runs_dir=Path(a.runs_dir).resolve() if a.runs_dir else None,
         accelerate_config=Path(a.accelerate_config).resolve() if a.accelerate_config else None,
+        budget_unit=shape[0], generations=shape[1],
     )  # fmt: skip
     from opsd.configuration.sources import flag_overrides, to_argv
 
@@ -310,9 +339,11 @@ def _launch_plan(
 
 def _printed_plan(plan: Plan, overrides, replaced, checked: dict, notes: list[str]) -> dict:
     """The plan as printed: the command, the recipe's overrides (and the lines an OPSD_* value replaces), the
-    values training will use for every key the harness fixes or lets you tune, and the budget arithmetic."""
+    values training will use for every key the harness fixes or lets you tune, the step's problems and rollouts,
+    and the budget arithmetic."""
     from opsd.configuration.sources import replaced_message
     from opsd.configuration.switches import BUDGET_KEYS, CAPPED_KEYS
+    from opsd.launch.preflight import step_shape
 
     out = asdict(plan)
     out["overrides"] = [f"{o.field}={o.value} ({o.source})" for o in overrides]
@@ -323,9 +354,11 @@ def _printed_plan(plan: Plan, overrides, replaced, checked: dict, notes: list[st
     out["notes"] = notes
     micro = checked["micro_batch"]
     out["micro_batch"] = micro
+    config = checked["config"]
+    out["step"] = step_shape(plan.problems_per_step, config["budget_unit"], config["num_generations"])
     out["budget"] = (
-        f"{plan.max_steps} steps x {plan.problems_per_step} problems = {micro['micro_batch']} per micro-batch x "
-        f"{micro['accumulation']} accumulation x {plan.num_processes} process(es) ({micro['reason']})"
+        f"{plan.max_steps} steps x {plan.problems_per_step} {plan.budget_unit} = {micro['micro_batch']} per "
+        f"micro-batch x {micro['accumulation']} accumulation x {plan.num_processes} process(es) ({micro['reason']})"
     )
     out["shell"] = shlex.join(plan.command)
     return out

@@ -121,9 +121,19 @@ def check_run(config: OPSDConfig, extra: argparse.Namespace, *, num_processes: i
     return CheckedRun(dataset, pairing_record, history)
 
 
+def step_shape(count_per_step: int, budget_unit: str, generations: int) -> str:
+    """A step's problems and rollouts, as both dry runs print them: `8 problems x 4 rollouts = 32 rollouts per
+    step`. `count_per_step` (per_device_train_batch_size x gradient_accumulation_steps x processes) counts
+    problems or rollouts, as `budget_unit` says; each problem is sampled `generations` (G) times."""
+    G = generations
+    problems = count_per_step // G if budget_unit == "rollouts" else count_per_step
+    return f"{problems} problems x {G} rollout{'s' if G != 1 else ''} = {problems * G} rollouts per step"
+
+
 def dry_run_report(config: OPSDConfig, extra: argparse.Namespace) -> dict[str, Any]:
     """`opsd_train.py --dry-run`: `check_run`, then the resolved config, the number of training rows, the
-    micro-batch plan and the teacher pairing's summary (what the dry run prints as JSON)."""
+    micro-batch plan, the step's problems and rollouts over this launch's processes (`step_shape`) and the
+    teacher pairing's summary (what the dry run prints as JSON)."""
     from opsd.method import pairing
     from opsd.speed import microbatch
 
@@ -141,6 +151,11 @@ def dry_run_report(config: OPSDConfig, extra: argparse.Namespace) -> dict[str, A
         "config": config.to_dict(),
         "data_rows": None if checked.dataset is None else len(checked.dataset),
         "micro_batch": dataclasses.asdict(plan),
+        "step": step_shape(
+            config.per_device_train_batch_size * config.gradient_accumulation_steps * config.world_size,
+            config.budget_unit,
+            config.num_generations,
+        ),
         "teacher_pairing": pairing.summary(checked.pairing_record),
     }
 

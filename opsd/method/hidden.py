@@ -143,20 +143,23 @@ def completion_hidden(
     fix_positions: bool,
     pad_token_id: int | None,
     on_last_logits=None,
+    columns: bool = False,
 ) -> torch.Tensor:
     """Final hidden states (after the last norm) that predict each valid completion token, flattened to (N, H).
 
     `fix_positions=False` scores the reference code's rows instead (`reference_rows`, which needs the
-    `pad_token_id`); the tokens kept are still those of `completion_mask_BC`. The forward goes through the
+    `pad_token_id`), or with `columns` TRL's GRPO rows: the left-padded batch as it is, the model numbering its
+    columns (so left padding shifts a shorter prompt's positions); the tokens kept are still those of
+    `completion_mask_BC`. The forward goes through the
     model object it is given (so DDP/DeepSpeed wrappers see it) and asks for logits at the last position
     only; the completion's logits are computed later, in chunks, by the loss. `on_last_logits(hidden_BH,
     logits_BV)`, if given, receives the last column's final hidden states and the model's own logits there:
     what the trainer checks its logit transform against (`resolve_logit_transform`, below).
     """
-    if fix_positions:
+    if fix_positions or columns:
         input_ids = torch.cat([prompt_ids_BP, completion_ids_BC], dim=1)
         attention_mask = torch.cat([prompt_mask_BP, completion_mask_BC], dim=1)
-        position_ids = positions(prompt_mask_BP, completion_ids_BC.size(1))
+        position_ids = positions(prompt_mask_BP, completion_ids_BC.size(1)) if fix_positions else None
     else:
         if pad_token_id is None:
             raise ValueError(
@@ -385,13 +388,21 @@ class CheckedForwards:
     """`completion_hidden` for a trainer's models, with the loss's logit transform picked on the first forward of
     the first model and checked on the first forward of every model (`resolve_logit_transform`, `one_transform`):
     `transform` is what the loss applies after the lm_head. `unwrap` gives the bare model of a wrapped one (the
-    accelerator's); under `mixed_precision` the check allows that dtype's rounding."""
+    accelerator's); under `mixed_precision` the check allows that dtype's rounding. `columns`: the rows of
+    `fix_positions=False` are TRL's GRPO rows, not the reference code's (`completion_hidden`)."""
 
     def __init__(
-        self, unwrap, *, fix_positions: bool, pad_token_id: int | None, mixed_precision: str | None = None
+        self,
+        unwrap,
+        *,
+        fix_positions: bool,
+        pad_token_id: int | None,
+        mixed_precision: str | None = None,
+        columns: bool = False,
     ):
         self.unwrap = unwrap
         self.fix_positions = fix_positions
+        self.columns = columns
         self.pad_token_id = pad_token_id
         # The accelerator's mixed precision ("bf16", "fp16", "no"): the forward's autocast dtype.
         self.mixed_precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
@@ -402,7 +413,7 @@ class CheckedForwards:
         return completion_hidden(
             model, prompt_ids_BP, prompt_mask_BP, completion_ids_BC, completion_mask_BC,
             fix_positions=self.fix_positions, pad_token_id=self.pad_token_id,
-            on_last_logits=None if id(model) in self.checked else self._check(model),
+            on_last_logits=None if id(model) in self.checked else self._check(model), columns=self.columns,
         )  # fmt: skip
 
     def _check(self, model):

@@ -50,6 +50,7 @@ from opsd.method.loss import (
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import teacher_rows
 from opsd.rl.grpo import GRPOTrainer
+from opsd.rl.routes import sd_rows
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,22 @@ class HybridTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         c = self.config
         self.sd_weight = float(c.sd_weight)
+        self.hybrid_route = c.hybrid_route
         self.loss_settings = loss_settings(c)
         self.contrast = c.teacher_contrast
         # RLCSD's modulation of the GRPO advantages: with a contrast and a weight.
         self.modulate = c.contrast_on and c.contrast_rl_weight > 0
         self.teacher_rows_needed = self.loss_settings.needs_teacher and (self.sd_weight > 0 or self.modulate)
-        # Completion hidden states, the loss's logit transform checked on each model's first forward.
-        self.forwards = CheckedForwards(
-            self.accelerator.unwrap_model,
-            fix_positions=c.fix_position_ids,
-            pad_token_id=self._tokenizer.pad_token_id,
-            mixed_precision=self.accelerator.mixed_precision,
-        )
+        # The OPSD term's rows: those GRPO scores (`self.forwards`, one student forward for both terms), or the
+        # reference code's with fix_position_ids=false, whose layout is not TRL's (then two student forwards).
+        self.sd_forwards = self.forwards
+        if not c.fix_position_ids:
+            self.sd_forwards = CheckedForwards(
+                self.accelerator.unwrap_model,
+                fix_positions=False,
+                pad_token_id=self._tokenizer.pad_token_id,
+                mixed_precision=self.accelerator.mixed_precision,
+            )
 
     # -- the batch: TRL's, plus the teacher's rows ------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -103,6 +108,13 @@ class HybridTrainer(GRPOTrainer):
                 hint_tokens = int(prompts + (valid_BJ.sum(1) * completion_mask.sum(1)).sum())
             self.ledger.add(teacher=int(rows["teacher_attention_mask"].sum()) + hint_tokens)
         return out
+
+    def _sd_rows(self, batch) -> torch.Tensor:
+        """(B,) bool: the rollouts under the OPSD term, by `hybrid_route` (`opsd.rl.routes`); none without it."""
+        if self.sd_weight == 0:
+            return super()._sd_rows(batch)
+        rows = sd_rows(self.reward.last[1], self.num_generations, self.hybrid_route)
+        return torch.tensor(rows, dtype=torch.bool, device=batch["completion_mask"].device)
 
     def _hints(self, inputs):
         """(the hint c per row, the wrong hints c~ per row or None without a contrast). A row without a pair
@@ -163,10 +175,13 @@ class HybridTrainer(GRPOTrainer):
         teachers = self._teacher_hidden(model, inputs) if self.teacher_rows_needed else None
         if self.modulate:
             inputs = {**inputs, "advantages": self._modulated_advantages(model, inputs, teachers)}
-        grpo = super()._compute_loss(model, inputs)
         if self.sd_weight == 0:
-            return grpo
-        sd = self.sd_loss(model, inputs, teachers)
+            return super()._compute_loss(model, inputs)
+        # One student forward for both terms: TRL's loss scores the sampled tokens from these hidden states.
+        student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
+        with self.scored_from(student_NH if self.sd_forwards is self.forwards else None):
+            grpo = super()._compute_loss(model, inputs)
+        sd = self.sd_loss(model, inputs, teachers, student_NH)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["hybrid/grpo_loss"].append(float(grpo.detach()))
         self._metrics[mode]["hybrid/sd_loss"].append(float(sd.detach()))
@@ -224,6 +239,8 @@ class HybridTrainer(GRPOTrainer):
             inputs["advantages"], e_BT, has_B[:, None] & mask_BT, weight=c.contrast_rl_weight,
             tau=c.contrast_rl_tau, delta=c.contrast_rl_delta,
         )  # fmt: skip
+        if self.hybrid_route != "mix":  # a rollout routed to self-distillation gets no GRPO term
+            advantages_BT = advantages_BT.masked_fill(inputs["sd_rows"][:, None], 0.0)
         if self.model.training:
             n = max(int(mask_BT.sum()), 1)
             window = self._metrics["train"]
@@ -233,14 +250,17 @@ class HybridTrainer(GRPOTrainer):
             )
         return advantages_BT
 
-    def sd_loss(self, model, inputs, teachers) -> torch.Tensor:
-        """The OPSD term of a micro-batch: its clipped divergence summed over its loss tokens, divided by the
-        step's loss tokens over all processes, times the processes (DDP/DeepSpeed average the gradients)."""
+    def sd_loss(self, model, inputs, teachers, student_NH) -> torch.Tensor:
+        """The OPSD term of a micro-batch: its clipped divergence summed over the loss tokens of its rollouts routed
+        to it (`sd_rows`), divided by the step's loss tokens of every rollout over all processes, times the
+        processes (DDP/DeepSpeed average the gradients). `student_NH`: the student's completion hidden states in
+        TRL's layout; the OPSD term runs its own forward where its layout differs (fix_position_ids=false)."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
+        if self.sd_forwards is not self.forwards:
+            student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
         unwrapped = self.accelerator.unwrap_model(model)
         teacher_NH, contrast, has_B = teachers if teachers is not None else (None, None, None)
-        keep_BC = self._sd_mask(completion_ids, completion_mask)
+        keep_BC = self._sd_mask(completion_ids, completion_mask) * inputs["sd_rows"][:, None]
         if has_B is not None:  # a row without a contrast (no hint pair, or c~ = c) adds exactly 0
             keep_BC = keep_BC * has_B[:, None]
         keep_N = keep_BC[completion_mask.bool()].bool()
@@ -274,10 +294,10 @@ class HybridTrainer(GRPOTrainer):
                 yield
 
     def _hidden(self, model, prompt_ids, prompt_mask, inputs) -> torch.Tensor:
-        return self.forwards(
+        return self.sd_forwards(
             model, prompt_ids, prompt_mask, inputs["completion_ids"], inputs["completion_mask"]
         )
 
     @property
     def logit_transform(self):
-        return self.forwards.transform
+        return self.sd_forwards.transform

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from opsd.method.sampler import sampler_support
+
 logger = logging.getLogger(__name__)
 
 METRIC = "rollout/logprob_gap"
@@ -54,15 +56,9 @@ def sampling_logprobs(
     then top-p (`top_p` < 1: from the least likely up, the tokens whose cumulative probability is at most
     1 - top_p are dropped, the most likely always kept), renormalised. A token outside the kept set gets -inf."""
     x_NV = logits_NV.float() / temperature
-    if 0 < top_k < x_NV.size(-1):
-        kth_N1 = x_NV.topk(top_k, dim=-1).values[:, -1:]
-        x_NV = x_NV.masked_fill(x_NV < kth_N1, -math.inf)
-    if top_p < 1.0:
-        sorted_NV, order_NV = x_NV.sort(dim=-1)
-        cumulative_NV = sorted_NV.softmax(dim=-1).cumsum(dim=-1)
-        dropped_NV = cumulative_NV <= 1 - top_p
-        dropped_NV[:, -1] = False
-        x_NV = x_NV.scatter(-1, order_NV, sorted_NV.masked_fill(dropped_NV, -math.inf))
+    keep_NV = sampler_support(x_NV, top_k=top_k, top_p=top_p)
+    if keep_NV is not None:
+        x_NV = x_NV.masked_fill(~keep_NV, -math.inf)
     return x_NV.log_softmax(dim=-1).gather(-1, token_ids_N[:, None]).squeeze(-1)
 
 

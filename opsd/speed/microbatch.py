@@ -186,6 +186,14 @@ def plan_for(
     if choice is None:
         return fixed_plan(per_process, per_device, "per_device_train_batch_size")
     if choice != AUTO:
+        rollouts = getattr(config, "budget_unit", "problems") == "rollouts"
+        G = config.num_generations if rollouts else 1
+        if choice % G:  # budget_unit=rollouts: TRL's micro-batch is whole groups of G rollouts
+            raise InvalidValue(
+                f"micro_batch_size={choice} is not a multiple of num_generations={G}: with budget_unit=rollouts a "
+                f"micro-batch counts rollouts, and a problem's G rollouts share one; give a multiple of {G} that "
+                f"divides the {per_process} rollouts per process per step, or auto"
+            )
         return fixed_plan(per_process, choice, "micro_batch_size")
     if shape is None or free_bytes is None:
         return fixed_plan(per_process, per_device, "auto: no GPU, the plan as given")

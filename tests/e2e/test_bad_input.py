@@ -537,6 +537,27 @@ def test_recipe_keys_of_another_method_are_refused_in_one_line(tmp_path):
     assert (config["method"], config["num_generations"]) == ("grpo", 4)
 
 
+def test_train_dry_run_prints_the_step_in_problems_and_rollouts(tmp_path):
+    """`opsd_train.py --dry-run` prints the step's shape; with BUDGET_UNIT=rollouts per_device_train_batch_size
+    counts rollouts (8 x 2 accumulation = 16 per step: 4 problems x 4), and one that splits a problem's group is
+    refused in one line naming both values and the fix, as is a micro_batch_size that would."""
+    recipe = tmp_path / "grpo.env"
+    recipe.write_text("METHOD=grpo\nNUM_GENERATIONS=4\nBUDGET_UNIT=rollouts\n")
+    base = ["--output_dir", str(tmp_path / "o"), "--dry-run", "--recipe", recipe]
+    dry = run("opsd_train.py", [*base, "--per_device_train_batch_size", "8"], tmp_path)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert json.loads(dry.stdout)["step"] == "4 problems x 4 rollouts = 16 rollouts per step"
+    res = run("opsd_train.py", [*base, "--per_device_train_batch_size", "6"], tmp_path)
+    one_line(res, "opsd_train.py: error:", "budget_unit=rollouts", "per_device_train_batch_size=6",
+             "num_generations=4", "or budget_unit=problems")  # fmt: skip
+    res = run(
+        "opsd_train.py", [*base, "--per_device_train_batch_size", "8", "--micro_batch_size", "2"], tmp_path
+    )
+    one_line(res, "opsd_train.py: error:", "micro_batch_size=2 is not a multiple of num_generations=4")
+    dry = run("opsd_train.py", ["--output_dir", str(tmp_path / "o"), "--dry-run"], tmp_path)
+    assert json.loads(dry.stdout)["step"] == "8 problems x 1 rollout = 8 rollouts per step"
+
+
 @pytest.mark.parametrize("recipe", sorted((ROOT / "configs" / "recipes").glob("*.env")), ids=lambda p: p.name)
 def test_every_shipped_recipe_passes_the_dry_run(tmp_path, recipe):
     """Each shipped recipe, the other methods' included, passes every check a real run makes (no key another

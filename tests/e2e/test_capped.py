@@ -77,6 +77,41 @@ def test_dry_run_prints_the_resolved_micro_batch(tmp_path):
     assert "micro_batch_size=3 does not divide the 2 problems per process" in err
 
 
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_dry_run_counts_rollouts_with_budget_unit_rollouts(tmp_path, gpus):
+    """BUDGET_UNIT=rollouts: the step's 32 count rollouts, so G=4 trains 8 problems x 4 rollouts, each
+    per-device batch whole groups (opsd.launch.capped.split_batch); the default counts problems (32 x 4)."""
+    recipe = tmp_path / "grpo.env"
+    recipe.write_text("METHOD=grpo\nNUM_GENERATIONS=4\nBUDGET_UNIT=rollouts\n")
+    args = ("--dry-run", "--num-gpus", str(gpus), "--recipe", str(recipe), "--runs-dir", str(tmp_path))
+    rc, out, err = dry(*args)
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["step"] == "8 problems x 4 rollouts = 32 rollouts per step"
+    assert (
+        plan["budget"].startswith("100 steps x 32 rollouts = ")
+        and plan["resolved"]["budget_unit"] == "rollouts"
+    )
+    batch, accum = plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]
+    assert batch % 4 == 0 and batch * accum * gpus == 32 and (batch, accum) == {1: (16, 2), 4: (8, 1)}[gpus]
+    rc, out, err = dry(*args, env={"OPSD_BUDGET_UNIT": "problems"})
+    assert rc == 0, err
+    assert json.loads(out)["step"] == "32 problems x 4 rollouts = 128 rollouts per step"
+
+
+def test_dry_run_refuses_rollouts_that_do_not_split_into_groups(tmp_path):
+    """32 rollouts over 4 processes are 8 per process: G=16 cannot keep a problem's rollouts together."""
+    recipe = tmp_path / "grpo.env"
+    recipe.write_text("METHOD=grpo\nNUM_GENERATIONS=16\nBUDGET_UNIT=rollouts\n")
+    rc, out, err = dry("--dry-run", "--num-gpus", "4", "--recipe", str(recipe), "--runs-dir", str(tmp_path))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert (
+        "32 rollouts per step over 4 process(es) is 8 per process, not a multiple of num_generations=16"
+        in err
+    )
+    assert "budget_unit=problems" in err
+
+
 def test_dry_run_refusals(tmp_path):
     rc, _, err = dry("--dry-run", "--num-gpus", "3")
     assert rc == 2 and "cannot be split over 3 processes" in err

@@ -69,6 +69,8 @@ CASES: dict[str, tuple[object, object, object]] = {
     "contrast_rl_tau": (0.02, 1e-6, 0.0),
     "contrast_rl_delta": (0.02, 0.0, -0.1),
     "sd_weight": (0.5, 0.0, -0.5),
+    "epsilon_high": (0.28, 0.2, 0.19),  # 0: TRL's None; below epsilon the clip turns around
+    "rl_beta": (0.04, 0.0, -0.1),
     "fixed_advantage": (-0.5, -1e-6, 0.0),  # zero would be no control at all, a positive one its opposite
     "max_teacher_prompt_length": (2048, 0, -1),
     "wavg_last": (3, 0, -1),
@@ -94,12 +96,16 @@ CONTEXT = {
     name: {"method": "hybrid"}
     for name in (
         "sd_weight",
+        "hybrid_route",
         "contrast_rl_weight",
         "contrast_rl_tau",
         "contrast_rl_delta",
         "teacher_contrast",
     )
-}  # teacher_contrast's last choice, own_wrong, draws its hints from a hybrid's rollouts
+} | {  # teacher_contrast's last choice, own_wrong, draws its hints from a hybrid's rollouts
+    name: {"method": "grpo"}
+    for name in ("rl_loss_type", "epsilon_high", "mask_truncated_completions", "scale_rewards", "rl_beta")
+}  # GRPO's settings (TRL's GRPOConfig): method=opsd has no GRPO term
 
 
 # Upper bounds (and the lower bounds above 0) of the magnitudes that reach the loss or the update, each at the edge
@@ -112,6 +118,8 @@ BOUNDS: dict[str, tuple[object, object]] = {
     "loss_temperature": (0.001, 0.0009),  # 0 is allowed: the rollout temperature
     "divergence_clip": (1e4, 1.5e4),
     "sd_weight": (1e4, 1.5e4),
+    "rl_beta": (1e4, 1.5e4),
+    "epsilon_high": (10.0, 10.5),
     "fixed_advantage": (-1e4, -1e308),
     "num_loss_tokens_to_skip": (2**24, 2**24 + 1),
     "lora_r": (2**14, 2**14 + 1),

@@ -47,6 +47,8 @@ HIDING = {("learning_rate", "low"), ("adam_epsilon", "high"), ("divergence_clip"
 ALONE = {
     "fixed_advantage": {"loss_type": "fixed_advantage"},
     "sd_weight": {"method": "hybrid", "num_generations": 2},
+    "epsilon_high": {"method": "grpo", "num_generations": 2},  # GRPO's settings: method=opsd refuses them
+    "rl_beta": {"method": "grpo", "num_generations": 2},
 }
 HUGE_INT = 10**100  # an integer end the table leaves open
 # The contrastive teacher's switches, at their ends together, with the teacher they need: the target's under OPSD

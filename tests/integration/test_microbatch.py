@@ -53,6 +53,15 @@ def test_parse_refuses(value):
         parse_micro_batch_size(value)
 
 
+def test_a_fixed_plan_keeps_a_problems_rollouts_together_when_the_unit_is_rollouts():
+    """budget_unit=rollouts: a micro-batch counts rollouts, and TRL's holds whole groups of G."""
+    rollouts = dict(budget_unit="rollouts", num_generations=4)
+    assert plan_for(cfg(micro_batch_size="8", **rollouts)).micro_batch == 8
+    with pytest.raises(InvalidValue, match="micro_batch_size=2 is not a multiple of num_generations=4"):
+        plan_for(cfg(micro_batch_size="2", **rollouts))
+    assert plan_for(cfg(micro_batch_size="2", budget_unit="problems", num_generations=4)).micro_batch == 2
+
+
 def test_fixed_plans_keep_the_problems_per_process():
     assert plan_for(cfg()).micro_batch == 4 and plan_for(cfg()).accumulation == 8
     p = plan_for(cfg(micro_batch_size="16"))

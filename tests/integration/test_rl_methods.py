@@ -1,8 +1,10 @@
 """method=grpo and method=hybrid on the tiny model (transformers rollouts, LoRA r4): the GRPO loss is TRL's and
-scores exact positions (against an unpadded forward of each row), the hybrid's two limits (sd_weight=0 is TRL's
+scores exact positions under the sampler's distribution (against an unpadded forward of each row and a plain-Python
+top-k/top-p), the hybrid's two limits (sd_weight=0 is TRL's
 GRPO loss; no GRPO signal is OPSD's loss), the compute ledger against the batch it counts, and a bit-exact resume."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -42,6 +44,7 @@ def _batch(trainer, advantages, *, teacher: bool) -> dict:
         "completion_mask": completion_mask, "advantages": torch.tensor(advantages, dtype=torch.float32),
         "num_items_in_batch": n_tokens, "sd_num_tokens": n_tokens,
         "num_loss_tokens": n_tokens.repeat(len(problems)), "problems": problems, "references": references,
+        "sd_rows": torch.ones(len(problems), dtype=torch.bool),
     }  # fmt: skip
     if teacher:
         rows, _ = teacher_rows(
@@ -51,15 +54,48 @@ def _batch(trainer, advantages, *, teacher: bool) -> dict:
     return batch, prompts, completions
 
 
-def naive_grpo_loss(model, prompts, completions, advantages, temperature: float) -> torch.Tensor:
+def kept_tokens(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """The tokens vLLM's sampler keeps from one row of temperature-scaled logits, in plain Python: top-k keeps every
+    token at least as large as the k-th largest; top-p, over the kept tokens' renormalised probabilities from the
+    least likely up, drops each token while the running sum is <= 1 - p, never the most likely."""
+    kept = set(range(len(row)))
+    if 0 < top_k < len(row):
+        kth = sorted(row, reverse=True)[top_k - 1]
+        kept = {i for i in kept if row[i] >= kth}
+    if top_p < 1.0:
+        top = max(row[i] for i in kept)
+        total = sum(math.exp(row[i] - top) for i in kept)
+        running = 0.0
+        for i in sorted(kept, key=lambda i: row[i])[:-1]:
+            running += math.exp(row[i] - top) / total
+            if running <= 1 - top_p:
+                kept.discard(i)
+    return kept
+
+
+def sampler_logp(
+    logits_TV: torch.Tensor, completion: list[int], temperature: float, top_k: int, top_p: float
+):
+    """(T,) float64 log p(y_t) under the sampler's renormalised kept set (the sampled token always counted in it),
+    with the gradient of the kept logits."""
+    x_TV = logits_TV.double() / temperature
+    out = []
+    for t, y in enumerate(completion):
+        kept = sorted(kept_tokens(x_TV[t].tolist(), top_k, top_p) | {y})
+        out.append(x_TV[t, y] - torch.logsumexp(x_TV[t, kept], 0))
+    return torch.stack(out)
+
+
+def naive_grpo_loss(model, prompts, completions, advantages, args) -> torch.Tensor:
     """TRL's default GRPO loss (dapo, one iteration: every ratio is 1 with the gradient of log p) from an unpadded
-    forward of each row: -sum_i A_i sum_t ratio_it / (the batch's completion tokens)."""
+    forward of each row, log p under the rollout sampler's distribution (`sampler_logp`): -sum_i A_i sum_t
+    ratio_it / (the batch's completion tokens)."""
     total = sum(len(c) for c in completions)
     loss = 0.0
     for prompt, completion, a in zip(prompts, completions, advantages, strict=True):
         ids = torch.tensor([prompt + completion])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
-        logp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        logp = sampler_logp(logits, completion, args.temperature, args.top_k or 0, args.top_p)
         loss = loss - (a * torch.exp(logp - logp.detach())).sum()
     return loss / total
 
@@ -92,7 +128,8 @@ def _perturbed(trainer):
 
 def test_grpo_is_trls_trainer_with_the_harness_overrides_only():
     """The advantages and the loss are TRL's code: the class is TRL's GRPOTrainer and overrides none of the
-    methods that compute them; each override it has calls TRL's own."""
+    methods that compute them; each override it has calls TRL's own, except the scoring of the sampled tokens,
+    which it replaces (TRL's applies the temperature only, not the sampler's top-k and top-p)."""
     import inspect
 
     assert issubclass(GRPOTrainer, trl.GRPOTrainer)
@@ -103,7 +140,7 @@ def test_grpo_is_trls_trainer_with_the_harness_overrides_only():
         "__init__", "training_step", "_tokenize_prompts", "_generate_single_turn",
         "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
     }  # fmt: skip
-    for name in overridden - {"_tokenize_prompts"}:
+    for name in overridden - {"_tokenize_prompts", "_get_per_token_logps_and_entropies"}:
         assert "super()." in inspect.getsource(GRPOTrainer.__dict__[name]), name
     for name in ("_compute_loss", "compute_loss", "_calculate_rewards"):
         assert name not in GRPOTrainer.__dict__
@@ -118,7 +155,7 @@ def test_grpo_loss_matches_unpadded_rows(tiny_model_dir, tmp_path):
     loss = trainer._compute_loss(trainer.model, batch)
     loss.backward()
     ours = _grads(trainer.model)
-    ref = naive_grpo_loss(trainer.model, prompts, completions, advantages, trainer.args.temperature)
+    ref = naive_grpo_loss(trainer.model, prompts, completions, advantages, trainer.args)
     ref.backward()
     assert abs(float(loss) - float(ref)) <= 1e-6
     _close(ours, _grads(trainer.model), 1e-5)
@@ -135,7 +172,7 @@ def test_hybrid_limits(tiny_model_dir, tmp_path):
     batch, prompts, completions = _batch(off, advantages, teacher=True)
     loss0 = off._compute_loss(off.model, batch)
     trl_loss = trl.GRPOTrainer._compute_loss(off, off.model, batch)
-    naive = naive_grpo_loss(off.model, prompts, completions, advantages, off.args.temperature)
+    naive = naive_grpo_loss(off.model, prompts, completions, advantages, off.args)
     assert float(loss0) == float(trl_loss) and abs(float(loss0) - float(naive)) <= 1e-6
 
     hybrid = _perturbed(make_trainer(tiny_model_dir, tmp_path / "h1", method="hybrid", num_generations=G))
@@ -153,7 +190,7 @@ def test_hybrid_limits(tiny_model_dir, tmp_path):
     hybrid.sd_weight = 0.5
     mixed = float(hybrid._compute_loss(hybrid.model, batch))
     sd = float(opsd.compute_loss(opsd.model, batch))
-    grpo = float(naive_grpo_loss(hybrid.model, prompts, completions, advantages, hybrid.args.temperature))
+    grpo = float(naive_grpo_loss(hybrid.model, prompts, completions, advantages, hybrid.args))
     assert abs(mixed - (grpo + 0.5 * sd)) <= 1e-6
 
 
@@ -269,5 +306,75 @@ def test_hybrid_own_wrong_hints_and_modulation_against_unpadded_forwards(tiny_mo
     window = trainer._metrics["train"]
     assert window["contrast/rows_with_pair"][-1] == 1.0 and window["contrast/hints_per_row"][-1] > 1.0
     loss = trainer._compute_loss(trainer.model, {**batch, "num_items_in_batch": completion_mask.sum(),
-                                                 "sd_num_tokens": completion_mask.sum()})  # fmt: skip
+                                                 "sd_num_tokens": completion_mask.sum(),
+                                                 "sd_rows": torch.ones(2 * g, dtype=torch.bool)})  # fmt: skip
     assert torch.isfinite(loss) and window["opsd/contrast_kl"][-1] > 0 and "opsd/eos_target" in window
+
+
+def _rows(batch: dict, rows: list[int]) -> dict:
+    """The batch's rows `rows` (tensors and lists with one entry per row; the step's denominators kept)."""
+    n = len(batch["problems"])
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in rows]
+        elif torch.is_tensor(value) and value.dim() and value.size(0) == n:
+            out[key] = value[rows]
+        else:
+            out[key] = value
+    return out
+
+
+def _routed_hybrid(tiny_model_dir, tmp_path, route):
+    """A hybrid on `route`, and an OPSDTrainer with the same weights (its teacher: the same initial policy)."""
+    hybrid = _perturbed(make_trainer(tiny_model_dir, tmp_path / route, method="hybrid", num_generations=G,
+                                     hybrid_route=route))  # fmt: skip
+    opsd = make_trainer(tiny_model_dir, tmp_path / f"{route}_opsd", completions_steps=0)
+    opsd.model.load_state_dict(hybrid.model.state_dict())
+    opsd.model.train()
+    return hybrid, opsd
+
+
+@pytest.mark.parametrize(
+    ("route", "rewards", "advantages"),
+    [
+        ("group", [1.0, 0.0, 0.0, 1.0], [0.7, -0.7, -1.0, 1.0]),  # every group mixed: no row for OPSD
+        ("group", [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]),  # no group with signal: every row for OPSD
+        ("sample", [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]),  # every rollout right: no row for OPSD
+        ("sample", [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]),  # every rollout wrong: every row for OPSD
+        ("sample", [1.0, 0.0, 0.0, 1.0], [0.7, -0.7, -1.0, 1.0]),  # mixed: rows 1 and 2 for OPSD
+    ],
+)
+def test_hybrid_routes_against_the_pure_methods(tiny_model_dir, tmp_path, route, rewards, advantages):
+    """A routed hybrid's loss and gradients: GRPO's (the float64 naive loss of unpadded rows) on the rollouts the
+    route leaves to it, with the advantages of the others 0, plus OPSD's (OPSDTrainer's loss on those rows, over
+    the step's tokens of every row); a route with no eligible row is GRPO's loss exactly, one with every row
+    eligible OPSD's. 1e-6 on the loss, 1e-5 on the gradients."""
+    from opsd.rl.routes import sd_rows
+
+    hybrid, opsd = _routed_hybrid(tiny_model_dir, tmp_path, route)
+    rows = sd_rows(rewards, G, route)
+    routed = [0.0 if sd else a for a, sd in zip(advantages, rows, strict=True)]
+    batch, prompts, completions = _batch(hybrid, routed, teacher=True)
+    batch["sd_rows"] = torch.tensor(rows)
+    loss = hybrid._compute_loss(hybrid.model, batch)
+    loss.backward()
+    ours = _grads(hybrid.model)
+
+    grpo = naive_grpo_loss(hybrid.model, prompts, completions, routed, hybrid.args)
+    grpo.backward()
+    want, picked = float(grpo), [i for i, sd in enumerate(rows) if sd]
+    if picked:
+        sd = opsd.compute_loss(opsd.model, _rows(batch, picked))
+        sd.backward()
+        want += float(sd)
+        for name, grad in _grads(opsd.model).items():
+            for p_name, p in hybrid.model.named_parameters():
+                if p_name == name:
+                    p.grad = grad if p.grad is None else p.grad + grad
+    assert abs(float(loss) - want) <= 1e-6
+    _close(ours, _grads(hybrid.model), 1e-5)
+    if not picked:  # GRPO's loss exactly: the same TRL loss as a hybrid with no OPSD term
+        assert float(loss) == float(trl.GRPOTrainer._compute_loss(hybrid, hybrid.model, batch))
+    if all(rows):
+        assert abs(float(loss) - float(opsd.compute_loss(opsd.model, batch))) <= 1e-6

@@ -1058,11 +1058,12 @@ def test_runner_env_gives_each_slot_its_devices(tmp_path: Path, monkeypatch) -> 
         monkeypatch.setenv(key, value)  # left by a launcher around the experiment
     sp = make_spec()
     slots = schedule.make_slots(["0", "1", "2", "3"], 2, 3)
-    shared = schedule.Runner(tmp_path, sp, slots, schedule.RunSettings(kv_cache_gib=1.5))
+    shared = schedule.Runner(tmp_path, sp, slots, schedule.RunSettings(kv_cache_gib=1.5, cores=24))
     envs = [shared.env(s) for s in slots]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
     assert all(e["OPSD_KV_CACHE_GIB"] == "1.5" for e in envs)
-    assert all(e["OMP_NUM_THREADS"] == "1" for e in envs)  # jobs share the host's cores
+    # 6 jobs of 2 processes share the 24 cores: 2 threads each
+    assert all(e["OMP_NUM_THREADS"] == "2" for e in envs)
     assert envs[0]["MASTER_PORT"].isdigit() and envs[0]["MASTER_PORT"] != "29500"
     assert not any({"RANK", "LOCAL_RANK", "WORLD_SIZE"} & e.keys() for e in envs)
     alone = schedule.Runner(tmp_path, sp, schedule.make_slots(["0"], 1, 1))
@@ -1486,8 +1487,8 @@ def test_report_compute_ledger_with_one_seed_or_no_base(tmp_path: Path) -> None:
 
 def test_bench_rl_preset_arms_differ_by_the_method_alone() -> None:
     """bench/experiment_run.py --preset rl: the study's baseline recipe under each method, on the full profile
-    (the other presets'); the arms differ only by the method's own keys; every preset's flags parse as
-    `python -m opsd.experiment`'s."""
+    (the other presets'), the hybrid once per route (group, sample); the arms differ only by the method's own
+    keys; every preset's flags parse as `python -m opsd.experiment`'s."""
     import experiment_run
 
     a = commands.parse(experiment_run.rl_flags())
@@ -1499,11 +1500,13 @@ def test_bench_rl_preset_arms_differ_by_the_method_alone() -> None:
         "",
     )
     arms = {arm.name: arm.recipe for arm in (parse_arm(text, None) for text in a.arm)}
-    assert list(arms) == ["opsd", "grpo", "hybrid"]
+    assert list(arms) == ["opsd", "grpo", "hybrid_group", "hybrid_sample"]
     assert arms["grpo"] == {
         **{k: v for k, v in arms["opsd"].items() if k != "clip_mode"}, "method": "grpo", "num_generations": "4",
     }  # fmt: skip
-    assert arms["hybrid"] == {**arms["opsd"], "method": "hybrid", "num_generations": "4", "sd_weight": "1.0"}
+    hybrid = {**arms["opsd"], "method": "hybrid", "num_generations": "4", "sd_weight": "1.0"}
+    assert arms["hybrid_group"] == {**hybrid, "hybrid_route": "group"}
+    assert arms["hybrid_sample"] == {**hybrid, "hybrid_route": "sample"}
     assert arms["opsd"]["clip_mode"] == "rescale" and arms["opsd"]["vllm_gpu_memory_utilization"] == "0.12"
     for flags in experiment_run.PRESETS.values():
         commands.parse(flags)

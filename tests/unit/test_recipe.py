@@ -482,3 +482,132 @@ def test_teacher_ref_pairing_is_a_method_key_everywhere(tmp_path):
     # The harness's pass-through flags take operational keys only: the recipe records the method.
     with pytest.raises(RecipeError, match="--teacher_ref_pairing changes the method"):
         flag_overrides(["--teacher_ref_pairing", "empty"])
+
+
+# -- the RL arms' switches: GRPO's settings, the hybrid's route, the budget's unit -------------------------------
+
+# Each new switch at a value away from its default, as a recipe line writes it, and as the config holds it.
+RL_SWITCHES = {
+    "grpo": {
+        "rl_loss_type": ("dr_grpo", "dr_grpo"),
+        "epsilon_high": ("0.28", 0.28),
+        "mask_truncated_completions": ("yes", True),  # recipe.env's booleans: true/false, 1/0, yes/no
+        "scale_rewards": ("none", "none"),
+        "rl_beta": ("0.04", 0.04),
+        "budget_unit": ("rollouts", "rollouts"),
+    },
+    "hybrid": {"hybrid_route": ("group", "group"), "budget_unit": ("rollouts", "rollouts")},
+}
+# A value each refuses, and what the one-line refusal says.
+RL_BAD = {
+    "rl_loss_type": ("cispo", "'cispo'"),
+    "epsilon_high": ("0.1", "epsilon_high=0.1 is out of range: must be 0 or in [0.2, 10]"),
+    "mask_truncated_completions": ("maybe", "mask_truncated_completions"),
+    "scale_rewards": ("std", "'std'"),
+    "rl_beta": ("-1.5", "rl_beta=-1.5 is out of range: must be in [0, 10000]"),
+    "hybrid_route": ("both", "'both'"),
+    "budget_unit": ("tokens", "'tokens'"),
+}
+
+
+def _parsed(tmp_path: Path, source: str, values: dict[str, str]) -> OPSDConfig:
+    """The config `values` (field -> text) give through one source: flags, a YAML file, recipe.env or OPSD_*."""
+    import yaml
+
+    from opsd.configuration.sources import parse_config
+
+    out = ["--output_dir", str(tmp_path / "run"), "--rollout_engine", "transformers"]
+    if source == "cli":
+        return parse_config([*out, *(f"--{k}={v}" for k, v in values.items())], environ={})[0]
+    if source == "yaml":
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({k: yaml.safe_load(v) for k, v in values.items()}))
+        return parse_config(["--config", str(path), *out], environ={})[0]
+    if source == "recipe":
+        recipe = write(tmp_path, "".join(f"{k.upper()}={v}\n" for k, v in values.items()))
+        return parse_config([*out, "--recipe", str(recipe)], environ={})[0]
+    assert source == "env"
+    return parse_config(out, environ={env_name(k): v for k, v in values.items()})[0]
+
+
+SOURCES = ("cli", "yaml", "recipe", "env")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("method", sorted(RL_SWITCHES))
+def test_rl_switches_through_every_source(tmp_path, source, method):
+    """GRPO's settings, the hybrid's route and the budget's unit are method switches (recipe.env, OPSD_*, flags,
+    YAML) with TRL's defaults; each bad value is refused in one line naming the switch."""
+    d = OPSDConfig(output_dir=str(tmp_path), rollout_engine="transformers")
+    assert (d.rl_loss_type, d.epsilon_high, d.mask_truncated_completions, d.scale_rewards, d.rl_beta) == (
+        "dapo", 0.0, False, "group", 0.0,
+    )  # fmt: skip
+    assert (d.hybrid_route, d.budget_unit) == ("mix", "problems")
+    switches = RL_SWITCHES[method]
+    assert set(switches) <= RECIPE_KEYS and not set(switches) & BUDGET_KEYS
+    context = {"method": method, "num_generations": "4"}
+    config = _parsed(tmp_path, source, {**context, **{k: v for k, (v, _) in switches.items()}})
+    assert (config.method, config.num_generations) == (method, 4)
+    for name, (_, value) in switches.items():
+        assert getattr(config, name) == value, (source, name)
+    for name, (bad, needle) in RL_BAD.items():
+        if name not in switches:
+            continue
+        with pytest.raises((InvalidValue, RecipeError)) as info:
+            _parsed(tmp_path, source, {**context, name: bad})
+        message = str(info.value)
+        assert needle in message and "\n" not in message.strip(), (source, name, message)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "needles"),
+    [
+        ("RL_LOSS_TYPE=dr_grpo\n", ["rl_loss_type='dr_grpo' is a GRPO setting", "method=opsd", "method=grpo or hybrid"]),
+        ("EPSILON_HIGH=0.28\n", ["epsilon_high=0.28", "method=opsd has no GRPO term"]),
+        ("MASK_TRUNCATED_COMPLETIONS=true\n", ["mask_truncated_completions=True", "method=opsd"]),
+        ("SCALE_REWARDS=none\n", ["scale_rewards='none'", "method=opsd"]),
+        ("RL_BETA=0.04\n", ["rl_beta=0.04", "method=opsd"]),
+        ("METHOD=grpo\nHYBRID_ROUTE=group\n", ["hybrid_route='group' is read by method=hybrid only", "method=grpo"]),
+        ("HYBRID_ROUTE=sample\n", ["hybrid_route='sample'", "method=hybrid", "method=opsd has none"]),
+        ("METHOD=grpo\nNUM_GENERATIONS=3\nBUDGET_UNIT=rollouts\n",
+         ["budget_unit=rollouts", "per_device_train_batch_size=4 is not a multiple of num_generations=3",
+          "or budget_unit=problems"]),
+    ],
+)  # fmt: skip
+def test_switches_another_method_reads_are_refused_in_one_line(tmp_path, recipe, needles):
+    from opsd.configuration.sources import parse_config
+
+    path = write(tmp_path, recipe)
+    with pytest.raises(InvalidValue) as info:
+        parse_config(["--output_dir", str(tmp_path / "run"), "--recipe", str(path)], environ={})
+    message = str(info.value)
+    assert "\n" not in message and f"(from {path}:" in message, message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_budget_unit_under_opsd_is_the_same_step(tmp_path, caplog):
+    """method=opsd samples one rollout per problem: budget_unit=rollouts is accepted with a note that it changes
+    nothing (and the experiment compares arms without it)."""
+    from opsd.configuration.checks import inert_fields
+
+    with caplog.at_level(logging.WARNING):
+        config = OPSDConfig(output_dir=str(tmp_path), budget_unit="rollouts", rollout_engine="transformers")
+    assert "budget_unit" in inert_fields(config)
+    assert any("budget_unit='rollouts' has no effect" in r.getMessage() for r in caplog.records)
+    assert "budget_unit" not in inert_fields({"method": "grpo", "budget_unit": "rollouts"})
+
+
+@pytest.mark.parametrize("method", ["grpo", "hybrid"])
+@pytest.mark.parametrize(("flag", "value"), [("--min_p", "0.05"), ("--repetition_penalty", "1.1")])
+def test_sampler_settings_the_ratio_does_not_reproduce_are_refused(tmp_path, method, flag, value):
+    """GRPO's ratio scores sampled tokens under temperature, top-k and top-p (opsd.method.sampler); min_p and a
+    repetition penalty would make the engine sample from another distribution: one line naming the setting."""
+    from opsd.configuration.sources import parse_config
+
+    argv = ["--output_dir", str(tmp_path / "run"), "--method", method, "--num_generations", "2", flag, value]
+    with pytest.raises(ValueError) as info:
+        parse_config(argv, environ={})
+    message = str(info.value)
+    assert "\n" not in message and flag.removeprefix("--") in message and "remove" in message, message
+    assert parse_config(["--output_dir", str(tmp_path / "o"), flag, value], environ={})  # OPSD's loss reads neither
