@@ -19,9 +19,9 @@ baseline.
   `token_weight` arms `weight_early`, `weight_late`, `weight_entropy`, `weight_positive`.
 - `rl`: four arms on the study's baseline recipe (`rescale`, as above): `opsd` (the baseline), `grpo` (TRL's
   GRPO, 4 rollouts per problem, no teacher; its clip is TRL's), and the hybrid (GRPO + 1 x OPSD's loss on the same
-  4 rollouts) by its route, `hybrid_group` (HYBRID_ROUTE=group) and `hybrid_sample` (HYBRID_ROUTE=sample). A
-  GRPO step samples 4 x 32 rollouts where OPSD samples 32: compare them per generated token and per GPU-hour as
-  well as per step (the report's compute ledger, docs/experiments.md), and read each arm's take-off (GRPO's
+  4 rollouts) by its route, `hybrid_group` (HYBRID_ROUTE=group) and `hybrid_sample` (HYBRID_ROUTE=sample). The RL
+  arms count the step's 32 in rollouts (BUDGET_UNIT=rollouts: 8 problems x 4), so each arm generates about the
+  tokens OPSD's 32 rollouts do; compare them per generated token and per GPU-hour as well as per step (the report's compute ledger, docs/experiments.md), and read each arm's take-off (GRPO's
   seeds may take off or not: the report shows such an arm's seeds first). The shipped
   configs/recipes/demo_grpo.env and demo_hybrid.env are GRPO and the hybrid for the CPU demo profile.
 
@@ -60,11 +60,13 @@ COMMON = ["--profile", "full", "--model", "embedded", "--dataset", "builtin:easy
 # same learning rate, rollouts and held-out probe problems in every arm; GRPO's clip is TRL's (no CLIP_MODE).
 # The hybrid twice, by how it routes a problem's rollouts between its two terms (HYBRID_ROUTE, read by
 # method=hybrid only; docs/configuration.md): per group and per sample.
+# The RL arms count the step's 32 in rollouts (BUDGET_UNIT=rollouts: 8 problems x 4), so every arm generates about
+# the same tokens per step as OPSD's 32 single rollouts.
 RL = {
     "opsd": "",
-    "grpo": "METHOD=grpo,NUM_GENERATIONS=4",
-    "hybrid_group": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=group",
-    "hybrid_sample": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=sample",
+    "grpo": "METHOD=grpo,NUM_GENERATIONS=4,BUDGET_UNIT=rollouts",
+    "hybrid_group": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=group,BUDGET_UNIT=rollouts",
+    "hybrid_sample": "METHOD=hybrid,NUM_GENERATIONS=4,SD_WEIGHT=1,HYBRID_ROUTE=sample,BUDGET_UNIT=rollouts",
 }
 # The study's arms: one switch each on top of the recipe that learns on the embedded model.
 STUDY = {

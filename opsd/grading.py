@@ -20,7 +20,13 @@ Extraction rules (`extract_boxed`):
 Correctness (`is_correct`): math-verify first (symbolic and numeric equivalence, so ``\dfrac{1}{2}``,
 ``0.5``, ``x = 5`` against ``5``, ``2\sqrt{2}`` against ``\sqrt{8}`` and ``50\%`` against ``50`` all
 match), then a string/number fallback on `normalize_answer` for what math-verify cannot parse or
-times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side.
+times out on. Assignments such as ``x = 5`` therefore count as the value on the right-hand side, and a unit
+word or a degree mark after a number is ignored (``5 cm`` and ``90^\circ`` against ``5`` and ``90``), as MATH's
+grader ignores units. Three differences both would look past are kept (`forms_differ`): assignments to different
+variables (``y = 5`` is not ``x = 5``), two different unit words (``5 cm`` is not ``5 inches``, ``12 hours`` not
+``12 minutes``) and degrees inside an expression against none (``\sin 60`` is not ``\sin 60^\circ``: math-verify
+reads the degree mark as nothing, so ``\sin 60^\circ`` is the sine of 60 radians to it, and
+``\frac{\sqrt{3}}{2}`` does not match it).
 
 Grouping by value (`answer_key`, `answer_keys`): one hashable key per answer, equal where `is_correct` calls
 two answers equal in the usual forms, so a table of answers is grouped in one pass instead of comparing pairs
@@ -223,8 +229,9 @@ def normalize_answer(s: str) -> str:
         s = _ASSIGNMENT.sub("", s)
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
-    if _INTEGER.fullmatch(s):
-        s = str(int(s))
+    if _INTEGER.fullmatch(s):  # leading zeros and `+` dropped as text: int() refuses over 4300 digits
+        digits = s.lstrip("+-").lstrip("0")
+        s = ("-" if s[0] == "-" and digits else "") + (digits or "0")
     m = _SINGLE_CHOICE.match(s)
     if m:
         s = m.group(1)
@@ -270,6 +277,63 @@ def strip_unit(normalized: str) -> str:
     alone (``cm``) or text that merely ends in a unit's letters after a non-digit (``\text{Evelyn}``)."""
     m = _UNIT_SUFFIX.match(normalized)
     return m.group(1) if m and _as_number(m.group(1)) is not None else normalized
+
+
+_ALIAS = {
+    "centimeters": "cm", "centimeter": "cm", "kilometers": "km", "meters": "m", "meter": "m",
+    "inches": "in", "inch": "in", "feet": "ft", "foot": "ft", "yards": "yard", "miles": "mile",
+    "units": "unit", "degrees": "degree", "dollars": "dollar", "cents": "cent", "seconds": "second",
+    "minutes": "minute", "hours": "hour", "days": "day", "grams": "gram", "pounds": "pound",
+}  # fmt: skip
+_UNIT_POWER = re.compile(r"^(square|sq|cubic)?(.+?)(?:\^\{?([23])\}?)?$")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+
+
+def answer_unit(answer: str) -> tuple[str, int] | None:
+    r"""The unit an answer names after a number, as (word, power): ``5\text{ cm}``, ``5 centimeters`` ->
+    ``("cm", 1)``, ``12 square units`` and ``12 units^2`` -> ``("unit", 2)``; None without a unit (``5``,
+    ``90^\circ``, ``\$18.90``: degree and dollar marks are not unit words). The number may be any expression
+    without a letter of its own (``5\sqrt{2}\text{ cm}``), so ``x+5in`` names no unit."""
+    m = _UNIT_SUFFIX.match(normalize_answer(answer))
+    if m is None or re.search(r"[A-Za-z]", _COMMAND.sub("", m.group(1))):
+        return None
+    prefix, word, suffix = _UNIT_POWER.match(m.group(2)).groups()
+    power = 3 if prefix == "cubic" else 2 if prefix else int(suffix or 1)
+    return _ALIAS.get(word, word), power
+
+
+_DEGREE_MARK = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\u00b0|\\degree(?![A-Za-z])")
+_BLANK = re.compile(r"\s+|\$|\\left|\\right|\\[,;:! ]|\{\}")
+# A degree mark that closes a number standing alone: the answer, an item of a list or tuple, a right-hand side.
+_LONE_ANGLE = re.compile(r"(?<=[,;=])([(\[{]?[+-]?\d+(?:\.\d+)?)\u00b0(?=[)\]}]?[,;])")
+
+
+def degrees_in_expression(answer: str) -> bool:
+    r"""Whether an answer has an angle in degrees inside an expression (``\sin 60^\circ``, ``\cos(30^\circ)``),
+    not only as the unit of a number standing alone (``60^\circ``, ``30^\circ, 150^\circ``, ``x = 60^\circ``)."""
+    s = "," + _DEGREE_MARK.sub("\u00b0", _BLANK.sub("", answer)) + ","
+    return "\u00b0" in _LONE_ANGLE.sub(r"\1", s)
+
+
+def _assigned_variable(answer: str) -> str | None:
+    """The variable of a one-variable assignment (``x = 5``, ``x_{1}=5``), braces dropped; else None."""
+    s = re.sub(r"\s+|\$", "", answer)
+    m = _ASSIGNMENT.match(s) if s.count("=") == 1 else None
+    return None if m is None else m.group(0)[:-1].replace("{", "").replace("}", "")
+
+
+def forms_differ(predicted: str, gold: str) -> bool:
+    r"""Whether two answers differ in what the value comparison ignores: an angle in degrees inside an expression
+    on one side only (``\sin 60`` against ``\sin 60^\circ``: radians against degrees), assignments to different
+    variables (``y = 5`` against ``x = 5``), or two different unit words (``5 cm`` against ``5 inches``). A bare
+    number against an assignment or a number with a unit is not told apart (``5`` against ``x = 5``, ``5 cm``)."""
+    if degrees_in_expression(predicted) != degrees_in_expression(gold):
+        return True
+    variables = (_assigned_variable(predicted), _assigned_variable(gold))
+    if None not in variables and variables[0] != variables[1]:
+        return True
+    units = (answer_unit(predicted), answer_unit(gold))
+    return None not in units and units[0] != units[1]
 
 
 def fallback_equal(predicted: str, gold: str) -> bool:
@@ -371,8 +435,10 @@ def grader_for(predicted: str | None) -> str:
 def is_correct(predicted: str | None, gold: str, timeout_s: float = 5.0) -> bool:
     """Whether a predicted answer matches the gold answer (math-verify, then the normalised fallback).
 
-    An answer over `MAX_VERIFY_CHARS` characters goes to the string fallback only (see the module notes)."""
-    if predicted is None or not predicted.strip():
+    An answer over `MAX_VERIFY_CHARS` characters goes to the string fallback only (see the module notes). Answers
+    whose forms differ where both graders look past them (`forms_differ`: degrees inside an expression, the
+    variable of an assignment, unit words) are not equal."""
+    if predicted is None or not predicted.strip() or forms_differ(predicted, gold):
         return False
     if grader_for(predicted) == GRADER_VERIFY and math_verify_equal(predicted, gold, timeout_s):
         return True
@@ -400,8 +466,9 @@ def answer_key(answer: Any) -> tuple | None:
     forms; None for an empty answer. Keying each answer once groups a table by value without comparing pairs.
 
     1. The grader's fallback: `normalize_answer`, then the exact value of a plain number, ``a/b`` or
-       ``\frac{a}{b}`` (``("value", Fraction)``): ``3.5``/``3.50``/``7/2``, ``0.5``/``\frac{1}{2}`` and
-       ``1000``/``1,000`` share a key, as `fallback_equal` says. Microseconds per answer.
+       ``\frac{a}{b}``, a unit word after it dropped (``("value", Fraction)``): ``3.5``/``3.50``/``7/2``,
+       ``0.5``/``\frac{1}{2}``, ``1000``/``1,000`` and ``5 cm``/``5`` share a key, as `fallback_equal` says.
+       Microseconds per answer.
     2. Any other answer (up to `MAX_KEY_PARSE_CHARS` characters) is parsed by math-verify, the grader's parser,
        without a timeout (so the key is the same on every process and every run): a number is evaluated to 30
        digits, unless a power tower or a huge exponent makes that unsafe, and keyed by its exact value when it is
@@ -409,6 +476,11 @@ def answer_key(answer: Any) -> tuple | None:
        anything else (an expression, a set, an interval) by sympy's printing of the parse (``x+1`` and ``1+x``).
        A few milliseconds per answer (math-verify's LaTeX parser).
     3. What math-verify cannot parse keeps its normalised text (``("text", ...)``).
+
+    A key is the value alone, as the grader sees it against a bare number: ``x = 5``, ``y = 5``, ``5 cm`` and
+    ``5 inches`` all key as ``5``, though the grader tells ``x = 5`` from ``y = 5`` and ``5 cm`` from ``5 inches``
+    (`forms_differ`; no key can do both, since ``5`` matches each of them). An angle in degrees inside an
+    expression is marked (``\sin 60^\circ`` keys apart from ``\sin 60``), as the grader tells those apart.
     """
     first = _plain_key(answer)
     return _parsed_key(first[1]) if first[0] == _NEEDS_PARSE else first[1]
@@ -442,7 +514,9 @@ def _plain_key(answer: Any) -> tuple[str, Any]:
     text = "" if answer is None else str(answer).strip()
     if not text:
         return ("key", None)
-    value = exact_value(text)
+    normalized = normalize_answer(text)
+    value = _as_number(normalized)
+    value = _as_number(strip_unit(normalized)) if value is None else value
     if value is not None:
         return ("key", ("value", value))
     if len(text) > MAX_KEY_PARSE_CHARS:
@@ -472,11 +546,12 @@ def _parsed_key(text: str) -> tuple:
     if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol):  # `x = ...` is its right-hand side
         expr = expr.rhs
     try:
+        key = None
         if expr.is_number and _safe_to_evaluate(expr, sympy):
-            number = _numeric_key(expr, sympy)
-            if number is not None:
-                return number
-        return ("expr", str(expr))
+            key = _numeric_key(expr, sympy)
+        key = key or ("expr", str(expr))
+        # math-verify reads `\sin 60^\circ` as `\sin 60`; the grader tells them apart (`forms_differ`).
+        return ("degrees", *key) if degrees_in_expression(text) else key
     except (
         Exception
     ):  # e.g. an integer too long to print (\binom{10^6}{5 \cdot 10^5} is computed by the parse)

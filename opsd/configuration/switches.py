@@ -424,7 +424,8 @@ class Switches:
         "(method=hybrid: up to contrast_hints incorrect sibling rollouts, the hint a correct sibling or the "
         "reference). One more teacher forward per wrong hint.",
     )
-    # alpha: (1 + alpha) log p_T(c) stays far inside float32 even at log p = -1e4 (the tail bucket is >= -16.2).
+    # alpha: (1 + alpha) log p_T(c) stays far inside float32 even at log p = -1e4 (the exact tail bucket is >= about
+    # -104, the log of float32's smallest positive value).
     contrast_weight: float = switch(
         0.5,
         role=METHOD,

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opsd.grading import normalize_answer
+from opsd.grading import answer_keys, normalize_answer
 
 logger = logging.getLogger(__name__)
 
@@ -108,37 +108,40 @@ def _field(sample: Mapping[str, Any], key: str) -> Any:
 
 
 def majority_answer(samples: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[int]]:
-    """The most frequent answer (by `normalize_answer`) and the indices of its samples.
+    """The most frequent answer by value and the indices of its samples; the answer is shown as the normalised
+    text of its first sample (`normalize_answer`).
 
-    Samples without an answer (None or blank) do not vote; ties go to the answer seen first.
-    Returns (None, []) when no sample has an answer.
+    Answers vote by value (`opsd.grading.answer_keys`: ``\\frac12``, ``0.5`` and ``1/2`` are one answer), so three
+    spellings of one value beat two identical copies of another. Samples without an answer (None or blank) do
+    not vote; ties go to the answer seen first (the value whose first sample comes first). Returns (None, [])
+    when no sample has an answer.
     """
-    groups: dict[str, list[int]] = {}  # insertion order = first occurrence, which breaks ties
-    for i, sample in enumerate(samples):
-        extracted = _field(sample, "extracted")
-        if extracted is None:
-            continue
-        key = normalize_answer(str(extracted))
-        if key:
+    answers = [_field(sample, "extracted") for sample in samples]
+    groups: dict[Any, list[int]] = {}  # insertion order = first occurrence, which breaks ties
+    for i, key in enumerate(answer_keys(answers)):
+        if key is not None and normalize_answer(str(answers[i])):
             groups.setdefault(key, []).append(i)
     if not groups:
         return None, []
     best = max(groups, key=lambda a: len(groups[a]))  # max keeps the first of equal counts
-    return best, groups[best]
+    members = groups[best]
+    return normalize_answer(str(answers[members[0]])), members
 
 
 def majority_correct(samples: Sequence[Mapping[str, Any]]) -> bool:
     """maj@k: whether the majority answer is correct; False when no sample has an answer.
 
-    The verdict is that of the answer's first sample. Samples in one group normally agree, since they
-    share a normalised answer; a disagreement is logged, as it points at the grader.
+    The verdict is that of the answer's first sample. Samples in one group normally agree, since they share a
+    value; a disagreement is logged, as it points at the grader, or at answers whose value agrees but whose
+    form the grader tells apart (`opsd.grading.forms_differ`: ``x = 5`` and ``y = 5``, ``5 cm`` and
+    ``5 inches``).
     """
     answer, members = majority_answer(samples)
     if answer is None:
         return False
     verdicts = {bool(_field(samples[i], "correct")) for i in members}
     if len(verdicts) > 1:
-        logger.warning("samples with the same normalised answer %r were graded differently", answer)
+        logger.warning("samples with the same answer value %r were graded differently", answer)
     return bool(_field(samples[members[0]], "correct"))
 
 

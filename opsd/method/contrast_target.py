@@ -7,7 +7,9 @@ probabilities; p_S the student. All at the loss temperature.
 
 **The target (`teacher_contrast`, the OPSD plug-in).** On the buckets B = the k tokens p_c ranks highest
 (`contrast_top_k`) plus one tail bucket holding the rest of the vocabulary (each distribution's own tail,
-1 - its mass on those k tokens; nothing renormalised),
+1 - its mass on those k tokens; nothing renormalised; summed over the other tokens, `tail_log_mass`, not taken
+as RLCSD's code takes it, log(1 - exp(logsumexp(top-k))) with the mass capped at 1 - 1e-7, which float32 rounding
+spoils once the mass passes 1 - 1e-6),
 
     q ∝ p_c^(1 + α) / max(p_w, e^floor)^α          α = `contrast_weight`, floor = `contrast_log_floor`,
 
@@ -35,18 +37,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# RLCSD clamps each distribution's top-k mass below 1 - 1e-7 so that its tail stays finite (log 1e-7 ≈ -16.1).
-MASS_CAP = -1e-7
 # The shipped configs' residual clip of the modulation (±2.0); with λ <= 2 it never binds.
 RESIDUAL_CLIP = 2.0
 
 
+def tail_log_mass(logp_NV: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
+    """(N, 1) log of the mass outside the tokens `idx_NK`: a logsumexp over every other token's log-probability, as
+    precise at a top-k mass of 1 - 1e-9 as at 0.5. (log(1 - top-k mass), RLCSD's form, cancels: in float32 its
+    tail is off by up to ~50% once the mass passes 1 - 1e-6.) One (N, V) copy, reused for the sum."""
+    rest_NV = logp_NV.scatter(-1, idx_NK, -math.inf)
+    max_N1 = rest_NV.amax(-1, keepdim=True).clamp(min=torch.finfo(rest_NV.dtype).min)
+    return rest_NV.sub_(max_N1).exp_().sum(-1, keepdim=True).log_().add_(max_N1)
+
+
 def buckets(logp_NV: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
-    """(N, k+1) log-probabilities of the k tokens `idx_NK` (full-vocabulary normalised) and of the tail: log(1 -
-    their mass)."""
-    top_NK = logp_NV.gather(-1, idx_NK)
-    mass_N1 = top_NK.logsumexp(-1, keepdim=True).clamp(max=MASS_CAP)
-    return torch.cat([top_NK, torch.log(-torch.expm1(mass_N1))], -1)
+    """(N, k+1) log-probabilities of the k tokens `idx_NK` (full-vocabulary normalised) and of the tail, the rest of
+    the vocabulary (`tail_log_mass`)."""
+    return torch.cat([logp_NV.gather(-1, idx_NK), tail_log_mass(logp_NV, idx_NK)], -1)
 
 
 def mean_hint_buckets(logp_JNV: torch.Tensor, valid_JN: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
@@ -76,9 +83,10 @@ def bucket_gradient(a_NB: torch.Tensor, logp_NV: torch.Tensor, idx_NK: torch.Ten
     """dL/dx (N, V) for a loss of the student's buckets b = buckets(log_softmax(x), idx), given a = dL/db.
 
     For a top-k token u: a_u - p_u Σa. For any other u, through the tail log(1 - Σ_top p):
-    a_tail p_u / P_tail - p_u Σa. `tail_N` is the student's tail bucket (log P_tail)."""
+    a_tail p_u / P_tail - p_u Σa. `tail_N` is the student's tail bucket (log P_tail); p_u / P_tail <= 1 for every
+    tail token, taken in log space (P_tail may be far below float32's smallest normal)."""
     p_NV = logp_NV.exp()
-    grad_NV = p_NV * (a_NB[:, -1] * torch.exp(-tail_N))[:, None]
+    grad_NV = (logp_NV - tail_N[:, None]).clamp_(max=0.0).exp_().mul_(a_NB[:, -1:])
     grad_NV.scatter_(-1, idx_NK, a_NB[:, :-1])
     return grad_NV.sub_(p_NV * a_NB.sum(-1, keepdim=True))
 

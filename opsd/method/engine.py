@@ -254,3 +254,17 @@ def engine_arguments(model) -> dict:
 
     dtype = str(weights_dtype(model)).removeprefix("torch.")
     return {"dtype": dtype, **cpu_mla_backend(model.config.get_text_config())}
+
+
+def prefill_groups(lengths: list[int], budget: int, max_seqs: int) -> list[slice]:
+    """Consecutive groups of prompts (by their token `lengths`) that prefill together in one scheduler step: at
+    most `budget` prompt tokens and `max_seqs` prompts each (a prompt longer than the budget alone)."""
+    groups, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (tokens + n > budget or i - start >= max_seqs):
+            groups.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if lengths:
+        groups.append(slice(start, len(lengths)))
+    return groups

@@ -41,6 +41,7 @@ from opsd.method.engine import (
     RolloutSeeds,
     engine_arguments,
     first_rollout_row,
+    prefill_groups,
     row_seed,
     sync_colocated_engine,
 )
@@ -50,7 +51,12 @@ logger = logging.getLogger(__name__)
 
 class SeededLLM(vllm.LLM):
     """A `vllm.LLM` whose `generate` gives every prompt its own seed (`seeds_for(n)`: one seed per prompt; None:
-    vLLM's own, one `SamplingParams` for the call, as a reference measurement samples)."""
+    vLLM's own, one `SamplingParams` for the call, as a reference measurement samples).
+
+    On vLLM's CPU backend a seeded request whose prefill is split over scheduler steps makes the engine rewind its
+    generator, which the CPU generator cannot do ("CPU Generator does not use offset"): a call whose prompts do not
+    prefill together in one step (`max_num_batched_tokens`, 4096 as TRL starts it) runs as consecutive calls of
+    prompts that do (`prefill_groups`), each row with its own seed as before."""
 
     def __init__(self, *args, seeds_for, **kwargs):
         self.seeds_for = seeds_for
@@ -63,7 +69,25 @@ class SeededLLM(vllm.LLM):
             and not isinstance(sampling_params, list | tuple)
         ):
             sampling_params = per_row_params(sampling_params, self.seeds_for(len(prompts)))
-        return super().generate(prompts, sampling_params=sampling_params, **kwargs)
+        groups = self._prefill_groups(prompts)
+        if len(groups) <= 1:
+            return super().generate(prompts, sampling_params=sampling_params, **kwargs)
+        per_row = isinstance(sampling_params, list | tuple)
+        out = []
+        for rows in groups:
+            params = sampling_params[rows] if per_row else sampling_params
+            out += super().generate(prompts[rows], sampling_params=params, **kwargs)
+        return out
+
+    def _prefill_groups(self, prompts) -> list[slice]:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not isinstance(prompts, list):
+            return [slice(0, None)]
+        sched = self.llm_engine.vllm_config.scheduler_config
+        lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else 0
+                   for p in prompts]  # fmt: skip
+        return prefill_groups(lengths, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
 
 
 def per_row_params(sampling_params, seeds: list[int]) -> list:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from opsd.evaluation.samples import sample_seed
+from opsd.grading import answer_key
 from tests.conftest import (
     BOXER_PROBLEMS,
     EVAL_SCRIPT,
@@ -121,15 +122,17 @@ def test_vllm_lora_end_to_end_matches_hand_recomputation(boxer, problems_file, t
     def rate(values):  # percent over problems, and its SE over problems
         return 100 * statistics.mean(values), 100 * statistics.stdev(values) / math.sqrt(len(values))
 
-    def majority_right(rows):
+    def majority_right(rows):  # answers vote by value (answer_key), as maj@n does
         votes = Counter(
-            r["extracted"] for r in sorted(rows, key=lambda r: r["idx"]) if r["extracted"] is not None
+            answer_key(r["extracted"])
+            for r in sorted(rows, key=lambda r: r["idx"])
+            if r["extracted"] is not None
         )
         if not votes:
             return False
         top = max(votes.values())
         answer = next(a for a in votes if votes[a] == top)  # Counter keeps first-seen order for ties
-        return answer == gold[rows[0]["id"]]
+        return answer == answer_key(gold[rows[0]["id"]])
 
     groups = list(by_id.values())
     expected = {

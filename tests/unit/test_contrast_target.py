@@ -5,6 +5,8 @@ hint mask and chunking; the target's fixed point by gradient descent; hand-compu
 
 Which property each oracle pins (broken on purpose while writing them, each made the named test fail):
 - the tail bucket left out or renormalised away -> test_target_loss_and_gradient_match_a_float64_oracle;
+- the tail as log(1 - top-k mass) (RLCSD's form, which rounding spoils near a mass of 1) ->
+  test_the_tail_bucket_is_exact_when_the_top_k_holds_nearly_all_the_mass;
 - hints averaged in log space instead of as probabilities -> the same, in its two-hint cases;
 - the floor applied to p_c, or not at all -> test_the_floor_holds_the_wrong_hint_below;
 - the KL weight from the floored p_w, or left out -> test_target_loss_and_gradient_match_a_float64_oracle;
@@ -193,6 +195,72 @@ def test_the_diagnostics_match_their_definitions():
                       ("eos_student", eos_s), ("contrast_weight", weight)):  # fmt: skip
         assert float(sums[key]) == pytest.approx(want, rel=1e-5, abs=1e-6), key
     assert 0 < differs < n and 0 < eos_q  # both cases of each diagnostic occur
+
+
+def test_the_tail_bucket_is_exact_when_the_top_k_holds_nearly_all_the_mass():
+    """At a teacher's top-k mass of 1 - 1e-7 the tail is 1e-7: in float32, log(1 - top-k mass) has lost it to rounding
+    (off by up to ~50%), the logsumexp over the other tokens keeps it to ~1e-6. The student's, the wrong hints' and
+    q's tails against the float64 oracle, in the loss's float32."""
+    V, k = 11, 4
+    g = torch.Generator().manual_seed(6)
+    order = torch.randperm(V, generator=g)
+
+    def confident(tail_mass, top=(0.6, 0.25, 0.1, 0.05)):
+        rest = torch.rand(V - k, generator=g, dtype=torch.float64) + 0.5
+        p = torch.cat(
+            [torch.tensor(top, dtype=torch.float64) * (1 - tail_mass), rest / rest.sum() * tail_mass]
+        )
+        return p.log()[order].float()
+
+    x_t, x_s = confident(1e-7), confident(3e-7, top=(0.4, 0.3, 0.2, 0.1))
+    x_w = torch.stack([confident(2e-7, top=(0.1, 0.2, 0.3, 0.4)), confident(5e-7)])[:, None]
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    sup = contrast_target.contrast_support(x_s[None], x_t[None], x_w, valid, alpha=0.5, top_k=k, floor=-30.0,
+                                           kl_tau=1.0)  # fmt: skip
+    p_c = F.softmax(x_t.double(), -1)
+    idx = torch.topk(p_c, k).indices
+    assert torch.equal(sup.idx_NK[0], idx)
+    assert 1 - float(p_c[idx].sum()) == pytest.approx(1e-7, rel=1e-4)  # the mass of the case, in float64
+    q, b_c, b_w = naive_target(p_c, [F.softmax(x_w[j, 0].double(), -1) for j in range(2)], idx, 0.5, -30.0)
+    s = naive_buckets(F.softmax(x_s.double(), -1), idx)
+    tight = dict(rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(sup.b_c_tail_N[0].double().exp(), b_c[-1], **tight)
+    torch.testing.assert_close(sup.logp_s_NB[0].double().exp(), s, **tight)
+    torch.testing.assert_close(sup.log_q_NB[0].double().exp(), q, **tight)
+    b_w_got = contrast_target.mean_hint_buckets(F.log_softmax(x_w, -1), valid, sup.idx_NK)
+    torch.testing.assert_close(b_w_got[0].double().exp(), b_w, **tight)
+
+
+def test_the_gradient_is_finite_when_the_students_tail_is_below_float32s_range():
+    """The student's exact tail may be e^-149, whose inverse overflows float32: the tail tokens' gradient p_u / P_tail
+    is taken in log space. Against autograd in float64 through log-space buckets."""
+    from opsd.method.loss import token_divergence_with_grad
+
+    x = torch.tensor([[3.0, 2.0, -150.0, -151.0, -152.0, -150.5]])
+    t = torch.tensor([[1.0, 0.5, -2.0, -3.0, -1.0, -4.0]])
+    w = torch.tensor([[[0.0, 1.0, -1.0, -2.0, 0.5, -3.0]]])
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    cfg = settings(alpha=0.5, top_k=2, floor=-30.0, kl_tau=0.0, clip_mode="none")
+    loss, _, grad = token_divergence_with_grad(x, t, settings=cfg, target_ids_N=None, need_grad=True,
+                                               contrast=(w, valid, None))  # fmt: skip
+    assert torch.isfinite(grad).all() and torch.isfinite(loss).all()
+
+    def log_buckets(logp):
+        idx = torch.tensor([0, 1])
+        rest = logp.clone()
+        rest[idx] = -math.inf
+        return torch.cat([logp[idx], rest.logsumexp(-1, keepdim=True)])
+
+    x64 = x[0].double().requires_grad_()
+    b_s = log_buckets(F.log_softmax(x64, -1))
+    b_c, b_w = log_buckets(F.log_softmax(t[0].double(), -1)), log_buckets(F.log_softmax(w[0, 0].double(), -1))
+    g = 1.5 * b_c - 0.5 * b_w
+    log_q = g - g.logsumexp(-1)
+    want = (log_q.exp() * (log_q - b_s)).sum()
+    (want_grad,) = torch.autograd.grad(want, x64)
+    assert float(b_s[-1]) < -140  # the case: a tail far below float32's smallest normal (e^-87)
+    torch.testing.assert_close(loss[0].double(), want.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad[0].double(), want_grad, rtol=1e-4, atol=1e-7)
 
 
 def test_the_floor_holds_the_wrong_hint_below():

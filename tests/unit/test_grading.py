@@ -185,6 +185,14 @@ def test_fallback_equal(pred: str, gold: str, equal: bool) -> None:
     assert fallback_equal(pred, gold) is equal
 
 
+def test_an_integer_of_thousands_of_digits_is_graded_not_raised() -> None:
+    """Python's int() refuses a string of over 4300 digits; the normalisation strips leading zeros as text."""
+    huge = "1" + "0" * 5000
+    assert normalize_answer("00" + huge) == huge and normalize_answer("-0" + huge) == "-" + huge
+    assert is_correct(huge, huge) and not is_correct(huge, "5")
+    assert grading.answer_key("+" + huge) == grading.answer_key(huge) != grading.answer_key("5")
+
+
 def test_none_and_blank_predictions_are_wrong() -> None:
     assert is_correct(None, "5") is False
     assert is_correct("   ", "5") is False
@@ -489,6 +497,10 @@ KEY_PAIRS = [
     ("\\infty", "-\\infty", False),
     ("x+1", "x+2", False),
     ("\\binom{10}{3}", "120", True),
+    ("\\sin 60", "\\sin 60^\\circ", False),  # radians against degrees (forms_differ)
+    ("\\sin(60^\\circ)", "\\sin 60^{\\circ}", True),
+    ("5 \\text{ cm}", "5 centimeters", True),
+    ("5 inches", "5 in", True),
 ]
 
 
@@ -623,3 +635,76 @@ def test_benchmark_answer_styles_graded_by_hand(style: str, predicted: str, gold
 )  # fmt: skip
 def test_strip_unit_drops_a_unit_word_after_a_number_only(answer: str, stripped: str) -> None:
     assert grading.strip_unit(answer) == stripped
+
+
+# (predicted, gold, correct): the forms both graders looked past (`grading.forms_differ`), graded by hand. Angles in
+# degrees inside an expression, the variable of an assignment and unit words on both sides count; a bare number
+# against an assignment, a unit or a lone degree mark does not (MATH's grader ignores units).
+NEAR_MISS_CASES = [
+    # degrees inside an expression are not radians
+    (r"\sin 60", r"\sin 60^\circ", False),
+    (r"\sin 60^\circ", r"\sin 60", False),
+    (r"\cos(30^{\circ})", r"\cos 30", False),
+    (r"\sin(60^\circ)", r"\sin 60^\circ", True),
+    (r"\sin 60^\circ", r"\sin(2 \cdot 30^\circ)", True),
+    # math-verify's call, pinned as it stands: it reads `60^\circ` as 60, so the gold is the sine of 60 radians
+    (r"\frac{\sqrt{3}}{2}", r"\sin 60^\circ", False),
+    (r"\frac{\sqrt3}{2}", r"\sin 60^\circ", False),
+    # a degree mark on a number standing alone is a unit, ignored
+    ("60", r"60^\circ", True),
+    (r"60^\circ", "60", True),
+    (r"30^\circ, 150^\circ", "30, 150", True),
+    (r"x = 60^\circ", "60", True),
+    ("60 degrees", r"60^\circ", True),
+    # assignments to different variables differ; to one variable, or against a bare value, they do not
+    ("y = 5", "x = 5", False),
+    ("y=5", "x=5", False),
+    ("c = 2b+1", "a = 2b+1", False),
+    ("x = 5", "x=5", True),
+    ("x_1 = 5", "x_{1}=5", True),
+    ("5", "x = 5", True),
+    ("x = 5", "5", True),
+    ("y = 5", "5", True),
+    # two different unit words differ; one unit word against none, or two spellings of one unit, do not
+    ("5 cm", "5 inches", False),
+    (r"5\text{ cm}", r"5\text{ inches}", False),
+    ("12 hours", "12 minutes", False),
+    (r"12\text{ hours}", r"12 \text{ minutes}", False),
+    ("50 cents", "50 dollars", False),
+    ("5 cm^2", "5 cm", False),
+    (r"5\sqrt{2}\text{ cm}", r"5\sqrt{2}\text{ inches}", False),
+    ("5 cm", "5", True),
+    ("5", r"5\text{ cm}", True),
+    (r"5\sqrt{2}\text{ cm}", r"5\sqrt{2}", True),
+    (r"5\text{ cm}", "5 centimeters", True),
+    ("5 inches", "5 in", True),
+    ("12 square units", r"12\text{ units}^2", True),
+    (r"\$18.90", "18.90 dollars", True),
+]
+
+
+@pytest.mark.parametrize(("predicted", "gold", "correct"), NEAR_MISS_CASES)
+def test_near_misses_graded_by_hand(predicted: str, gold: str, correct: bool) -> None:
+    assert is_correct(predicted, gold) is correct
+    boxed = grading.grade(f"So the answer is $\\boxed{{{predicted}}}$.", gold)
+    assert boxed["extracted"] == predicted and boxed["correct"] is correct
+
+
+def test_forms_that_differ_share_a_key_when_their_values_agree() -> None:
+    """A key is the value alone, as against a bare gold number (`answer_key`): ``x = 5`` and ``y = 5`` both match
+    ``5``, so they cannot key apart, though the grader tells them apart; likewise for unit words."""
+    assert grading.answer_key("x = 5") == grading.answer_key("y = 5") == grading.answer_key("5")
+    assert grading.answer_key("5 cm") == grading.answer_key("5 inches") == grading.answer_key("5")
+    assert not is_correct("y = 5", "x = 5") and not is_correct("5 inches", "5 cm")
+
+
+@pytest.mark.parametrize(
+    ("answer", "unit"),
+    [
+        ("5 cm", ("cm", 1)), (r"5\text{ centimeters}", ("cm", 1)), ("12 square units", ("unit", 2)),
+        (r"12\text{ units}^2", ("unit", 2)), ("3 cubic feet", ("ft", 3)), ("5", None), (r"90^\circ", None),
+        (r"\$18.90", None), ("x+5 in", None), (r"\text{Evelyn}", None),
+    ],
+)  # fmt: skip
+def test_answer_unit(answer: str, unit: tuple | None) -> None:
+    assert grading.answer_unit(answer) == unit

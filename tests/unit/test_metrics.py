@@ -97,6 +97,29 @@ def test_majority_groups_by_normalized_answer() -> None:
     assert majority_correct(samples) is True
 
 
+def test_majority_votes_by_value_not_by_text() -> None:
+    # Three spellings of 1/2 are one answer (3 votes) and beat two identical copies of a wrong 7 (2 votes).
+    samples = [
+        sample(False, "7"),
+        sample(False, "7"),
+        sample(True, r"\frac12"),
+        sample(True, "0.5"),
+        sample(True, "1/2"),
+    ]
+    assert majority_answer(samples) == (r"\frac{1}{2}", [2, 3, 4])
+    assert majority_correct(samples) is True
+
+
+def test_majority_tie_between_values_goes_to_first_occurrence() -> None:
+    # Two votes each, by value: the value whose first sample comes first wins, as for identical texts.
+    samples = [sample(True, "1/2"), sample(False, "7"), sample(False, "7"), sample(True, "0.5")]
+    assert majority_answer(samples) == ("1/2", [0, 3])
+    assert majority_correct(samples) is True
+    samples = [sample(False, "7"), sample(True, "0.5"), sample(True, r"\dfrac{1}{2}"), sample(False, "07")]
+    assert majority_answer(samples) == ("7", [0, 3])
+    assert majority_correct(samples) is False
+
+
 def test_majority_ignores_missing_answers() -> None:
     # Three samples without an answer do not outvote the single answered one.
     samples = [sample(False, None), sample(False, None), sample(False, ""), sample(True, "3")]
