@@ -610,4 +610,6 @@ def test_sampler_settings_the_ratio_does_not_reproduce_are_refused(tmp_path, met
         parse_config(argv, environ={})
     message = str(info.value)
     assert "\n" not in message and flag.removeprefix("--") in message and "remove" in message, message
-    assert parse_config(["--output_dir", str(tmp_path / "o"), flag, value], environ={})  # OPSD's loss reads neither
+    assert parse_config(
+        ["--output_dir", str(tmp_path / "o"), flag, value], environ={}
+    )  # OPSD's loss reads neither
