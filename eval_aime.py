@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     except errors.UserError as e:  # training's and evaluation's mistakes alike
         if debug:
             traceback.print_exception(e)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {errors.short_message(e)}", file=sys.stderr)
         return 2
     except RunFailed as e:  # EngineDied (the vLLM engine raised) exits with 2, other failures with 1
-        print(f"failed: {e}", file=sys.stderr)
+        print(f"failed: {errors.short_message(e)}", file=sys.stderr)
         return e.exit_code
     if lines:
         print("\n".join(lines))
@@ -82,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    errors.exit_now(main())
+    errors.exit_now(errors.printing(main))  # a closed stdout (`| head -1`) is a normal end

@@ -291,11 +291,8 @@ class OPSDTrainer(SDFTTrainer):
         return prompt_ids, completion_ids
 
     def _loss_mask(self, completion_ids, completion_mask):
-        a: OPSDConfig = self.args
-        pad = None if a.fix_position_ids else self.processing_class.pad_token_id
-        return loss_token_mask(
-            completion_ids, completion_mask, skip=a.num_loss_tokens_to_skip, pad_token_id=pad
-        )
+        """Every sampled token in the loss, the stop token included whatever the pad id and the layout."""
+        return loss_token_mask(completion_ids, completion_mask, skip=self.args.num_loss_tokens_to_skip)
 
     # -- 2. the loss of a micro-batch --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

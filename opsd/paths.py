@@ -34,10 +34,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.errors import InvalidValue, MissingPath
+from opsd.errors import SHOWN_CHARS, InvalidValue, MissingPath, cut, shown  # noqa: F401 (shown: paths quoted)
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-SHOWN_PATH_CHARS = 200
+SHOWN_PATH_CHARS = SHOWN_CHARS  # a path in a message is cut as every echoed value is (opsd.errors.shown)
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,20 @@ DATA_FILE = FileKind(
 )  # fmt: skip
 
 
-def shown(path: str | Path) -> str:
-    """A path quoted for a message, cut so that a 4,000-character path cannot flood the terminal."""
-    text = str(path)
-    return repr(text if len(text) <= SHOWN_PATH_CHARS else text[:SHOWN_PATH_CHARS] + "...")
+def parse_json(text: str | bytes) -> object:
+    """`json.loads`, with each way a damaged file fails it as a ValueError: not JSON (JSONDecodeError), a
+    number of thousands of digits (ValueError), arrays nested past the parser's depth (RecursionError)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def json_error(err: ValueError) -> str:
+    """Why `parse_json` failed, in a few words."""
+    return getattr(err, "msg", None) or cut(str(err), 120)
 
 
 def size_text(n: int) -> str:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 from opsd.configuration.switches import (
     AUTO,
     CHOICES,
+    MAX_BATCH_ROWS,
     OFF_AT_ZERO,
     PROBABILITY_OPEN_LOW,
     RANGES,
@@ -339,6 +340,24 @@ def _check_budget_unit(config) -> None:
     )
 
 
+def _check_generation_rows(config) -> None:
+    """The rows one process generates and holds at once (`MAX_BATCH_ROWS`): a step's micro-batches, times
+    steps_per_rollout, each problem G times (budget_unit=problems; with rollouts the batch counts them)."""
+    G = config.num_generations if config.budget_unit == "problems" else 1
+    batch, accumulation, k = (
+        config.per_device_train_batch_size,
+        config.gradient_accumulation_steps,
+        config.steps_per_rollout,
+    )
+    rows = batch * accumulation * k * G
+    if rows > MAX_BATCH_ROWS:
+        raise ValueError(
+            f"per_device_train_batch_size={batch} x gradient_accumulation_steps={accumulation} x steps_per_rollout={k} "
+            f"x num_generations={G} = {rows:,} rollouts generated and held at once by each process, over "
+            f"{MAX_BATCH_ROWS:,}; give fewer problems per step or fewer rollouts per problem"
+        )
+
+
 def check_method(config) -> None:
     """ValueError for a number of rollouts the method cannot take (`num_generations` 0 is resolved to the method's
     own before: `OPSDConfig`'s derived fields), a switch the method does not read (set away from its default),
@@ -346,6 +365,7 @@ def check_method(config) -> None:
     method = config.method
     _check_generations(method, config.num_generations)
     _check_budget_unit(config)
+    _check_generation_rows(config)
     problem = _unread_switch(config, method, {f.name: f.default for f in fields(config)})
     if problem:
         raise ValueError(problem)

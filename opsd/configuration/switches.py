@@ -110,6 +110,20 @@ MAX_TOKENS = 2**24
 # The largest hidden size of released models (Llama 3.1 405B): a rank beyond a matrix's smaller side adds nothing,
 # and peft allocates rank x side weights per adapted matrix.
 MAX_LORA_RANK = 2**14
+# Counts that size a batch or a tensor, bounded so that an accepted value is a run that can start, not a MemoryError
+# at step 1 (num_generations=1e9 passed every check and died in TRL's batch sampler, which lists every rollout's
+# index). Rollouts per problem (G): GRPO's published groups are 4 to 64 (DeepSeekMath 64, DAPO 16); 1024 is far
+# beyond, and a step's G x problems rollouts are generated, scored and held at once.
+MAX_GENERATIONS = 1024
+# Rows generated and held at once by one process: per_device_train_batch_size x gradient_accumulation_steps x
+# steps_per_rollout (x G, budget_unit=problems), each a prompt, a completion and its scores. The capped budget at
+# the largest G is 32 x 1024 = 32,768; a vLLM engine preallocates its batch for vllm_max_num_seqs sequences.
+MAX_BATCH_ROWS = 2**16
+# A temperature of the contrastive weights (contrast_kl_tau, contrast_rl_tau): the loss computes KL / (KL + tau) and
+# tanh(e / tau) in float32 (bf16: the same exponent range), where a tau below ~1.4e-45 is 0 (and below ~1.2e-38 is
+# flushed to 0 where subnormals are): KL / (KL + tau) is then 0 / 0 = NaN wherever KL is 0, and tanh(e / tau) NaN at
+# e = 0. 1e-30 is a normal float32 and bf16 number; a smaller tau only sharpens a weight that is already a step.
+MIN_CONTRAST_TAU = 1e-30
 
 # The training table's column each `teacher_ref` reads (the data checks it, the prompts read it); its keys are
 # the switch's choices.
@@ -190,10 +204,16 @@ class Switches:
     # AdamW multiplies each weight by 1 - lr x weight_decay per step: with both at most 1 it stays in [0, 1].
     weight_decay: float = switch(0.0, role=METHOD, range=Range(0, 1), help="AdamW weight decay.")
     per_device_train_batch_size: int = switch(
-        4, role=BUDGET, range=Range(1), help="Problems per device per micro-batch."
+        4,
+        role=BUDGET,
+        range=Range(1, MAX_BATCH_ROWS, note="rows generated and held at once"),
+        help="Problems per device per micro-batch.",
     )
     gradient_accumulation_steps: int = switch(
-        2, role=BUDGET, range=Range(1), help="Micro-batches per optimizer step."
+        2,
+        role=BUDGET,
+        range=Range(1, MAX_BATCH_ROWS, note="a step's micro-batches are generated at once"),
+        help="Micro-batches per optimizer step.",
     )
     micro_batch_size: str | None = switch(
         None,
@@ -231,6 +251,9 @@ class Switches:
     num_generations: int = switch(
         0,
         role=METHOD,
+        range=Range(
+            0, MAX_GENERATIONS, note="0 = the method's own; a step's G x problems rollouts are held at once"
+        ),
         help="Rollouts per problem (G): 0 = the method's own, 1 for opsd and TRL's 8 for grpo and hybrid; opsd takes "
         "1, grpo and hybrid at least 2. A GRPO step samples problems per step x G rollouts.",
     )
@@ -240,7 +263,10 @@ class Switches:
         "max_teacher_prompt_length.",
     )
     max_completion_length: int | None = switch(
-        1024, role=METHOD, range=Range(0, lo_open=True), help="Rollout length cap in tokens."
+        1024,
+        role=METHOD,
+        range=Range(0, MAX_TOKENS, lo_open=True, note="a token count beyond every model's context"),
+        help="Rollout length cap in tokens.",
     )
     temperature: float = switch(
         1.1,
@@ -249,7 +275,12 @@ class Switches:
         help="Rollout sampling temperature.",
     )
     top_p: float = switch(0.95, role=METHOD, range=PROBABILITY_OPEN_LOW, help="Rollout top-p.")
-    top_k: int = switch(20, role=METHOD, range=OFF_AT_ZERO, help="Rollout top-k (0 = off).")
+    top_k: int = switch(
+        20,
+        role=METHOD,
+        range=Range(0, MAX_TOKENS, note="0 = off; beyond every vocabulary"),
+        help="Rollout top-k (0 = off).",
+    )
     steps_per_rollout: int = switch(
         1,
         role=METHOD,
@@ -265,7 +296,7 @@ class Switches:
     vllm_max_num_seqs: int = switch(
         0,
         role=OPERATIONAL,
-        range=Range(0, note="0 = TRL's sizing"),
+        range=Range(0, MAX_BATCH_ROWS, note="0 = TRL's sizing; vLLM preallocates its batch for this many"),
         help="Most sequences the colocated vLLM engine decodes at once; 0 = TRL's sizing (per-device batch x "
         "TP x steps per generation). 1 makes rollouts independent of the process count, slowly.",
     )
@@ -448,7 +479,9 @@ class Switches:
     contrast_kl_tau: float = switch(
         1.0,
         role=METHOD,
-        range=Range(0, 1e6, note="0 = no token weight"),
+        range=Range(
+            MIN_CONTRAST_TAU, 1e6, zero=True, note="0 = no token weight; a smaller tau is 0 in float32: 0 / 0"
+        ),
         help="tau of the contrastive token weight KL(c||c~) / (KL + tau); 0 = no weight.",
     )
     contrast_hints: int = switch(
@@ -467,7 +500,7 @@ class Switches:
     contrast_rl_tau: float = switch(
         0.02,
         role=METHOD,
-        range=Range(0, 1e6, lo_open=True),
+        range=Range(MIN_CONTRAST_TAU, 1e6, note="a smaller tau is 0 in float32: tanh(0 / 0)"),
         help="tau of RLCSD's modulation tanh(e_ctr / tau), in nats.",
     )
     contrast_rl_delta: float = switch(
@@ -501,7 +534,7 @@ class Switches:
     max_teacher_prompt_length: int = switch(
         4096,
         role=METHOD,
-        range=Range(0, note="0 = no cap"),
+        range=Range(0, MAX_TOKENS, note="0 = no cap; a token count beyond every model's context"),
         help="Teacher prompt token cap; longer prompts are cut inside the reference. 0 = none.",
     )
     student_thinking: bool = switch(
@@ -551,7 +584,7 @@ class Switches:
     top_k_loss: int = switch(
         0,
         role=METHOD,
-        range=OFF_AT_ZERO,
+        range=Range(0, MAX_TOKENS, note="0 = off; beyond every vocabulary"),
         help="Restrict both distributions to the teacher's top-k; 0 = full vocabulary.",
     )
     loss_type: str = switch(
@@ -573,7 +606,10 @@ class Switches:
         "(docs/method.md §1.11 says how the default was chosen).",
     )
     loss_chunk_size: int = switch(
-        1024, role=OPERATIONAL, range=POSITIVE, help="Tokens per chunk of the memory-flat loss."
+        1024,
+        role=OPERATIONAL,
+        range=Range(1, MAX_TOKENS, note="a chunk's (tokens, vocabulary) buffers are held at once"),
+        help="Tokens per chunk of the memory-flat loss.",
     )
     fix_position_ids: bool = switch(
         True,
@@ -637,7 +673,7 @@ class Switches:
     probe_size: int = switch(
         16,
         role=BUDGET,
-        range=Range(0, note="0 = off"),
+        range=Range(0, MAX_BATCH_ROWS, note="0 = off; the held-out problems are rolled out at once"),
         help="Problems held out of the training data for the probe (rounded down to a multiple of the "
         "processes); 0 = no probe and no hold-out.",
     )
@@ -694,7 +730,7 @@ TRL_SWITCHES: dict[str, SwitchMetadata] = {
     "min_p": trl_switch(range=Range(0, 1, optional=True)),
     "repetition_penalty": trl_switch(range=POSITIVE),
     "vllm_tensor_parallel_size": trl_switch(range=Range(1)),
-    "vllm_max_model_length": trl_switch(range=Range(0, lo_open=True, optional=True)),
+    "vllm_max_model_length": trl_switch(range=Range(0, MAX_TOKENS, lo_open=True, optional=True)),
     "vllm_server_port": trl_switch(range=Range(1, 65535)),
     "vllm_server_timeout": trl_switch(range=POSITIVE),
     "dataloader_num_workers": trl_switch(range=NON_NEGATIVE),

@@ -26,6 +26,13 @@ Data. A benchmark is read with `datasets.load_dataset(id, revision=REV, split=..
 copy, or when the Hub has no such dataset, the run is refused in one line before any engine starts, naming the
 dataset and the two ways to give it: a local copy (``--dataset NAME=FILE``, a .json/.jsonl/.csv/.parquet file
 with the benchmark's own column names) or a datasets cache that holds it.
+
+Local copies, checked against the table. A copy must hold the benchmark's id column (aime25's ``problem_idx``,
+MATH-500's ``unique_id``): without it its problems would be numbered by row and paired with other problems of a
+Hub run, so it is refused. A copy (or a Hub table) of another row count than the table's is scored, with one
+warning line, logged and recorded in summary.json (``data_warnings``) and in the benchmark table's row. Two
+evaluations of a benchmark are paired (--compare) only over one problem set: different sets are refused
+(`check_same_problems`), not compared over their common problems.
 """
 
 from __future__ import annotations
@@ -34,12 +41,12 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.errors import UserError
+from opsd.errors import UserError, shown
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +117,12 @@ def parse_benchmark_names(text: str) -> list[str]:
     names = [part.strip() for part in str(text).split(",")]
     if not any(names) or not all(names):
         raise UserError(
-            f"--benchmarks {text!r}: give names separated by commas, e.g. --benchmarks aime24,aime25,hmmt25"
+            f"--benchmarks {shown(text)}: give names separated by commas, e.g. --benchmarks aime24,aime25,hmmt25"
         )
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         raise UserError(
-            f"--benchmarks: unknown benchmark {unknown[0]!r}; the benchmarks are {', '.join(BENCHMARKS)} "
+            f"--benchmarks: unknown benchmark {shown(unknown[0])}; the benchmarks are {', '.join(BENCHMARKS)} "
             "(docs/evaluation.md)"
         )
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -166,6 +173,7 @@ class Loaded:
     source: str  # the Hub id, or the local file made absolute
     revision: str | None  # the pinned revision read; None for a local copy
     commit: str | None  # the commit `datasets` loaded, where it says
+    warnings: tuple[str, ...] = ()  # one line each: a row count other than the table's (`size_warning`)
 
 
 def _hub_table(bench: Benchmark):
@@ -195,18 +203,47 @@ def _hub_table(bench: Benchmark):
     return table, commit if isinstance(commit, str) and _SHA.fullmatch(commit) else None
 
 
+def _local_table(bench: Benchmark, local: str):
+    """A local copy's table and its absolute path: the benchmark's problem, answer and id columns required. A
+    copy without the id column is refused: its problems would be numbered by row (0, 1, ...) where the Hub's
+    ids are the benchmark's own (AIME's 1-15), so --compare, a sweep's base or a resume would pair a problem
+    with another one."""
+    from opsd.data.loading import load_table
+
+    path = Path(local).expanduser()
+    try:
+        table = load_table(str(path), required=(bench.problem_column, bench.answer_column))
+    except UserError as err:
+        raise UserError(f"benchmark {bench.name}: {err}") from None
+    if bench.id_column is not None and bench.id_column not in table.column_names:
+        raise UserError(
+            f"benchmark {bench.name}: the local copy {path} lacks the id column {bench.id_column!r} (it has "
+            f"{table.column_names}); without it its problems would be numbered by row and paired with other "
+            f"problems of a Hub run; keep the column {bench.id_column!r} of {bench.dataset} in the copy"
+        )
+    return table, str(path.resolve())
+
+
+def size_warning(bench: Benchmark, rows: int, source: str) -> str | None:
+    """One line when `source` holds another number of problems than the table gives for `bench`; None when
+    they agree."""
+    if rows == bench.size:
+        return None
+    return (
+        f"benchmark {bench.name}: {source} holds {rows} problems where the table gives {bench.size} "
+        f"({bench.dataset} at {bench.revision[:12]}); its scores are not those of the published set"
+    )
+
+
 def load_benchmark(bench: Benchmark, local: str | None = None) -> Loaded:
-    """The benchmark's problems, from the Hub at its revision or from `local` (a file with its columns), each row
-    checked as eval_aime.py checks --dataset rows (non-empty problem text, an answer of text or a number)."""
-    from opsd.data.loading import check_text_column, load_table
+    """The benchmark's problems, from the Hub at its revision or from `local` (a file with its columns, the id
+    column included), each row checked as eval_aime.py checks --dataset rows (non-empty problem text, an answer
+    of text or a number); a row count other than the table's is warned about and recorded (`Loaded.warnings`)."""
+    from opsd.data.loading import check_text_column
 
     if local:
-        path = Path(local).expanduser()
-        try:
-            table = load_table(str(path), required=(bench.problem_column, bench.answer_column))
-        except UserError as err:
-            raise UserError(f"benchmark {bench.name}: {err}") from None
-        source, revision, commit = str(path.resolve()), None, None
+        table, source = _local_table(bench, local)
+        revision, commit = None, None
     else:
         table, commit = _hub_table(bench)
         source, revision = bench.dataset, bench.revision
@@ -229,7 +266,10 @@ def load_benchmark(bench: Benchmark, local: str | None = None) -> Loaded:
         {"id": pid, "problem": str(p), "answer": str(a).strip(), "index": i}
         for i, (pid, p, a) in enumerate(zip(ids, table[bench.problem_column], answers, strict=True))
     ]
-    return Loaded(problems, source, revision, commit)
+    warning = size_warning(bench, len(problems), source)
+    if warning:
+        logger.warning("%s", warning)
+    return Loaded(problems, source, revision, commit, (warning,) if warning else ())
 
 
 def benchmark_config(config, bench: Benchmark, given: set[str], out: Path, source: str):
@@ -244,6 +284,36 @@ def benchmark_config(config, bench: Benchmark, given: set[str], out: Path, sourc
         )
     return dataclasses.replace(
         config, **preset, benchmarks="", step=None, dataset=source, split=bench.split, out=str(out)
+    )
+
+
+def scored_benchmark(config: Mapping[str, Any]) -> str | None:
+    """The table's benchmark an evaluation scored (its summary's ``config``): the one it names, or the one
+    whose Hub dataset it read as plain --dataset; None for other data."""
+    if config.get("benchmark"):
+        return str(config["benchmark"])
+    source = config.get("dataset_source")
+    return next((b.name for b in BENCHMARKS.values() if b.dataset == source), None)
+
+
+def check_same_problems(a: Mapping[str, Any], b: Mapping[str, Any], a_where: str, b_where: str) -> None:
+    """Two evaluations (summary.json each) about to be paired per problem: when either scored a benchmark of
+    the table, from the Hub or a local copy, their problem sets must be the same; else one UserError line
+    naming both (pairing the common problems of a 12-row copy and the 30-problem Hub set is not a comparison
+    of the benchmark). Other data keep `metrics.paired_compare`'s warning."""
+    ca, cb = a.get("config", {}), b.get("config", {})
+    name = scored_benchmark(ca) or scored_benchmark(cb)
+    if name is None:
+        return
+    ids_a = {str(p["id"]) for p in a["metrics"]["problems"]}
+    ids_b = {str(p["id"]) for p in b["metrics"]["problems"]}
+    if ids_a == ids_b:
+        return
+    raise UserError(
+        f"{a_where} and {b_where} scored different problems of {name}: {len(ids_a)} from "
+        f"{ca.get('dataset_source')} and {len(ids_b)} from {cb.get('dataset_source')}, {len(ids_a & ids_b)} in "
+        "common; a paired comparison needs one problem set: score both on the same data (the Hub's or one "
+        "local copy, with the same --limit)"
     )
 
 

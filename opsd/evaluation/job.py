@@ -25,6 +25,7 @@ class EvalJob:
     tokenizer: Any
     builder: Any  # opsd.method.prompts.PromptBuilder
     out: Path
+    data_warnings: tuple[str, ...] = ()  # a benchmark copy's row count other than the table's (summary.json)
 
 
 RESULT_DIR_FIX = "pass result directories written by eval_aime.py (each holds summary.json)"
@@ -202,7 +203,8 @@ def resolve_job(config: EvalConfig, loaded: Loaded | None = None, benchmark: str
         dataset_revision=None if loaded is None else loaded.revision,
         dataset_commit=None if loaded is None else loaded.commit,
     )
-    return EvalJob(settings, problems, tokenizer, builder, Path(config.out).expanduser())
+    warnings = () if loaded is None else loaded.warnings
+    return EvalJob(settings, problems, tokenizer, builder, Path(config.out).expanduser(), warnings)
 
 
 def _job_problems(config: EvalConfig, loaded: Loaded | None) -> list[dict[str, Any]]:

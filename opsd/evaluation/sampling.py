@@ -62,48 +62,62 @@ def vllm_available() -> bool:
     return True
 
 
-class VLLMEngine:
-    """vLLM's offline `LLM`; `lora_path` in `generate` serves a LoRA checkpoint without merging it;
-    `kv_cache_bytes` fixes its KV cache (None: vLLM sizes it)."""
+def mla_backend(model: str) -> dict[str, str]:
+    """The attention backend training's engine asks for (`opsd.method.engine_env.cpu_mla_backend`), for the
+    checkpoint at `model`: vLLM's CPU_MLA for a model with multi-head latent attention on a CPU, where vLLM would
+    pick its AMX_MLA kernel on a CPU with AMX (which refuses the repo's tiny DeepSeek-V3, "invalid weight input
+    features 16", and fails a sweep's weight push); {} otherwise, and where transformers cannot read the config
+    (vLLM then reads it, and chooses, itself)."""
+    from transformers import AutoConfig
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        enable_lora: bool = False,
-        max_lora_rank: int = 64,
-        dtype: str | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_cache_bytes: int | None = None,
-    ):
+    from opsd.method.engine_env import cpu_mla_backend
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except Exception as err:  # a type transformers lacks, a missing file: vLLM's own reading decides
+        logger.debug("%s: no config for the attention backend (%s); vLLM chooses", model, err)
+        return {}
+    return cpu_mla_backend(config.get_text_config())
+
+
+def llm_arguments(model: str, *, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                  tensor_parallel_size: int = 1, seed: int = 0, enable_lora: bool = False, max_lora_rank: int = 64,
+                  dtype: str | None = None, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None) -> dict:  # fmt: skip
+    """The arguments of vLLM's `LLM` for evaluation and the benchmarks (`VLLMEngine`), the attention backend routed
+    as training's engine routes it (`mla_backend`)."""
+    if dtype is None:
+        # vLLM's CPU backend would cast a float32 checkpoint to bf16 (slower there: docs/decisions.md).
+        dtype = "auto" if torch.cuda.is_available() else "float32"
+    kwargs = dict(
+        model=model,
+        tokenizer=model,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        dtype=dtype,
+        enable_lora=enable_lora,
+        **mla_backend(model),
+    )
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if enable_lora:
+        kwargs["max_lora_rank"] = max_lora_rank
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if kv_cache_bytes is not None:  # a fixed KV cache (OPSD_KV_CACHE_GIB): no start-up memory profile
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    return kwargs
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM` (its arguments: `llm_arguments`); `lora_path` in `generate` serves a LoRA checkpoint
+    without merging it; `kv_cache_bytes` fixes its KV cache (None: vLLM sizes it)."""
+
+    def __init__(self, model: str, **settings):
         single_node_engine_env()
         from vllm import LLM
 
-        if dtype is None:
-            # vLLM's CPU backend would cast a float32 checkpoint to bf16 (slower there: docs/decisions.md).
-            dtype = "auto" if torch.cuda.is_available() else "float32"
-        kwargs = dict(
-            model=model,
-            tokenizer=model,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            dtype=dtype,
-            enable_lora=enable_lora,
-        )
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if enable_lora:
-            kwargs["max_lora_rank"] = max_lora_rank
-        if kv_cache_dtype != "auto":
-            kwargs["kv_cache_dtype"] = kv_cache_dtype
-        if kv_cache_bytes is not None:  # a fixed KV cache (OPSD_KV_CACHE_GIB): no start-up memory profile
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**llm_arguments(model, **settings))
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(

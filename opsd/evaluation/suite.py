@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opsd.errors import UserError
+from opsd.errors import UserError, shown
 from opsd.evaluation.benchmarks import (
     BENCHMARKS,
     BENCHMARKS_FILE,
     benchmark_config,
+    check_same_problems,
     load_benchmark,
     parse_benchmark_names,
     parse_local_copies,
@@ -198,6 +199,7 @@ def benchmark_row(name: str, summary: Mapping[str, Any], base: Mapping[str, Any]
         "max_tokens": cfg.get("max_tokens"), "thinking": cfg.get("thinking"),
         "source": cfg.get("dataset_source"), "revision": cfg.get("dataset_revision"),
         "commit": cfg.get("dataset_commit"), "step": summary.get("step"),
+        "data_warnings": summary.get("data_warnings") or [],
     }  # fmt: skip
     for key in (*MACRO_KEYS, "mean_tokens"):
         row[key], row[f"{key}_se"] = m[key], m[f"{key}_se"]
@@ -270,7 +272,8 @@ def table_lines(table: Mapping[str, Any], title: str = "") -> list[str]:
     for r in table["rows"]:
         cells = [f"{p['value']:.1f}" for p in r["pass_at_k_curve"]] + [""] * (width - r["n"])
         lines.append(f"| {r['benchmark']} | " + " | ".join(cells) + " |")
-    return lines
+    warned = [w for r in table["rows"] for w in r.get("data_warnings") or []]
+    return lines + (["", *(f"warning: {w}" for w in warned)] if warned else [])
 
 
 def headline(table: Mapping[str, Any]) -> str:
@@ -398,23 +401,51 @@ def is_suite(path: str | Path) -> bool:
     return (Path(path).expanduser() / BENCHMARKS_FILE).is_file()
 
 
+def suite_benchmarks(directory: Path) -> list[str]:
+    """The benchmarks DIR/benchmarks.json of a --benchmarks result lists: names of the table (never paths: each
+    names DIR/NAME), each once. One UserError line naming the file when it is no such result (over its cap, not
+    UTF-8 JSON, no such list); a sweep's directory (models, no list) is named as one."""
+    from opsd.evaluation.report import RESULT_KIND, read_result
+
+    path = directory / BENCHMARKS_FILE
+    data = read_result(path)
+    listed = data.get("benchmarks")
+    if listed is None and isinstance(data.get("models"), list):
+        raise UserError(
+            f"{directory} is a sweep's directory; compare two of its models instead (such as {directory}/base and "
+            f"{directory}/checkpoint-N)"
+        )
+    good = isinstance(listed, list) and 0 < len(listed) <= len(BENCHMARKS)
+    if not (
+        good
+        and all(isinstance(b, str) and b in BENCHMARKS for b in listed)
+        and len(set(listed)) == len(listed)
+    ):
+        raise UserError(
+            f"{shown(path)} is not a --benchmarks result: its field benchmarks is {shown(listed)}, not a list of "
+            f"distinct benchmark names of the table ({', '.join(BENCHMARKS)}); {RESULT_KIND.fix}"
+        )
+    return listed
+
+
 def run_suite_compare(config: EvalConfig) -> list[str]:
     """--compare A B of two --benchmarks results: the paired difference b - a per benchmark both hold, and its
     macro average, for accuracy and format rate; compare.json under --out when given."""
+    from opsd.evaluation.report import TABLE_READS, check_summary
+
     a_dir, b_dir = (Path(d).expanduser() for d in config.compare)
-    listed = json.loads((a_dir / BENCHMARKS_FILE).read_text()).get("benchmarks")
-    if not isinstance(listed, list):
-        raise UserError(
-            f"{a_dir} is a sweep's directory; compare two of its models instead (such as {a_dir}/base and "
-            f"{a_dir}/checkpoint-N)"
-        )
-    names = [b for b in listed if isinstance(b, str) and (b_dir / b / SUMMARY_FILE).is_file()]
+    listed, b_listed = suite_benchmarks(a_dir), suite_benchmarks(b_dir)
+    names = [b for b in listed if b in b_listed and (b_dir / b / SUMMARY_FILE).is_file()]
     if not names:
         raise UserError(
             f"{a_dir} and {b_dir} share no benchmark: a paired comparison needs the same benchmarks"
         )
-    a = {b: _load(a_dir / b) for b in names}
-    table = benchmark_table({b: _load(b_dir / b) for b in names}, a)
+    a, b_runs = {b: _load(a_dir / b) for b in names}, {b: _load(b_dir / b) for b in names}
+    for b in names:
+        check_same_problems(a[b], b_runs[b], str(a_dir / b), str(b_dir / b))
+        for d, runs in ((a_dir, a), (b_dir, b_runs)):  # what the table reads beyond the pairing
+            check_summary(runs[b], d / b / SUMMARY_FILE, TABLE_READS)
+    table = benchmark_table(b_runs, a)
     lines = [f"b - a, paired per problem: a = {a_dir}, b = {b_dir} (points)"]
     for r in table["rows"]:
         d = r["vs_base"]

@@ -67,6 +67,7 @@ def write_summary(job: EvalJob, timings: dict[str, float], wall_s: float) -> dic
         "tokens_per_s": timings["new_tokens"] / gen_s if gen_s > 0 else None,
         "metrics": metrics,
         "grading": grading_counts(per_problem),
+        "data_warnings": list(job.data_warnings),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     gold = {p["id"]: p["answer"] for p in job.problems}

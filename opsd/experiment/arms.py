@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.errors import UserError
+from opsd.errors import UserError, shown
 
 BASE = "base"  # the base model's evaluations live under DIR/evals/base: no arm may take the name
 # An arm name becomes a directory and a file name: a plain name, short, starting with a letter or digit.
@@ -44,10 +44,9 @@ def _quoted(value: str) -> str:
 
 def check_name(name: str, what: str) -> None:
     """An arm name: it names DIR/recipes/NAME.env, DIR/runs/NAME and DIR/evals/NAME, so it is a plain name."""
-    cut = name if len(name) <= 80 else name[:80] + "..."
     if len(name) > MAX_NAME_CHARS or not _NAME.fullmatch(name) or name == BASE:
         raise UserError(
-            f"{what}: the arm name {cut!r} must be at most {MAX_NAME_CHARS} letters, digits, '_', '.', '-' (not "
+            f"{what}: the arm name {shown(name)} must be at most {MAX_NAME_CHARS} letters, digits, '_', '.', '-' (not "
             f"starting with '.' or '-') and not {BASE!r}, which names the base model's evaluation"
         )
 

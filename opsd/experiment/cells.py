@@ -39,7 +39,7 @@ from pathlib import Path
 
 from opsd.errors import UserError
 from opsd.evaluation.benchmarks import BENCHMARKS_FILE, parse_benchmark_names
-from opsd.evaluation.report import AGGREGATE_METRICS
+from opsd.evaluation.report import AGGREGATE_METRICS, MAX_SAMPLES, summary_problem
 from opsd.evaluation.samples import SAMPLES_FILE, SUMMARY_FILE
 from opsd.experiment import spec as S
 from opsd.experiment.arms import BASE, check_name
@@ -87,7 +87,7 @@ class JobKey:
         seed = int(m["seed"] or m["base_seed"]) if m else -1
         bad_arm = m is not None and m["arm"] is not None and not _arm_name(m["arm"])
         if m is None or bad_arm or seed > S.MAX_SEED:
-            raise ValueError(f"{text[:80]!r} is not a job key (train-ARM-sSEED, eval-ARM-sSEED or base-SEED)")
+            raise ValueError(f"{shown(text)} is not a job key (train-ARM-sSEED, eval-ARM-sSEED or base-SEED)")
         if m["base"]:
             return cls("base", seed)
         return cls(m["kind"], seed, m["arm"])
@@ -201,9 +201,9 @@ def spec_benchmarks(spec: S.Spec) -> list[str]:
 
 
 def declared_step(spec: S.Spec) -> int:
-    """The checkpoint step the verdict reports: `--step N` of the evaluation flags, else the final one."""
-    value = S.eval_flag_value(spec.eval_flags, "--step")
-    return int(value) if value is not None and value.isdigit() else S.STEPS
+    """The checkpoint step the verdict reports: `--step N` of the evaluation flags, else the final one (checked
+    against the steps the experiment scores: `spec.check_step`)."""
+    return S.check_step(spec.eval_flags)
 
 
 def evaluation_done(path: Path) -> bool:
@@ -266,16 +266,12 @@ SAMPLES_KIND = FileKind(
 _FAILED_FIELDS = {"job": str, "exit": int, "attempts": int, "log": str}
 # Caps on the numbers a report reads. A sample count is a positive integer of at most MAX_SAMPLES samples per
 # problem and MAX_PROBLEMS problems (the protocol draws 12 for 30): a count far beyond them is a damaged file,
-# and `range(n)` of one would exhaust the memory.
-MAX_SAMPLES = 100_000
-MAX_PROBLEMS = 1_000_000
+# and `range(n)` of one would exhaust the memory. eval_aime.py's --compare checks the same summaries alike
+# (`opsd.evaluation.report.summary_problem`).
 MAX_STEP = 10**9  # a logged optimizer step (a capped run logs 1 to 100)
 MAX_ATTEMPTS = 1000  # a failed job's attempts (--retries is at most 10)
 MAX_JOB_SECONDS = 10 * 365 * 86400.0  # a job's duration in jobs.jsonl: ten years
 MAX_START = 100 * 365 * 86400.0  # its start, in seconds since 1970: before 2070
-# A label of summary.json (`avg@12`, `pass@12`, `maj@12`) is a table heading of report.md: one short line of
-# plain text, nothing markdown reads.
-_LABEL = re.compile(r"[A-Za-z0-9@%.+_-]{1,40}")
 
 
 def _json_lines(path: Path, kind: FileKind, *, cut: list[int] | None = None) -> list[tuple[int, object]]:
@@ -300,8 +296,8 @@ def _json_lines(path: Path, kind: FileKind, *, cut: list[int] | None = None) -> 
                 out.append((lineno, S.parse_json(line)))
             except ValueError as err:
                 if skip_cut and lineno == len(lines):  # the last piece: no newline after it
-                    logger.warning("%s line %d is cut short (a write stopped midway); skipped: %r", path, lineno,
-                                   line[:80])  # fmt: skip
+                    logger.warning("%s line %d is cut short (a write stopped midway); skipped: %s", path, lineno,
+                                   shown(line))  # fmt: skip
                     cut.append(lineno)
                     continue
                 raise UserError(f"{path} line {lineno} is not JSON ({S.json_error(err)})") from None
@@ -368,15 +364,6 @@ def _few(numbers: list[int], limit: int = 5) -> str:
     return ", ".join(map(str, numbers[:limit])) + more
 
 
-def _count(x: object, cap: int) -> bool:
-    """A positive integer of at most `cap` (not 4.0, not True)."""
-    return type(x) is int and 1 <= x <= cap
-
-
-def _percent(x: object) -> bool:
-    return _finite(x) and 0 <= x <= 100
-
-
 def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
     """(summary metrics, {field of SCORED: {problem id: values by sample index}}) of one finished evaluation.
 
@@ -397,7 +384,7 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
         ok = False
     if not ok:
         raise UserError(f"{where} is not an eval_aime.py summary; {redo}")
-    problem = _summary_problem(metrics, labels)
+    problem = summary_problem(metrics)
     if problem:
         raise UserError(f"{where} is not an eval_aime.py summary: {problem}; {redo}")
     path = eval_dir / SAMPLES_FILE
@@ -414,7 +401,7 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
         seen = by_problem.setdefault(str(r["id"]), {})
         if r["idx"] in seen:
             raise UserError(
-                f"{path} line {lineno}: sample {r['idx']} of problem {S.shown_value(r['id'])} is there twice; {redo}"
+                f"{path} line {lineno}: sample {r['idx']} of problem {shown(r['id'])} is there twice; {redo}"
             )
         seen[r["idx"]] = {k: float(r[k]) for k in SCORED}
     n = metrics["n"]
@@ -432,25 +419,6 @@ def read_eval(eval_dir: Path) -> tuple[dict, dict[str, dict[str, list[float]]]]:
         k: {pid: [samples[i][k] for i in range(n)] for pid, samples in by_problem.items()} for k in SCORED
     }
     return metrics, scores
-
-
-def _summary_problem(metrics: dict, labels: dict) -> str | None:
-    """What in summary.json's metrics is not what eval_aime.py writes, in words; None when all is."""
-    for key in ("n", "n_problems"):
-        cap = MAX_SAMPLES if key == "n" else MAX_PROBLEMS
-        if not _count(metrics.get(key), cap):
-            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a whole number from 1 to {cap:,}"
-    for key in METRICS:
-        if not _percent(metrics.get(key)):
-            return f"field metrics.{key} is {S.shown_value(metrics.get(key))}, not a percentage from 0 to 100"
-    for key in ("avg", "pass_at_k", "maj"):
-        label = labels.get(key)
-        if not (isinstance(label, str) and _LABEL.fullmatch(label)):
-            return (
-                f"field metrics.labels.{key} is {S.shown_value(label)}, not a label such as 'avg@12' (one line of at "
-                "most 40 letters, digits and @%.+_-)"
-            )
-    return None
 
 
 def read_failed(directory: Path) -> dict[str, dict]:
@@ -485,13 +453,13 @@ def read_failed(directory: Path) -> dict[str, dict]:
 def _failure_problem(key: JobKey, record: dict) -> str | None:
     """What in one record of failed.json is not what the runner writes, in words; None when all is."""
     if record["job"] != key.name:
-        return f"field job is {S.shown_value(record['job'])}, not {key.name!r}"
+        return f"field job is {shown(record['job'])}, not {key.name!r}"
     if not -255 <= record["exit"] <= 255:
         return f"field exit is {record['exit']}, not an exit status (-255 to 255)"
     if not 1 <= record["attempts"] <= MAX_ATTEMPTS:
         return f"field attempts is {record['attempts']}, not a count from 1 to {MAX_ATTEMPTS}"
     if not S.plain_line(record["log"]):  # the report quotes it in a line of report.md
-        return f"field log is {S.shown_value(record['log'])}, not one line of plain text"
+        return f"field log is {shown(record['log'])}, not one line of plain text"
     return None
 
 
@@ -523,8 +491,8 @@ def read_jobs(directory: Path) -> tuple[list[dict], int]:
         # Bounded, so that the report's sums and spans stay finite numbers that JSON can write.
         if not (0 <= r["start"] <= MAX_START and 0 <= r["seconds"] <= MAX_JOB_SECONDS):
             raise UserError(
-                f"{path} line {lineno} is not a job record: start {S.shown_value(r['start'])} or seconds "
-                f"{S.shown_value(r['seconds'])} is out of range (a time since 1970, a duration of at most "
+                f"{path} line {lineno} is not a job record: start {shown(r['start'])} or seconds "
+                f"{shown(r['seconds'])} is out of range (a time since 1970, a duration of at most "
                 f"{MAX_JOB_SECONDS:.0f} s); {fix}"
             )
     return [r for _, r in lines], len(cut)

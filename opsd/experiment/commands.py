@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from opsd.errors import UserError, report, split_debug
+from opsd.errors import UserError, report, shown, split_debug, stop_signals
 from opsd.experiment import spec as S
 from opsd.experiment.arms import parse_arm
 
@@ -146,7 +146,7 @@ def visible_gpus(requested: str | None) -> list[str]:
         gpus = [g.strip() for g in requested.split(",")]
         if not all(g.isascii() and g.isdigit() and len(g) <= 3 for g in gpus) or len(set(gpus)) != len(gpus):
             raise UserError(
-                f"--gpus {requested[:80]!r}: give distinct GPU indices separated by commas, e.g. --gpus 0,1,2,3 "
+                f"--gpus {shown(requested)}: give distinct GPU indices separated by commas, e.g. --gpus 0,1,2,3 "
                 "(to run on the CPU, set CUDA_VISIBLE_DEVICES='' and leave --gpus out)"
             )
         return gpus
@@ -185,7 +185,7 @@ def split_eval_flags(text: str) -> list[str]:
         return shlex.split(text)
     except ValueError as err:  # shlex's own words: "No closing quotation", "No escaped character"
         raise UserError(
-            f"--eval-flags {text[:80]!r}: {str(err).lower()}; close every quote and escape inside the one "
+            f"--eval-flags {shown(text)}: {str(err).lower()}; close every quote and escape inside the one "
             "string, e.g. --eval-flags \"--dataset 'my eval.jsonl' --n 8\""
         ) from None
 
@@ -233,7 +233,7 @@ def _eval_flags(a: argparse.Namespace, old: S.Spec | None) -> list[str]:
         if a.eval_flags is not None
         else (old.eval_flags if old else [])
     )
-    S.check_eval_flags(eval_flags)
+    S.check_eval_flags(eval_flags, every_checkpoint=a.every_checkpoint)
     return eval_flags
 
 
@@ -600,7 +600,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """The command line; one without a command (`--out DIR --arm ...`, as the docs and scripts write it) is `run`."""
     if argv[:1] and not argv[0].startswith("-") and argv[0] not in COMMANDS:  # `run` takes no positional
         raise UserError(
-            f"unknown command {argv[0][:80]!r}: use {' or '.join(COMMANDS)}, e.g. {PROG} report DIR (a command line "
+            f"unknown command {shown(argv[0])}: use {' or '.join(COMMANDS)}, e.g. {PROG} report DIR (a command line "
             f"that starts with a flag runs the experiment)"
         )
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
@@ -608,29 +608,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-def _stop(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-# Signals that stop the command as Ctrl-C does: SIGTERM (a scheduler, `kill`) and SIGHUP (the terminal or SSH
-# session closed). Their default would end the process where it stands, leaving an arm's dry-run recipe in its
-# temporary directory, its dry run orphaned and a half-written file behind.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def main(argv: list[str] | None = None) -> int:
+    """The command line (`sys.argv` when None: the process's own, which keeps ignoring stop signals once stopped).
+
+    SIGTERM and SIGHUP stop it as Ctrl-C does (`opsd.errors.stop_signals`): their default would end the process where
+    it stands, leaving an arm's dry-run recipe in its temporary directory, its dry run orphaned and a half-written
+    file behind. The first stop prints one line; a second one (`timeout` signals the command, then its group) adds
+    nothing."""
+    process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug, argv = split_debug(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
-    try:
-        a = parse(argv)
-        return a.func(a)
-    except UserError as err:
-        return report(err, "opsd.experiment", debug=debug)
-    except KeyboardInterrupt:
-        print("opsd.experiment: stopped; rerun the same command to resume", file=sys.stderr)
-        return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_signals(restore_after_stop=not process):
+        try:
+            a = parse(argv)
+            return a.func(a)
+        except UserError as err:
+            return report(err, "opsd.experiment", debug=debug)
+        except KeyboardInterrupt:
+            print("opsd.experiment: stopped; rerun the same command to resume", file=sys.stderr)
+            return 130

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opsd.errors import SHOWN_CHARS, shown, stop_signals
 from opsd.experiment import cells as C
 from opsd.experiment import spec as S
 from opsd.experiment.status import CellRow, Status
@@ -119,7 +120,9 @@ def append_record(path: Path, record: dict) -> None:
             line = b"\n" + line
         except ValueError:
             logger.warning(
-                "%s: its last line was cut by a stop mid-write; dropped: %r", path, data[keep:][:200]
+                "%s: its last line was cut by a stop mid-write; dropped: %s",
+                path,
+                shown(data[keep : keep + SHOWN_CHARS]),
             )
             with path.open("r+b") as f:
                 f.truncate(keep)
@@ -329,22 +332,21 @@ class Runner:
     def run(self, show: Callable[[Status], object]) -> None:
         """Run every planned job; `show(status)` gets the status when a cell changes state (and every
         status_every_s). Stopping the experiment (Ctrl-C, SIGTERM, SIGHUP) stops every job it started."""
+        self.progress.failed = C.read_failed(self.directory)
+        with stop_signals(restore_after_stop=False):  # a stop's later signals are ignored while the jobs stop
+            self._run(show)
+
+    def _run(self, show: Callable[[Status], object]) -> None:
         p = self.progress
-        p.failed = C.read_failed(self.directory)
-        last_start, last_shown, shown = 0.0, 0.0, None
-
-        def stop(signum, frame):
-            raise KeyboardInterrupt
-
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        last_start, last_shown, states = 0.0, 0.0, None
         try:
             while p.queued or p.running:
                 now = time.time()
                 last_start = self.step(now, last_start)
                 status = self.status()
-                if status.states != shown or now - last_shown >= self.settings.status_every_s:
+                if status.states != states or now - last_shown >= self.settings.status_every_s:
                     show(status)
-                    shown, last_shown = status.states, now
+                    states, last_shown = status.states, now
                 if p.queued or p.running:
                     time.sleep(self.settings.poll_s)
             show(self.status())
@@ -360,8 +362,6 @@ class Runner:
                     job.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(job.proc.pid, signal.SIGKILL)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self) -> Status:

@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from opsd.errors import MissingPath, UserError
+from opsd.errors import MissingPath, UserError, cut, shown
 from opsd.experiment.arms import BASE, Arm, check_name, overrides_to_recipe
 from opsd.launch.capped import STEPS
-from opsd.paths import MIB, RECIPE_FILE, FileKind, shown, size_text, write_atomically
+from opsd.paths import MIB, RECIPE_FILE, FileKind, json_error, parse_json, size_text, write_atomically
 from opsd.rundir import checkpoint_dir
 
 if TYPE_CHECKING:  # eval_config imports transformers' argument parser: loaded where flags are parsed
@@ -92,12 +92,6 @@ class Spec:
         return list(self.arms)
 
 
-def shown_value(value: object) -> str:
-    """A value read from a file, as a message quotes it: repr, cut to 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
-
-
 def plain_line(value: object, max_chars: int = MAX_TEXT_CHARS) -> bool:
     """One line of printable text (no newline, tab or other control character) of at most `max_chars`."""
     return isinstance(value, str) and len(value) <= max_chars and value.isprintable()
@@ -112,46 +106,83 @@ def check_text(value: str, what: str) -> None:
         )
 
 
-def parse_json(text: str | bytes) -> object:
-    """`json.loads`, with each way a damaged file fails it as a ValueError: not JSON (JSONDecodeError), a
-    number of thousands of digits (ValueError), arrays nested past the parser's depth (RecursionError)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def json_error(err: ValueError) -> str:
-    """Why `parse_json` failed, in a few words."""
-    return getattr(err, "msg", None) or str(err)[:120]
-
-
 def parse_seeds(text: str) -> list[int]:
-    shown = text if len(text) <= 80 else text[:80] + "..."
+    quoted = shown(text)
     if text.count(",") >= MAX_SEEDS:  # before splitting a list of millions
         raise UserError(
-            f"--seeds {shown!r}: at most {MAX_SEEDS} seeds (got {text.count(',') + 1} items); an experiment of "
+            f"--seeds {quoted}: at most {MAX_SEEDS} seeds (got {text.count(',') + 1} items); an experiment of "
             "more is a mistake, each seed is a capped run per arm"
         )
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items or not all(re.fullmatch(r"[0-9]{1,10}", s) for s in items):
         raise UserError(
-            f"--seeds {shown!r}: write integers separated by commas, e.g. --seeds 42,43,44"
+            f"--seeds {quoted}: write integers separated by commas, e.g. --seeds 42,43,44"
         ) from None
     seeds = [int(s) for s in items]
     if len(set(seeds)) != len(seeds) or max(seeds) > MAX_SEED:
         raise UserError(
-            f"--seeds {shown!r}: give distinct integers from 0 to {MAX_SEED}, e.g. --seeds 42,43,44"
+            f"--seeds {quoted}: give distinct integers from 0 to {MAX_SEED}, e.g. --seeds 42,43,44"
         )
     return seeds
 
 
-def check_eval_flags(flags: list[str]) -> EvalConfig:
+def check_eval_flags(flags: list[str], *, every_checkpoint: bool | None = None) -> EvalConfig:
     """The evaluation's `EvalConfig` once the flags parse as eval_aime.py's, without the ones the experiment sets
-    itself; UserError otherwise."""
+    itself, and their `--step` is one the experiment scores (`check_step`); UserError otherwise."""
     for flag in flags:
         check_text(flag, "--eval-flags item")
-    return _parse_eval_flags(flags)
+    config = _parse_eval_flags(without_step(flags))
+    check_step(flags, every_checkpoint=every_checkpoint)
+    return config
+
+
+STEP_FLAG = "--step"
+
+
+def without_step(flags: list[str]) -> list[str]:
+    """`flags` less `--step N` (`--step=N`): the verdict step is the experiment's to check (`check_step`) and the
+    cells' evaluations' to declare (each a sweep of its checkpoints); the base model's evaluation has no
+    checkpoints to declare one of. A `--step` without its value stays, for eval_aime.py's parser to refuse."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] == STEP_FLAG and i + 1 < len(flags):
+            i += 2
+            continue
+        if not flags[i].startswith(STEP_FLAG + "="):
+            out.append(flags[i])
+        i += 1
+    return out
+
+
+def saved_steps() -> list[int]:
+    """The steps of the capped harness's checkpoints: every `SAVE_EVERY` (its save_steps) up to the final step."""
+    from opsd.launch.capped import SAVE_EVERY
+
+    return list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+
+
+def check_step(flags: list[str], *, every_checkpoint: bool | None = None) -> int:
+    """The verdict step `--step N` of the evaluation flags declares (the final step without it): a step the
+    experiment scores, checkpoint-100 alone unless `every_checkpoint` (None: not known here, any saved step).
+    UserError in one line naming the steps it may be otherwise."""
+    value = eval_flag_value(flags, STEP_FLAG)
+    if value is None:
+        return STEPS
+    saved = saved_steps()
+    step = int(value) if value.isascii() and value.isdigit() and len(value) <= 10 else None
+    if step not in saved:
+        raise UserError(
+            f"--eval-flags --step {shown(value)}: the capped run saves checkpoints at steps "
+            f"{', '.join(map(str, saved))} only; give one of them as the verdict step, or leave --step out for the "
+            f"final one, {STEPS}"
+        )
+    if step != STEPS and every_checkpoint is False:
+        raise UserError(
+            f"--eval-flags --step {step}: the experiment scores each cell's final checkpoint only, "
+            f"checkpoint-{STEPS}; add --every-checkpoint to score every saved step and report step {step}, or leave "
+            "--step out"
+        )
+    return step
 
 
 def _parse_eval_flags(flags: list[str]) -> EvalConfig:
@@ -415,18 +446,18 @@ def _check_data(data: dict) -> str | None:
         return f"unknown field(s) {unknown}, missing field(s) {missing}"
     for key in ("profile", "model", "dataset", "accelerate_config"):
         if not plain_line(data[key]):
-            return f"{key} is {shown_value(data[key])}, not one line of text"
+            return f"{key} is {shown(data[key])}, not one line of text"
     if data["profile"] not in PROFILES:
         return f"profile {data['profile']!r} is not one of {', '.join(sorted(PROFILES))}"
     if not isinstance(data["eval_flags"], list) or not all(plain_line(f) for f in data["eval_flags"]):
         return "eval_flags is not a list of one-line strings"
     if type(data["gpus_per_run"]) is not int or not 0 <= data["gpus_per_run"] <= 8:
-        return f"gpus_per_run is {shown_value(data['gpus_per_run'])}, not a count of GPUs from 0 to 8"
+        return f"gpus_per_run is {shown(data['gpus_per_run'])}, not a count of GPUs from 0 to 8"
     seeds = data["seeds"]
     if (not isinstance(seeds, list) or not 0 < len(seeds) <= MAX_SEEDS
             or any(type(s) is not int or not 0 <= s <= MAX_SEED for s in seeds)
             or len(set(seeds)) != len(seeds)):  # fmt: skip
-        return f"seeds must be 1 to {MAX_SEEDS} distinct integers from 0 to {MAX_SEED}, got {str(seeds)[:80]}"
+        return f"seeds must be 1 to {MAX_SEEDS} distinct integers from 0 to {MAX_SEED}, got {shown(seeds)}"
     if not isinstance(data["history"], list) or not all(isinstance(h, dict) for h in data["history"]):
         return "history is not a list of records"
     arms = data["arms"]
@@ -453,7 +484,7 @@ def _check_data(data: dict) -> str | None:
             except RecipeError as err:  # its lines named by their text: the copy is gone when this is read
                 why = re.sub(re.escape(str(copy)) + r":([0-9]+)", r"line \1", str(err))
                 why = " ".join(why.replace(f"{copy}: ", "").replace(str(copy), "the recipe").split())
-                return f"arm {name!r}'s recipe does not parse ({why[:200]})"
+                return f"arm {name!r}'s recipe does not parse ({cut(why)})"
         if parsed != recipe:
             return f"arm {name!r}'s recipe is not in the normalised form a run writes"
     return None
@@ -596,7 +627,10 @@ def eval_argv(directory: Path, spec: Spec, arm: str | None, seed: int | None, *,
     """The base model (arm None) or one cell's checkpoints, scored with the experiment's evaluation flags and
     training seed `seed`'s sampling seeds, so that the arms and the base are paired per (problem, sample) within
     a seed; adapters are merged, whose samples are reproducible run to run (LoRA serving on a GPU is not)."""
-    argv = [sys.executable, str(ROOT / "eval_aime.py"), "--model", spec.model, *spec.eval_flags, *extra,
+    flags = (
+        without_step(spec.eval_flags) if arm is None else spec.eval_flags
+    )  # the base: no checkpoint to declare
+    argv = [sys.executable, str(ROOT / "eval_aime.py"), "--model", spec.model, *flags, *extra,
             "--seed", str(sampling_seed(seed))]  # fmt: skip
     if arm is None:
         return argv + ["--out", str(base_eval_dir(directory, seed))]

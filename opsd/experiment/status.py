@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from opsd.errors import stdout_dropped
 from opsd.paths import size_text
 
 STATES = ("queued", "training", "scoring", "done", "failed")  # a cell's state, in the order counts are shown
@@ -97,6 +98,12 @@ class Display:
         )
 
     def show(self, status: Status) -> None:
-        self.console.print(Text(status.headline(), style="" if self.plain else "bold"))
-        self.console.print(table(status, plain=self.plain))
-        self.console.file.flush()
+        """Draw `status`; once stdout's reader is gone (`| head -1`), nothing more: the jobs run on, the table is
+        decoration (`opsd.errors.stdout_dropped`)."""
+        try:
+            self.console.print(Text(status.headline(), style="" if self.plain else "bold"))
+            self.console.print(table(status, plain=self.plain))
+            self.console.file.flush()
+        except BrokenPipeError:
+            if not stdout_dropped():
+                raise

@@ -42,7 +42,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opsd.errors import UserError, exit_now, report, split_debug
+from opsd.errors import UserError, exit_now, printing, report, split_debug
 from opsd.paths import ACCELERATE_CONFIG, check_file, check_output_dir
 
 STEPS = 100
@@ -380,4 +380,4 @@ def _train(plan: Plan) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_now(printing(main))  # a closed stdout (`--dry-run | head -1`) is a normal end

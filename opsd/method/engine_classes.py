@@ -62,6 +62,22 @@ PORT_VARIABLE = "MASTER_PORT"
 ENGINE_FIX = (
     "train with --rollout_engine transformers, or run vLLM in server mode where it runs it (docs/families.md)"
 )
+# A cause's length in a refusal line: enough for the message of a library, short enough for one line or two.
+CAUSE_CHARS = 300
+SLEEP_FIX = (
+    "drop --vllm_enable_sleep_mode (or set it to false): sleep mode frees GPU memory between generations, and vLLM "
+    "has it on a GPU only"
+)
+
+
+def clipped(text: str, limit: int = CAUSE_CHARS) -> str:
+    """`text` on one line, cut to at most `limit` characters at the last space before the limit, with " [...]" after
+    it, so that no identifier or number is cut midway (a word longer than half the limit is cut at the limit)."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    space = text.rfind(" ", 0, limit + 1)
+    return (text[:space] if space > limit // 2 else text[:limit]) + " [...]"
 
 
 def decorated(cls: type) -> bool:
@@ -309,7 +325,8 @@ ROUTER_FIELDS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 def _cause(err: BaseException, output: str, config=None, declared: dict | None = None) -> tuple[str, str]:
     """(the real cause in a few words, the fix): a module vLLM failed to import (reported only in its logged
     output: the error raised is a later, vaguer one), a router vLLM built without the checkpoint's fields, a
-    kernel that refuses the model's shapes, the reason in a validation error, else the innermost error."""
+    kernel that refuses the model's shapes, sleep mode where vLLM has none, the reason in a validation error, else
+    the innermost error. Library messages are cut at a word boundary (`clipped`)."""
     chain = _chain(err)
     imports = [e for e in chain if isinstance(e, ImportError)]
     if imports:
@@ -325,39 +342,94 @@ def _cause(err: BaseException, output: str, config=None, declared: dict | None =
         fields = ", ".join(f'"{name}": "{ROUTER_FIELDS[name]}"' for name in missing)
         cause = (
             f"its config.json has no {' or '.join(missing)}, so vLLM built another router than the checkpoint's, "
-            f"with no place for its e_score_correction_bias ({type(inner).__name__}: {message[:120]})"
+            f"with no place for its e_score_correction_bias ({type(inner).__name__}: {clipped(message, 120)})"
         )
         return cause, f"add {fields} to config.json, as the released DeepSeek-V3 config.json files have them"
-    kernel = _amx_mla_refusal(message, config)
+    kernel = _amx_mla_refusal(message, config) or _mla_head_refusal(message, config)
     if kernel:
-        return kernel, ENGINE_FIX
+        return kernel
     if "maximum context length" in message or "maximum model length" in message:
         return (
-            f"{type(inner).__name__}: {message[:300]}",
+            f"{type(inner).__name__}: {clipped(message)}",
             "raise --vllm_max_model_length (the engine's context) to the longest prompt plus max_completion_length",
         )
     for e in chain:
         reason = re.search(r"Value error, (.+?)(?: \[type=|$)", " ".join(str(e).split()))
+        if reason and "Sleep mode is not supported" in reason.group(1):
+            return f"vLLM has no sleep mode on this platform ({clipped(reason.group(1), 80)})", SLEEP_FIX
         if reason:
-            return reason.group(1)[:300], ENGINE_FIX
-    return f"{type(inner).__name__}: {message[:300]}", ENGINE_FIX
+            return clipped(reason.group(1)), ENGINE_FIX
+    return f"{type(inner).__name__}: {clipped(message)}", ENGINE_FIX
 
 
-def _amx_mla_refusal(message: str, config) -> str | None:
-    """The refusal of vLLM's AMX MLA kernel (its choice for MLA on a CPU with AMX, unless CPU_MLA is asked for:
-    `opsd.method.engine_env.cpu_mla_backend`) in a few words, naming the kernel and the dimension."""
+# What runs MLA on the CPU instead of AMX_MLA: the trainer's engine asks for it (`engine_env.cpu_mla_backend`).
+CPU_MLA_FIX = (
+    'start vLLM with attention_backend="CPU_MLA", as the trainer\'s colocated engine and eval_aime.py do on a CPU, '
+    "or train with --rollout_engine transformers"
+)
+
+
+def _amx_mla_refusal(message: str, config) -> tuple[str, str] | None:
+    """(cause, fix) of vLLM's AMX MLA kernel refusing a model (its choice for MLA on a CPU with AMX, unless CPU_MLA
+    is asked for: `opsd.method.engine_env.cpu_mla_backend`), naming the kernel and the dimension: a head dimension
+    it cannot pack at start-up, float32 weights, or a weight push into the kv_b_proj it freed once it packed it."""
     kernel = "vLLM's AMX MLA kernel (AMX_MLA, picked on a CPU with AMX)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     features = re.search(r"invalid weight input features (\d+)", message)
     if features:
         dim = getattr(text, "qk_nope_head_dim", None)
         named = f"qk_nope_head_dim {dim}" if dim is not None else f"{features.group(1)} input features"
-        return (
-            f"{kernel} packs its weights in tiles of 32 input features and refuses {named} ({message[:80]})"
-        )
+        cause = f"{kernel} packs its weights in tiles of 32 input features and refuses {named} ({clipped(message, 80)})"
+        return cause, CPU_MLA_FIX
     if message.startswith("expect weight to be bfloat16"):
-        return f"{kernel} takes bfloat16 weights only ({message[:80]})"
+        return f"{kernel} takes bfloat16 weights only ({clipped(message, 80)})", CPU_MLA_FIX
+    rank = getattr(text, "kv_lora_rank", None)
+    pushed = re.search(r"size of tensor a \(0\) must match the size of tensor b \((\d+)\)", message)
+    if pushed and rank is not None:
+        cause = (
+            f"{kernel} frees kv_b_proj once it has packed it (into W_UK and W_UV, qk_nope_head_dim "
+            f"{getattr(text, 'qk_nope_head_dim', '?')}), so a weight push finds no room for its kv_lora_rank {rank} "
+            f"input features ({clipped(message, 80)})"
+        )
+        return cause, CPU_MLA_FIX
     return None
+
+
+def _mla_head_sizes() -> list[int]:
+    """The MLA head dimensions this vLLM takes here: its CPU kernel's on a CPU (576 only), its common ones
+    elsewhere."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend as Backend
+        else:
+            from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend as Backend
+        return list(Backend.get_supported_head_sizes())
+    except Exception:  # another vLLM, where these moved: the released layout's, which every version takes
+        return [576]
+
+
+def _mla_head_refusal(message: str, config) -> tuple[str, str] | None:
+    """(cause, fix) of vLLM's MLA refusing the model's head dimension, kv_lora_rank + qk_rope_head_dim, with the
+    sizes it takes."""
+    found = re.search(r"Head dimension (\d+) is not supported by MLA", message)
+    if not found:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rank, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
+    parts = (
+        f" = kv_lora_rank {rank} + qk_rope_head_dim {rope}" if rank is not None and rope is not None else ""
+    )
+    sizes = " or ".join(map(str, _mla_head_sizes()))
+    cause = (
+        f"vLLM's MLA attention here takes a head dimension (kv_lora_rank + qk_rope_head_dim) of {sizes} only, and "
+        f"this model's is {found.group(1)}{parts}"
+    )
+    return cause, (
+        f"give the model a kv_lora_rank + qk_rope_head_dim of {sizes} (the released DeepSeek-V3's 512 + 64 = 576), "
+        "or train with --rollout_engine transformers"
+    )
 
 
 def _missing_module(kind: str, message: str, output: str) -> str:
@@ -371,4 +443,4 @@ def _missing_module(kind: str, message: str, output: str) -> str:
     name = re.search(r"No module named '([^']+)'", message)
     if name:
         return f"{module} imports {name.group(1)!r}, which is not installed here ({kind})"
-    return f"{module} does not import here ({kind}: {' '.join(message.split())[:200]})"
+    return f"{module} does not import here ({kind}: {clipped(message, 200)})"

@@ -13,7 +13,8 @@ whole GPU, which fails when another process allocates or frees memory meanwhile 
 cache blocks", "Error in memory profiling"); with a fixed size it skips that profile.
 
 On vLLM's CPU platform a model with multi-head latent attention (DeepSeek-V2/V3's MLA) runs vLLM's reference MLA
-backend, `CPU_MLA` (`cpu_mla_backend`). On a CPU with AMX, vLLM would otherwise pick its `AMX_MLA` backend, which
+backend, `CPU_MLA` (`cpu_mla_backend`), in training's engine (`opsd.method.engine.engine_arguments`) and in
+evaluation's and the benchmarks' (`opsd.evaluation.sampling.llm_arguments`) alike. On a CPU with AMX, vLLM would otherwise pick its `AMX_MLA` backend, which
 takes bfloat16 weights only, refuses a `qk_nope_head_dim` that is not a multiple of 32 ("invalid weight input
 features 16") and frees `kv_b_proj` once it has packed it, so that a weight push then fails ("The size of tensor a
 (0) must match the size of tensor b (512)"): a training engine, which takes a push every step, cannot use it.

@@ -78,7 +78,9 @@ def reference_rows(
     with it too), masks every position whose id is the pad id, and lets the model number positions 0..P+C-1.
     So completion token j sits at position P + j, and a shorter prompt's token 0 is predicted from the pad
     token in column P - 1. A real token equal to the pad id is masked as well (SmolLM2 pads with its
-    `<|im_end|>`, so there every turn end is hidden from attention).
+    `<|im_end|>`, so there every turn end is hidden from attention). The sampled stop token, which may equal
+    the pad id, is masked from attention here too, and that changes no score: it is scored from the column
+    before it, and no completion token after it is scored; `loss_token_mask` keeps it in the loss.
     """
     width = prompt_ids_BP.size(1)
     n_pad_B1 = width - prompt_mask_BP.sum(dim=1, keepdim=True)
@@ -92,22 +94,20 @@ def reference_rows(
 
 
 def loss_token_mask(
-    completion_ids_BC: torch.Tensor,
-    completion_mask_BC: torch.Tensor,
-    *,
-    skip: int,
-    pad_token_id: int | None,
+    completion_ids_BC: torch.Tensor, completion_mask_BC: torch.Tensor, *, skip: int
 ) -> torch.Tensor:
-    """(B, C) mask of the completion tokens that enter the loss, its denominator and its metrics.
+    """(B, C) mask of the completion tokens that enter the loss, its denominator and its metrics: every real
+    completion token (`completion_mask_BC`) whatever its id, but for the first `skip` of each completion (SDFT's
+    `num_loss_tokens_to_skip`).
 
-    The first `skip` tokens of every completion are left out (SDFT's `num_loss_tokens_to_skip`). With a
-    `pad_token_id` (the reference layout), tokens equal to it are left out too, as the reference's labels do.
+    The reference's labels also drop a sampled token equal to the pad id, in the layout `fix_position_ids=false`
+    reproduces. Where the pad token is the stop token (SmolLM2's ``<|im_end|>``, any tokenizer `opsd.models`
+    gives pad = eos) or one of the stop ids (Qwen3's ``<|endoftext|>``), that drops the sampled stop, and the
+    student is never trained to stop: that is not reproduced (docs/method.md §1.2).
     """
     keep_BC = completion_mask_BC.bool()
     if skip:
-        keep_BC = keep_BC & (torch.arange(completion_mask_BC.size(1), device=keep_BC.device) >= skip)
-    if pad_token_id is not None:
-        keep_BC = keep_BC & (completion_ids_BC != pad_token_id)
+        keep_BC = keep_BC & (torch.arange(completion_ids_BC.size(1), device=keep_BC.device) >= skip)
     return keep_BC.long()
 
 

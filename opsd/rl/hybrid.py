@@ -164,11 +164,8 @@ class HybridTrainer(GRPOTrainer):
         }
 
     def _sd_mask(self, completion_ids, completion_mask) -> torch.Tensor:
-        c = self.config
-        pad = None if c.fix_position_ids else self._tokenizer.pad_token_id
-        return loss_token_mask(
-            completion_ids, completion_mask, skip=c.num_loss_tokens_to_skip, pad_token_id=pad
-        )
+        """The self-distillation term's tokens: every sampled one, the stop token included (`loss_token_mask`)."""
+        return loss_token_mask(completion_ids, completion_mask, skip=self.config.num_loss_tokens_to_skip)
 
     # -- the loss --------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):

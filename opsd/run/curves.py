@@ -43,7 +43,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("seconds per step", ("time/step_s", "time/rollout_s", "time/train_micro_s", "time/probe_s")),
     (
         "tokens per step (compute ledger)",
-        ("ledger/generated_tokens", "ledger/teacher_tokens", "ledger/trained_tokens"),
+        ("ledger/generated_tokens", "ledger/teacher_tokens", "ledger/trained_tokens", "ledger/probe_tokens"),
     ),
     ("gradient norm", ("grad_norm",)),
     ("learning rate", ("learning_rate",)),

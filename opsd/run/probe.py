@@ -15,7 +15,8 @@ scores a training batch (same prompts, positions and teacher weights), and three
 
 The completions never change, so the curves move only with the weights: a rising divergence means the
 student is moving away from its teacher. The set is saved as `<output_dir>/probe_set.json` and reloaded on
-resume. Under several processes each process scores its share and the sums are reduced.
+resume. Its rollouts are booked in the compute ledger's `probe_tokens` column (step 1's row; none when reloaded).
+Under several processes each process scores its share and the sums are reduced.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Probe(TrainerCallback):
         mine = list(range(acc.process_index * share, (acc.process_index + 1) * share))
         student_ids = [builder.student_ids(self.rows[i]["prompt"]) for i in mine]
         completions = t.sample_probe_rollouts(student_ids)
+        t.ledger.add(probe=sum(len(c) for c in completions))  # in step 1's row (`opsd.run.ledger`)
         from accelerate.utils import gather_object
 
         local = [

@@ -133,6 +133,10 @@ class StepTimer(TrainerCallback):
 
 # -- the compute ledger -----------------------------------------------------------------------------------------
 TOKEN_KINDS = ("generated_tokens", "teacher_tokens", "trained_tokens")
+# The probe's rollouts (`opsd.run.probe`: its frozen set, sampled once before step 1), in a column of their own: a
+# row of an older run lacks it, so TOKEN_KINDS, which every row must hold, leaves it out.
+PROBE_TOKENS = "probe_tokens"
+LEDGER_TOKENS = (*TOKEN_KINDS, PROBE_TOKENS)
 
 
 class ComputeLedger:
@@ -143,24 +147,26 @@ class ComputeLedger:
     def __init__(self, metrics: dict, accelerator):
         self.metrics = metrics
         self.accelerator = accelerator
-        self.counts = dict.fromkeys(TOKEN_KINDS, 0)
+        self.counts = dict.fromkeys(LEDGER_TOKENS, 0)
 
-    def add(self, *, generated: int = 0, teacher: int = 0, trained: int = 0) -> None:
-        """Tokens this process spent towards the current step."""
+    def add(self, *, generated: int = 0, teacher: int = 0, trained: int = 0, probe: int = 0) -> None:
+        """Tokens this process spent towards the current step (`probe`: the probe's rollouts, booked before step 1
+        and so in its row)."""
         self.counts["generated_tokens"] += int(generated)
         self.counts["teacher_tokens"] += int(teacher)
         self.counts["trained_tokens"] += int(trained)
+        self.counts[PROBE_TOKENS] += int(probe)
 
     def close(self, args, state, seconds: dict[str, float]) -> None:
         """The step's row: its tokens over all processes and `seconds` (step_s and each phase's)."""
-        local = torch.tensor([self.counts[k] for k in TOKEN_KINDS], dtype=torch.float64)
+        local = torch.tensor([self.counts[k] for k in LEDGER_TOKENS], dtype=torch.float64)
         totals = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").tolist()
-        self.counts = dict.fromkeys(TOKEN_KINDS, 0)
-        row = {"step": state.global_step, **{k: int(v) for k, v in zip(TOKEN_KINDS, totals, strict=True)}}
+        self.counts = dict.fromkeys(LEDGER_TOKENS, 0)
+        row = {"step": state.global_step, **{k: int(v) for k, v in zip(LEDGER_TOKENS, totals, strict=True)}}
         row.update(seconds)
         if torch.cuda.is_available() and "step_s" in row:
             row["gpu_s"] = row["step_s"] * self.accelerator.num_processes
-        for key in (*TOKEN_KINDS, "gpu_s"):
+        for key in (*LEDGER_TOKENS, "gpu_s"):
             if key in row:
                 self.metrics[f"ledger/{key}"].append(float(row[key]))
         if state.is_world_process_zero:

@@ -574,3 +574,216 @@ def test_every_shipped_recipe_passes_the_dry_run(tmp_path, recipe):
     method = values.get("method", "opsd")
     assert config["method"] == method
     assert config["num_generations"] == int(values.get("num_generations", 1 if method == "opsd" else 8))
+
+
+# -- a closed stdout: a normal end of every command that prints ------------------------------------------------
+
+
+def closed_stdout(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`argv` with its stdout a pipe whose reader is gone before the first write: what `| head -c 1` is to every
+    write after its byte (a command whose output fits one write would otherwise race the reader's exit)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
+    full.update(ENV, CUDA_VISIBLE_DEVICES="", **(env or {}))
+    try:
+        return subprocess.run(argv, stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=cwd, env=full,
+                              timeout=300)  # fmt: skip
+    finally:
+        os.close(write_end)
+
+
+def _summary_dir(path: Path) -> Path:
+    """A result directory of eval_aime.py (summary.json) with what --aggregate reads."""
+    path.mkdir(parents=True)
+    metrics = {"avg": 50.0, "avg_se": 1.0, "pass_at_k": 80.0, "maj": 60.0, "format_rate": 95.0, "n": 4,
+               "n_problems": 1, "labels": {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"},
+               "problems": [{"id": "q1", "accuracy": 0.5, "format_rate": 1.0}]}  # fmt: skip
+    (path / "summary.json").write_text(json.dumps({"config": {"n": 4}, "step": None, "metrics": metrics}))
+    return path
+
+
+def test_a_closed_stdout_is_a_normal_end_of_every_command_that_prints(tmp_path):
+    """Each command that prints, its reader gone: exit 141 (128 + SIGPIPE, as a shell reports it; 0 for argparse's
+    --help, which ignores a failed write), no traceback on
+    either stream, and what it writes to files written. Once `--print-commands | head -c 1` and `report DIR | head
+    -c 1` ended in a BrokenPipeError traceback with exit 1."""
+    from tests.unit.test_experiment import experiment
+
+    directory = experiment(tmp_path / "exp")
+    runs = [_summary_dir(tmp_path / f"r{i}") for i in range(2)]
+    py = sys.executable
+    cases = {
+        "print-commands": ([py, "-m", "opsd.experiment", "--out", str(directory), "--print-commands"],
+                           directory / "experiment.json"),
+        "report": ([py, "-m", "opsd.experiment", "report", str(directory), "--bootstrap-reps", "200"],
+                   directory / "report.md"),
+        "eval_aime.py": ([py, str(ROOT / "eval_aime.py"), "--aggregate", *map(str, runs), "--out",
+                          str(tmp_path / "agg")], tmp_path / "agg" / "aggregate.json"),
+        "opsd_train.py --dry-run": ([py, str(ROOT / "opsd_train.py"), "--output_dir", str(tmp_path / "o"),
+                                     "--dry-run"], None),
+        "step trace": ([py, "-m", "opsd.testing.step_trace", "--help"], None),
+    }  # fmt: skip
+    for what, (argv, written) in cases.items():
+        res = closed_stdout(argv, ROOT)
+        # 141, or 0 where the reader's absence is swallowed before it ends (argparse's --help ignores it)
+        assert res.returncode in (0, 141) and (res.returncode == 141 or what == "step trace"), (
+            what,
+            res.returncode,
+            res.stderr[-3000:],
+        )
+        assert "Traceback" not in res.stderr and "BrokenPipeError" not in res.stderr, (
+            what,
+            res.stderr[-3000:],
+        )
+        assert written is None or written.is_file(), (what, written)
+
+
+# -- what eval_aime.py --compare reads: damaged results are one line naming the file -----------------------------
+
+
+def _suite_dir(path: Path, names=("aime24",)) -> Path:
+    """A --benchmarks result: DIR/benchmarks.json listing `names`, DIR/NAME/summary.json each (what the table reads)."""
+    for name in names:
+        row = {"id": "1", "accuracy": 0.5, "format_rate": 1.0, "n_correct": 2}
+        metrics = {"avg": 50.0, "avg_se": None, "pass_at_k": 100.0, "maj": 100.0, "maj_se": None, "format_rate": 100.0,
+                   "format_rate_se": None, "truncation_rate": 0.0, "truncation_rate_se": None, "mean_tokens": 10.0,
+                   "mean_tokens_se": None, "n": 4, "n_problems": 1, "problems": [row],
+                   "labels": {"avg": "avg@4", "pass_at_k": "pass@4", "maj": "maj@4"}}  # fmt: skip
+        (path / name).mkdir(parents=True)
+        (path / name / "summary.json").write_text(json.dumps({"config": {"n": 4}, "metrics": metrics}))
+    (path / "benchmarks.json").write_text(json.dumps({"benchmarks": list(names)}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"garbage", "is not JSON (Expecting value)"),
+        (b"[1, 2]", "holds a JSON list, not an object"),
+        (b"\xff\xfe" + bytes(range(256)) * 4, "is not UTF-8 text (byte 0)"),
+        (
+            b'{"benchmarks": ["../outside"]}',
+            "its field benchmarks is ['../outside'], not a list of distinct benchmark",
+        ),
+        (b'{"benchmarks": "aime24"}', "its field benchmarks is 'aime24', not a list"),
+        (b'{"benchmarks": ["aime24", "aime24"]}', "not a list of distinct benchmark names of the table"),
+    ],
+)
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_compare_refuses_a_damaged_benchmarks_json_naming_it(tmp_path, content, needle, side):
+    """Once JSONDecodeError, AttributeError and UnicodeDecodeError tracebacks; a benchmark name that is a path made
+    both sides read one directory outside both, compared with itself."""
+    a, b = _suite_dir(tmp_path / "a"), _suite_dir(tmp_path / "b")
+    _suite_dir(tmp_path / "outside")  # what ../outside would reach from either side
+    damaged = (a if side == "a" else b) / "benchmarks.json"
+    damaged.write_bytes(content)
+    res = run("eval_aime.py", ["--compare", str(a), str(b)], tmp_path)
+    one_line(res, "error:", repr(str(damaged)), needle)
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"garbage", "is not JSON"),
+        (b"[1, 2]", "holds a JSON list, not an object"),
+        (b"\x80" + bytes(range(256)), "is not UTF-8 text (byte 0)"),
+        (b'{"metrics": [1, 2]}', "it has no metrics object"),
+        (
+            b'{"metrics": {"problems": [{"id": "1"}], "n_problems": 1}}',
+            "metrics.problems[0] is not a problem's row",
+        ),
+        (b'{"config": 3, "metrics": {"problems": [], "n_problems": 0}}', "field config is 3, not an object"),
+    ],
+)
+@pytest.mark.parametrize("suite", [False, True], ids=["one table", "benchmarks"])
+def test_compare_refuses_a_damaged_summary_naming_it(tmp_path, content, needle, suite):
+    a, b = _suite_dir(tmp_path / "a"), _suite_dir(tmp_path / "b")
+    if not suite:
+        a, b = a / "aime24", b / "aime24"
+    damaged = b / ("aime24" if suite else "") / "summary.json"
+    damaged.write_bytes(content)
+    res = run("eval_aime.py", ["--compare", str(a), str(b)], tmp_path)
+    one_line(res, "error:", repr(str(damaged)), needle)
+    assert res.stdout == ""
+
+
+def test_compare_refuses_a_result_file_over_its_cap(tmp_path):
+    a, b = _suite_dir(tmp_path / "a"), _suite_dir(tmp_path / "b")
+    with (b / "benchmarks.json").open("ab") as f:  # sparse: nothing is written to the disk
+        f.truncate(100 * 2**20)
+    res = run("eval_aime.py", ["--compare", str(a), str(b)], tmp_path)
+    one_line(res, "error:", str(b / "benchmarks.json"), "result files are limited to 64 MiB")
+    a, b = _suite_dir(tmp_path / "c"), _suite_dir(tmp_path / "d")
+    assert run("eval_aime.py", ["--compare", str(a), str(b)], tmp_path).returncode == 0  # the same, undamaged
+
+
+def test_an_echoed_value_of_any_length_is_cut_to_one_short_line(tmp_path):
+    """An unknown benchmark name of 100,000 characters was echoed whole (a line of 100,137 characters); every value
+    a message echoes is cut at 200 characters (opsd.errors.shown, and short_message where the entry points
+    print)."""
+    from opsd.errors import SHOWN_CHARS, short_message, shown
+
+    name = "x" * 100_000
+    res = run("eval_aime.py", ["--benchmarks", name, "--out", str(tmp_path / "e")], tmp_path)
+    one_line(res, "error:", "unknown benchmark 'xxx")
+    assert len(res.stderr.strip()) < 600, len(res.stderr)
+    assert shown(name) == repr("x" * SHOWN_CHARS + "...") and shown(list(range(10**4))).endswith("...")
+    assert len(shown(list(range(10**4)))) == SHOWN_CHARS + 3
+    message = short_message(f"bad {name!r}; fix it")
+    assert message.startswith("bad 'xxx") and message.endswith("...' (100,000 characters); fix it")
+    assert short_message("keep 'short' values") == "keep 'short' values"
+
+
+# -- a stop signal, sent twice, is one line -----------------------------------------------------------------------
+
+# `python -m opsd.experiment` as a user starts it, its arms' dry runs and its jobs replaced: each job sleeps until
+# it is stopped (the subject is the experiment's own process: its handlers, its one line, its exit).
+FAKE_JOBS = """
+import runpy, sys
+from opsd.experiment import commands, schedule
+commands.dry_run_arms = lambda directory, spec, arms: {a: dict(spec.arms[a]["recipe"]) for a in arms}
+schedule.Runner.argv = lambda self, job, slot: ["sleep", "120"]
+runpy.run_module("opsd.experiment", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(("sig", "group"), [("SIGTERM", False), ("SIGINT", True)])  # SIGHUP: as SIGTERM
+def test_a_stop_signal_sent_twice_leaves_one_line(tmp_path, sig, group):
+    """A stop while jobs run: one line, exit 130, however often the signal comes. `timeout` sends SIGTERM to the
+    command and then to its group, and a terminal's Ctrl-C (SIGINT) reaches every process of its job-control
+    group: the second signal once added a "Terminated" line (the default handler, restored as the command
+    returned) or a KeyboardInterrupt traceback of the interpreter's exit."""
+    import signal
+    import time
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}
+    full.update(ENV, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    argv = [sys.executable, "-c", FAKE_JOBS, "--out", str(tmp_path / "exp"), "--recipe", "", "--arm",
+            "a=CLIP_MODE=element", "--arm", "b=CLIP_MODE=none", "--profile", "smoke", "--seeds", "42",
+            "--eval-flags", "--dataset builtin --n 2"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        before = []
+        for line in proc.stderr:  # the log, up to the first job's start
+            before.append(line)
+            if line.startswith("start "):
+                break
+        assert proc.poll() is None, "".join(before)[-3000:]
+        number = getattr(signal, sig)
+        for _ in range(2):
+            os.killpg(proc.pid, number) if group else os.kill(proc.pid, number)
+            time.sleep(0.5)
+        rest = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    after = [line for line in rest.splitlines() if not line.startswith("start ")]
+    assert proc.returncode == 130 and after == [
+        "opsd.experiment: stopped; rerun the same command to resume"
+    ], (
+        proc.returncode,
+        rest[-3000:],
+    )

@@ -79,6 +79,7 @@ CASES: dict[str, tuple[object, object, object]] = {
     "completions_steps": (5, 0, -1),
     "completions_rows": (2, 1, 0),
     "logging_steps": (5.0, 0.5, 0.0),
+    "num_generations": (8, 2, -1),  # with method=grpo (CONTEXT); 0 = the method's own
 }
 
 
@@ -92,20 +93,29 @@ CROSS = {
 
 # Fields only one method reads (opsd.configuration.checks.check_method), set with it in every entry path: alone they
 # would be refused for that reason, not their range.
-CONTEXT = {
-    name: {"method": "hybrid"}
-    for name in (
-        "sd_weight",
-        "hybrid_route",
-        "contrast_rl_weight",
-        "contrast_rl_tau",
-        "contrast_rl_delta",
-        "teacher_contrast",
-    )
-} | {  # teacher_contrast's last choice, own_wrong, draws its hints from a hybrid's rollouts
-    name: {"method": "grpo"}
-    for name in ("rl_loss_type", "epsilon_high", "mask_truncated_completions", "scale_rewards", "rl_beta")
-}  # GRPO's settings (TRL's GRPOConfig): method=opsd has no GRPO term
+CONTEXT = (
+    {
+        name: {"method": "hybrid"}
+        for name in (
+            "sd_weight",
+            "hybrid_route",
+            "contrast_rl_weight",
+            "contrast_rl_tau",
+            "contrast_rl_delta",
+            "teacher_contrast",
+        )
+    }
+    | {  # teacher_contrast's last choice, own_wrong, draws its hints from a hybrid's rollouts
+        name: {"method": "grpo"}
+        for name in ("rl_loss_type", "epsilon_high", "mask_truncated_completions", "scale_rewards", "rl_beta")
+    }
+    | {  # GRPO's settings (TRL's GRPOConfig): method=opsd has no GRPO term
+        "num_generations": {"method": "grpo"},  # method=opsd takes one rollout per problem
+        # The rows a process holds at once are the product of the two (opsd.configuration.checks): each end alone.
+        "per_device_train_batch_size": {"gradient_accumulation_steps": "1"},
+        "gradient_accumulation_steps": {"per_device_train_batch_size": "1"},
+    }
+)
 
 
 # Upper bounds (and the lower bounds above 0) of the magnitudes that reach the loss or the update, each at the edge
@@ -124,6 +134,26 @@ BOUNDS: dict[str, tuple[object, object]] = {
     "num_loss_tokens_to_skip": (2**24, 2**24 + 1),
     "lora_r": (2**14, 2**14 + 1),
     "lora_alpha": (10_000, 10_001),
+}
+
+
+# The upper bounds of the counts that size a batch or a tensor (opsd/configuration/switches.py: MAX_GENERATIONS,
+# MAX_BATCH_ROWS, MAX_TOKENS) and the smallest temperatures of the contrastive weights that float32 holds
+# (MIN_CONTRAST_TAU), each at its edge and just past it, through every source.
+SIZES: dict[str, tuple[object, object]] = {
+    "num_generations": (1024, 1_000_000_000),
+    "per_device_train_batch_size": (2**16, 2**16 + 1),
+    "gradient_accumulation_steps": (2**16, 2**16 + 1),
+    "vllm_max_num_seqs": (2**16, 2**16 + 1),
+    "probe_size": (2**16, 2**16 + 1),
+    "max_completion_length": (2**24, 2**24 + 1),
+    "max_teacher_prompt_length": (2**24, 2**24 + 1),
+    "vllm_max_model_length": (2**24, 2**24 + 1),
+    "top_k": (2**24, 2**24 + 1),
+    "top_k_loss": (2**24, 2**24 + 1),
+    "loss_chunk_size": (2**24, 2**24 + 1),
+    "contrast_kl_tau": (1e-30, 1e-300),  # KL / (KL + tau): 0 / 0 where KL is 0 once tau is 0 in float32
+    "contrast_rl_tau": (1e-30, 1e-300),  # tanh(e / tau): NaN at e = 0
 }
 
 
@@ -166,6 +196,50 @@ def test_a_fixed_advantage_that_overflows_float32_is_refused_with_the_bound():
         )
     assert range_error("loss_temperature", 0.0) is None  # 0: the rollout temperature
     assert RANGES["loss_temperature"].rule() == "must be 0 or in [0.001, 1000] (0 = rollout temperature)"
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_the_size_bounds_and_the_smallest_taus_through_every_source(name, tmp_path, monkeypatch):
+    """Each bound through the command line, a YAML file, recipe.env (the switches it takes) and OPSD_*: the edge
+    is taken, the value past it refused in one line naming its range (and the source), before anything is written.
+    num_generations=1e9 once passed every check and died at step 1 in TRL's batch sampler (MemoryError); a tau of
+    1e-300 is 0 in float32."""
+    monkeypatch.delenv("OPSD_DEBUG", raising=False)
+    edge, outside = SIZES[name]
+    expected = range_error(name, outside)
+    assert range_error(name, edge) is None and expected is not None
+    for path in ("cli", "yaml", "recipe", "env"):
+        if path == "recipe" and (name not in CAPPED_KEYS or name == "max_completion_length"):
+            continue  # recipe.env takes the tunable keys, its rollouts capped at 4096 (test above)
+        assert getattr(_via(path, name, edge, tmp_path, None), name) == edge, path
+        with pytest.raises(UserError) as info:
+            _via(path, name, outside, tmp_path, None)
+        source = {"cli": "", "recipe": f" (from {tmp_path / 'recipe.env'}:1)", "env": f" (from env OPSD_{name.upper()})",
+                  "yaml": f" (from {tmp_path / 'c.yaml'})"}[path]  # fmt: skip
+        assert str(info.value) == expected + source, (path, str(info.value))
+    assert not (tmp_path / "run").exists()
+
+
+def test_rollouts_held_at_once_are_bounded_and_a_count_beyond_int64_is_one_line(tmp_path):
+    """G x problems per step within the rows a process holds (the product, each factor within its own range),
+    and a num_generations beyond int64 (10^20) refused as 1e9 is."""
+    from opsd.configuration.sources import parse_config
+
+    out = ["--output_dir", str(tmp_path / "run"), "--method", "grpo"]
+    with pytest.raises(InvalidValue) as info:
+        parse_config([*out, "--num_generations", "1024", "--per_device_train_batch_size", "64"], environ={})
+    assert str(info.value) == (
+        "per_device_train_batch_size=64 x gradient_accumulation_steps=2 x steps_per_rollout=1 x num_generations=1024 "
+        "= 131,072 rollouts generated and held at once by each process, over 65,536; give fewer problems per step "
+        "or fewer rollouts per problem"
+    )
+    assert parse_config(
+        [*out, "--num_generations", "1024", "--per_device_train_batch_size", "32"], environ={}
+    )
+    with pytest.raises(
+        InvalidValue, match=r"^num_generations=100000000000000000000 is out of range: must be in "
+    ):
+        parse_config(out, environ={"OPSD_NUM_GENERATIONS": str(10**20)})
 
 
 def _text(value: object) -> str:

@@ -101,6 +101,14 @@ def load_router():  # vLLM's DeepSeek-V3 with the router its config.json declare
 def pack_mla(features):  # vLLM's AMX MLA kernel packing W_UK (qk_nope_head_dim input features)
     if features % 32:
         raise RuntimeError(f"invalid weight input features {features}")
+
+
+def mla_metadata(head_dim):  # vLLM's MLA metadata checking kv_lora_rank + qk_rope_head_dim
+    raise ValueError(f"Head dimension {head_dim} is not supported by MLA.")
+
+
+def long_failure(words):  # a library message of many long identifiers
+    raise RuntimeError(" ".join(words))
 """
 
 
@@ -272,3 +280,143 @@ def test_the_engine_starts_at_the_trainers_dtype(tiny_model_dir, dtype):
     assert engine_arguments(student) == {"dtype": str(dtype).removeprefix("torch.")}
     assert cpu_mla_backend(DeepseekV3Config(kv_lora_rank=512)) == {"attention_backend": "CPU_MLA"}
     assert cpu_mla_backend(model.config) == {}
+
+
+def test_the_evaluation_engine_routes_mla_to_cpu_mla_as_training_does(tmp_path, monkeypatch):
+    """eval_aime.py's vLLM engine (`VLLMEngine`, every evaluation, sweep and benchmark builds it) starts a
+    DeepSeek-V3 checkpoint on CPU_MLA, as training's does, also as on a CPU with AMX (torch's AMX probe answering
+    yes, as tests/e2e/test_families_push.py simulates it), where vLLM's own choice, AMX_MLA, refuses the tiny
+    layout; another model gets no backend. vLLM's `LLM` is replaced by a recorder: no engine starts."""
+    import vllm
+    from transformers import DeepseekV3Config, Qwen3Config
+
+    from opsd.evaluation.sampling import VLLMEngine
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+
+        def get_tokenizer(self):
+            return None
+
+    started: list[dict] = []
+    monkeypatch.setattr(vllm, "LLM", Recorder)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    mla, plain = tmp_path / "deepseek_v3", tmp_path / "qwen3"
+    DeepseekV3Config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16).save_pretrained(mla)
+    Qwen3Config().save_pretrained(plain)
+    VLLMEngine(str(mla), max_model_len=512, seed=3)
+    VLLMEngine(str(plain), max_model_len=512)
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()  # on a GPU vLLM's own MLA backends run
+    assert started[0].get("attention_backend") == ("CPU_MLA" if on_cpu else None) and started[0][
+        "model"
+    ] == str(mla)
+    assert started[0]["dtype"] == ("float32" if on_cpu else "auto") and started[0]["seed"] == 3
+    assert "attention_backend" not in started[1]
+    from opsd.evaluation.sampling import llm_arguments
+
+    assert llm_arguments(str(tmp_path / "no-such-model")).get("attention_backend") is None  # vLLM decides
+
+
+def _deepseek(fake_engine, **dims):
+    """A DeepSeek-V3 model (its config: `dims`) as the refusals read it."""
+    import json
+    from types import SimpleNamespace
+
+    declared = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **dims}
+    (fake_engine.checkpoint / "config.json").write_text(json.dumps(declared))
+    config = SimpleNamespace(model_type="deepseek_v3", _name_or_path=str(fake_engine.checkpoint), **dims)
+    return SimpleNamespace(config=config)
+
+
+def test_the_amx_push_and_the_mla_head_refusals_name_the_kernel_the_dimension_and_the_fix(
+    fake_engine, tmp_path
+):
+    """A weight push into vLLM's AMX MLA kernel, which freed kv_b_proj once it packed it, names the kernel, the
+    dimensions and CPU_MLA (the qwen3_5 stand-in of the test above keeps the generic line); an MLA head dimension
+    vLLM does not take names kv_lora_rank + qk_rope_head_dim and the sizes it takes here."""
+    from opsd.errors import UnsupportedModel
+    from opsd.method.engine_classes import engine_failure
+
+    model = _deepseek(fake_engine, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32)
+    with (
+        pytest.raises(UnsupportedModel) as refused,
+        engine_failure(model, tmp_path / "run", failed="on a weight push"),
+    ):
+        fake_engine.module.push(fail=True)
+    line = str(refused.value)
+    assert " failed on a weight push for DeepseekV3ForCausalLM" in line and "\n" not in line
+    assert (
+        "vLLM's AMX MLA kernel (AMX_MLA, picked on a CPU with AMX) frees kv_b_proj once it has packed it"
+        in line
+    )
+    assert "qk_nope_head_dim 32" in line and "kv_lora_rank 512 input features" in line
+    assert 'start vLLM with attention_backend="CPU_MLA"' in line and "--rollout_engine transformers" in line
+
+    model = _deepseek(fake_engine, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16)
+    with (
+        pytest.raises(UnsupportedModel) as refused,
+        engine_failure(model, tmp_path / "run", failed="on a generation"),
+    ):
+        fake_engine.module.mla_metadata(48)
+    line = str(refused.value)
+    assert (
+        "vLLM's MLA attention here takes a head dimension (kv_lora_rank + qk_rope_head_dim) of 576 only"
+        in line
+    )
+    assert "this model's is 48 = kv_lora_rank 32 + qk_rope_head_dim 16" in line
+    assert (
+        "give the model a kv_lora_rank + qk_rope_head_dim of 576 (the released DeepSeek-V3's 512 + 64" in line
+    )
+
+
+def test_a_long_cause_is_cut_at_a_word_boundary(fake_engine, tmp_path):
+    """A library message past 300 characters is cut after a whole word, never inside an identifier."""
+    import re
+
+    from opsd.errors import UnsupportedModel
+    from opsd.method.engine_classes import engine_start_refusal
+
+    words = [f"model.layers.{i}.self_attn.q_proj.lora_A.default.weight" for i in range(12)]
+    with (
+        pytest.raises(UnsupportedModel) as refused,
+        engine_start_refusal(True, fake_engine.model, tmp_path / "run"),
+    ):
+        fake_engine.module.long_failure(words)
+    cause = re.search(r"\): RuntimeError: (.+?); train with", str(refused.value)).group(1)
+    kept = cause.removesuffix(" [...]").split(" ")
+    assert kept == words[: len(kept)] and len(kept) >= 4, cause  # whole identifiers only
+    assert cause.endswith(" [...]") and len(cause) <= 300 + len(" [...]")
+    from opsd.method.engine_classes import CAUSE_CHARS, clipped
+
+    assert clipped("short message") == "short message"
+    # one word longer than the limit: cut at the limit
+    assert clipped("x" * 400) == "x" * CAUSE_CHARS + " [...]"
+
+
+def test_sleep_mode_on_a_cpu_is_refused_with_its_own_fix(fake_engine, tmp_path):
+    """vLLM's own validation of sleep mode (its EngineArgs, as the engine's start runs it) on this CPU: the line says
+    to drop --vllm_enable_sleep_mode, not the generic fix."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from opsd.errors import UnsupportedModel
+    from opsd.method.engine_classes import engine_start_refusal
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("vLLM has sleep mode on this platform")
+    from transformers import Qwen3Config
+
+    checkpoint = tmp_path / "qwen3"
+    Qwen3Config(num_hidden_layers=1, hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=128).save_pretrained(checkpoint)  # fmt: skip
+    with (
+        pytest.raises(UnsupportedModel) as refused,
+        engine_start_refusal(True, fake_engine.model, tmp_path / "run"),
+    ):
+        EngineArgs(model=str(checkpoint), enable_sleep_mode=True).create_model_config()
+    line = str(refused.value)
+    assert "vLLM has no sleep mode on this platform (Sleep mode is not supported on current platform" in line
+    assert "drop --vllm_enable_sleep_mode" in line and "--rollout_engine" not in line and "\n" not in line

@@ -36,6 +36,8 @@ NOT_SWEPT = {
     "completions_steps": "how often the completions log is written (1 in every step here, for completions_rows)",
     "vllm_gpu_memory_utilization": "the vLLM engine's; a CPU step rolls out with transformers",
     "vllm_max_num_seqs": "the vLLM engine's; a CPU step rolls out with transformers",
+    "num_generations": "rollouts per problem: a batch's size, bounded for memory (tests/e2e/test_config_ranges.py), "
+    "and method=opsd, the other switches' step, takes 1",
 }
 # What every grouped step sets, so that the switches that need it act: the EMA teacher (ema_decay) and the
 # completions log (completions_rows).

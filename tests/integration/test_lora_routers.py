@@ -1,5 +1,5 @@
 """`lora_target_modules=auto` tells a mixture-of-experts router by the model's own names and config, never by a
-linear's width alone, and names every linear it leaves out in a WARNING (issue 56, D5: a Qwen3-MoE layout with 32
+linear's width alone, and names every linear it leaves out in a WARNING (a Qwen3-MoE layout with 32
 experts and k/v projections 32 wide lost its k_proj/v_proj adapters to a width rule). The models are built in
 memory from their configs (no weights saved, no training)."""
 
@@ -167,7 +167,7 @@ def test_router_names_without_experts_are_adapted():
 
 PUBLISHED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERT_WEIGHTS = ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
-# `auto` on every family of opsd/testing/families.py, as the width rule resolved it before issue 56 (that rule
+# `auto` on every family of opsd/testing/families.py, as the earlier width rule resolved it (that rule
 # never fired there: their routers are not nn.Linear): (target_modules, target_parameters).
 FAMILY_TARGETS = {
     **{name: (PUBLISHED, []) for name in FAMILIES},

@@ -6,6 +6,8 @@ right with the pad token, completions appended, attention mask = (id != pad id),
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -113,22 +115,70 @@ def test_trainer_scores_reference_rows_when_positions_are_not_fixed(trainer, tin
     )
 
 
-def test_loss_token_mask_skips_leading_tokens_and_reference_pad_tokens():
+def test_loss_token_mask_skips_leading_tokens_and_keeps_tokens_equal_to_the_pad_id():
     pad = 0
     ids = torch.tensor([[4, 5, 6, 7], [8, 0, 9, 0], [3, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
-    assert loss_token_mask(ids, mask, skip=0, pad_token_id=None).tolist() == mask.tolist()
-    assert loss_token_mask(ids, mask, skip=2, pad_token_id=None).tolist() == [
+    # Every real token is in the loss whatever its id: a sampled token equal to the pad id (SmolLM2's
+    # <|im_end|>, its stop token) too, where the reference's labels drop it (docs/method.md §1.2).
+    assert loss_token_mask(ids, mask, skip=0).tolist() == mask.tolist()
+    assert ids[1, 1] == pad and loss_token_mask(ids, mask, skip=0)[1, 1] == 1
+    assert loss_token_mask(ids, mask, skip=2).tolist() == [
         [0, 0, 1, 1],
         [0, 0, 1, 0],
         [0, 0, 0, 0],
     ]
-    # The reference's labels drop a sampled token equal to the pad id (SmolLM2: its <|im_end|>).
-    assert loss_token_mask(ids, mask, skip=0, pad_token_id=pad).tolist() == [
-        [1, 1, 1, 1],
-        [1, 0, 1, 0],
-        [1, 0, 0, 0],
-    ]
+
+
+@pytest.mark.parametrize("fix", [True, False])
+def test_the_sampled_stop_token_is_trained_on_the_embedded_model(
+    embedded_cache_dir, tmp_path, monkeypatch, fix
+):
+    """The embedded SmolLM2 pads with its stop token <|im_end|>. In both layouts (fix_position_ids on, and off:
+    the reference's rows) the stop token that ends each completion is in the loss mask and its denominator, and
+    the loss has a gradient at the hidden state that predicts it; the hybrid's self-distillation term keeps it
+    too."""
+    from opsd.models import EMBEDDED_NAME
+    from opsd.rl.hybrid import HybridTrainer
+
+    trainer = make_trainer(
+        embedded_cache_dir / EMBEDDED_NAME, tmp_path, fix_position_ids=fix, clip_mode="none",
+        probe_size=0, probe_steps=0, completions_steps=0,
+    )  # fmt: skip
+    tok = trainer.processing_class
+    eos = tok.eos_token_id
+    assert tok.pad_token_id == eos, "the embedded model pads with its stop token"
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    completions = [enc("The answer is \\boxed{7}.") + [eos], enc("7") + [eos]]
+    monkeypatch.setattr(trainer, "_sample", lambda prompt_ids: (prompt_ids, completions))
+    batch = trainer.rollout_batch([trainer.train_dataset[i] for i in range(2)])
+    c_ids, c_mask = batch["completion_ids"], batch["completion_mask"]
+    last_B = c_mask.sum(1) - 1
+    assert (c_ids[torch.arange(2), last_B] == eos).all()
+    keep_BC = trainer._loss_mask(c_ids, c_mask)
+    assert keep_BC.tolist() == c_mask.tolist() and int(batch["num_loss_tokens"][0]) == int(c_mask.sum())
+    hybrid = SimpleNamespace(
+        config=SimpleNamespace(num_loss_tokens_to_skip=0, fix_position_ids=fix), _tokenizer=tok
+    )
+    assert HybridTrainer._sd_mask(hybrid, c_ids, c_mask).tolist() == c_mask.tolist()
+
+    captured = {}
+    scored = trainer.completion_hidden_states
+
+    def keep_grad(*args, **kwargs):
+        hidden = scored(*args, **kwargs)
+        hidden.student_hidden_NH.retain_grad()
+        captured["h"] = hidden.student_hidden_NH
+        return hidden
+
+    monkeypatch.setattr(trainer, "completion_hidden_states", keep_grad)
+    trainer.compute_loss(trainer.model, batch).backward()
+    # The hidden states are flattened over completion_mask, row by row: each row's stop is its last real token.
+    stop_rows = c_mask.sum(1).cumsum(0) - 1
+    grad_NH = captured["h"].grad
+    assert grad_NH is not None and (grad_NH[stop_rows].abs().sum(-1) > 0).all(), (
+        "no gradient at the stop token"
+    )
 
 
 @pytest.mark.parametrize("skip", [0, 2])

@@ -190,3 +190,27 @@ def test_probe_set_is_frozen_and_does_not_change_training(tiny_model_dir, tmp_pa
     again.freeze()
     assert again.frozen == frozen
     assert again.score()["probe/divergence"] == pytest.approx(curve[-1][1], rel=1e-5)
+
+
+def test_the_probes_rollouts_are_booked_in_the_ledgers_own_column(tiny_model_dir, tmp_path):
+    """The probe's frozen rollouts are in step 1's `probe_tokens` (and its `ledger/probe_tokens` metric), apart
+    from the training rollouts' `generated_tokens`; a trainer that reloads the set books none."""
+    from opsd.run.ledger import ledger_totals
+
+    trainer, _ = _probe_run(tiny_model_dir, tmp_path, clip_mode="none", steps=2)
+    frozen = json.loads((tmp_path / PROBE_FILE).read_text())["rows"]
+    sampled = sum(len(r["completion_ids"]) for r in frozen)
+    assert sampled == 4  # four probe rows of one token (max_completion_length=1)
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["probe_tokens"]) for r in rows] == [(1, sampled), (2, 0)]
+    assert all(r["generated_tokens"] == 2 for r in rows)  # two training rollouts of one token a step
+    assert ledger_totals(rows)["probe_tokens"] == sampled
+    # A run from before the column has no probe total; where some row has it, a row without it counts 0.
+    older = [{k: v for k, v in r.items() if k != "probe_tokens"} for r in rows]
+    assert "probe_tokens" not in ledger_totals(older)
+    assert ledger_totals([older[0], rows[1]])["probe_tokens"] == 0
+    logged = [r["ledger/probe_tokens"] for r in trainer.state.log_history if "ledger/probe_tokens" in r]
+    assert logged == [sampled, 0]
+    again = Probe(trainer, frozen, every=3)
+    again.freeze()  # loads the saved set: nothing sampled, nothing booked
+    assert trainer.ledger.counts["probe_tokens"] == 0

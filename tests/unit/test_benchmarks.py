@@ -181,3 +181,107 @@ def test_training_settings_that_differ_are_printed_beside_the_protocol(tmp_path:
         f"aime25: training and evaluation differ ({run / 'opsd_config.json'}): thinking: trained off, scored on; "
         "length: trained 1024 tokens, scored 38912"
     ]
+
+
+# --- local copies checked against the table; pairing over one problem set --------------------------------------
+
+
+def _aime_rows(ids) -> str:
+    return "".join(
+        json.dumps({"problem_idx": i, "problem": f"Problem {i}?", "answer": i}) + "\n" for i in ids
+    )
+
+
+def test_a_copy_of_another_row_count_is_warned_and_a_copy_without_its_ids_is_refused(
+    tmp_path, caplog
+) -> None:
+    # Without problem_idx its problems would be numbered 0, 1, ... and paired with the Hub's 1, 2, ...
+    no_ids = tmp_path / "no_ids.jsonl"
+    no_ids.write_text("".join(json.dumps({"problem": f"P{i}?", "answer": i}) + "\n" for i in range(30)))
+    with pytest.raises(UserError) as err:
+        load_benchmark(BENCHMARKS["aime25"], str(no_ids))
+    assert str(err.value).startswith(
+        f"benchmark aime25: the local copy {no_ids} lacks the id column 'problem_idx'"
+    )
+    refusal = str(err.value)
+    assert "keep the column 'problem_idx' of MathArena/aime_2025" in refusal and "\n" not in refusal
+    with caplog.at_level("WARNING", logger="opsd.evaluation.benchmarks"):
+        short = load_benchmark(BENCHMARKS["aime25"], str(DATA / "aime25.jsonl"))
+    (line,) = short.warnings
+    assert line == (
+        f"benchmark aime25: {(DATA / 'aime25.jsonl').resolve()} holds 3 problems where the table gives 30 "
+        f"(MathArena/aime_2025 at c94da77eb22b); its scores are not those of the published set"
+    )
+    assert line in caplog.text and "\n" not in line
+    full = tmp_path / "aime25.jsonl"
+    full.write_text(_aime_rows(range(1, 31)))
+    assert load_benchmark(BENCHMARKS["aime25"], str(full)).warnings == ()
+
+
+def test_the_row_count_warning_is_recorded_in_the_summary_and_the_table(tiny_model_dir, tmp_path) -> None:
+    """Planned as --benchmarks plans it, a 3-row aime25 copy's warning reaches summary.json, the table's row and
+    its markdown (samples written by hand: no engine)."""
+    from opsd.evaluation.suite import SINGLE, Entry, benchmark_table, plan_units, table_lines
+    from opsd.evaluation.summary import write_summary
+
+    argv = ["--model", str(tiny_model_dir), "--benchmarks", "aime25", "--dataset", f"aime25={DATA / 'aime25.jsonl'}",
+            "--n", "2", "--engine", "transformers", "--out", str(tmp_path / "out")]  # fmt: skip
+    config = EvalConfig(model=str(tiny_model_dir), benchmarks="aime25", dataset=f"aime25={DATA / 'aime25.jsonl'}",
+                        n=2, engine="transformers", out=str(tmp_path / "out"))  # fmt: skip
+    (unit,) = plan_units(config, argv, [Entry(SINGLE, "", "base")])
+    unit.job.out.mkdir(parents=True)
+    sample = {"correct": True, "extracted": "7", "has_box": True, "n_tokens": 3, "truncated": False}
+    records = [{"id": p["id"], "idx": i, **sample} for p in unit.job.problems for i in range(2)]
+    (unit.job.out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_summary(unit.job, {"generation_s": 0.0, "new_tokens": 0}, 0.0)
+    (line,) = unit.job.data_warnings
+    assert "holds 3 problems where the table gives 30" in line
+    assert json.loads((unit.job.out / "summary.json").read_text())["data_warnings"] == [line]
+    table = benchmark_table({"aime25": summary})
+    assert table["rows"][0]["data_warnings"] == [line]
+    assert table_lines(table)[-1] == f"warning: {line}"
+
+
+def _summary(path: Path, ids, **config) -> Path:
+    path.mkdir(parents=True)
+    problems = [{"id": str(i), "n": 1, "accuracy": 1.0, "format_rate": 1.0} for i in ids]
+    metrics = {"problems": problems, "n_problems": len(problems), "n": 1}
+    (path / "summary.json").write_text(json.dumps({"config": {"n": 1, **config}, "metrics": metrics}))
+    return path
+
+
+def test_pairing_a_benchmark_run_over_another_problem_set_is_refused(tmp_path) -> None:
+    """A Hub run of aime25 (30 problems) against a 12-row local copy: refused in one line, by --compare of two
+    runs and of two --benchmarks directories, where it used to warn and compare the 12 common problems."""
+    from opsd.evaluation.report import load_summary, run_compare
+    from opsd.evaluation.suite import run_suite_compare
+
+    hub = _summary(
+        tmp_path / "hub" / "aime25", range(1, 31), benchmark="aime25", dataset_source="MathArena/aime_2025"
+    )
+    copy = _summary(
+        tmp_path / "copy" / "aime25", range(1, 13), benchmark="aime25", dataset_source="/d/aime25.jsonl"
+    )
+    expected = (
+        f"{hub} and {copy} scored different problems of aime25: 30 from MathArena/aime_2025 and 12 from "
+        "/d/aime25.jsonl, 12 in common; a paired comparison needs one problem set"
+    )
+    with pytest.raises(UserError, match=re.escape(expected)) as err:
+        run_compare(EvalConfig(compare=[str(hub), str(copy)]))
+    assert "\n" not in str(err.value)
+    for d in ("hub", "copy"):
+        (tmp_path / d / "benchmarks.json").write_text(json.dumps({"benchmarks": ["aime25"]}))
+    with pytest.raises(UserError, match=re.escape(expected)):
+        run_suite_compare(EvalConfig(compare=[str(tmp_path / "hub"), str(tmp_path / "copy")]))
+    from opsd.evaluation.benchmarks import check_same_problems
+
+    # A plain --dataset run of the benchmark's Hub dataset is that benchmark too.
+    plain = _summary(tmp_path / "plain", range(1, 13), dataset_source="MathArena/aime_2025")
+    with pytest.raises(UserError, match="scored different problems of aime25"):
+        check_same_problems(load_summary(str(hub)), load_summary(str(plain)), "a", "b")
+    # One problem set: paired; data outside the table keep paired_compare's warning.
+    check_same_problems(load_summary(str(hub)), load_summary(str(hub)), "a", "b")
+    other = _summary(tmp_path / "other", range(1, 5), dataset_source="/d/mine.jsonl")
+    fewer = _summary(tmp_path / "fewer", range(1, 3), dataset_source="/d/mine.jsonl")
+    check_same_problems(load_summary(str(other)), load_summary(str(fewer)), "a", "b")
+    assert run_compare(EvalConfig(compare=[str(other), str(fewer)]))

@@ -1488,7 +1488,8 @@ def test_report_compute_ledger_with_one_seed_or_no_base(tmp_path: Path) -> None:
 def test_bench_rl_preset_arms_differ_by_the_method_alone() -> None:
     """bench/experiment_run.py --preset rl: the study's baseline recipe under each method, on the full profile
     (the other presets'), the hybrid once per route (group, sample); the arms differ only by the method's own
-    keys; every preset's flags parse as `python -m opsd.experiment`'s."""
+    keys, the RL arms counting the step's 32 in rollouts (budget_unit); every preset's flags parse as
+    `python -m opsd.experiment`'s."""
     import experiment_run
 
     a = commands.parse(experiment_run.rl_flags())
@@ -1503,8 +1504,15 @@ def test_bench_rl_preset_arms_differ_by_the_method_alone() -> None:
     assert list(arms) == ["opsd", "grpo", "hybrid_group", "hybrid_sample"]
     assert arms["grpo"] == {
         **{k: v for k, v in arms["opsd"].items() if k != "clip_mode"}, "method": "grpo", "num_generations": "4",
+        "budget_unit": "rollouts",
     }  # fmt: skip
-    hybrid = {**arms["opsd"], "method": "hybrid", "num_generations": "4", "sd_weight": "1.0"}
+    hybrid = {
+        **arms["opsd"],
+        "method": "hybrid",
+        "num_generations": "4",
+        "sd_weight": "1.0",
+        "budget_unit": "rollouts",
+    }
     assert arms["hybrid_group"] == {**hybrid, "hybrid_route": "group"}
     assert arms["hybrid_sample"] == {**hybrid, "hybrid_route": "sample"}
     assert arms["opsd"]["clip_mode"] == "rescale" and arms["opsd"]["vllm_gpu_memory_utilization"] == "0.12"

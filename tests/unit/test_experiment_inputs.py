@@ -116,6 +116,21 @@ def test_bad_arm_names_and_arms(tmp_path: Path, capsys, arms: list[str], named: 
         (["--profile", "huge"], "--profile 'huge'"),
         (["--model", ""], "--model ''"),
         (["--eval-flags", "--seed 3"], "--seed, which the experiment sets itself"),
+        # --step declares the verdict step: one the experiment scores (each cell's final checkpoint, or with
+        # --every-checkpoint every step the capped run saves)
+        (
+            ["--eval-flags", "--step 50"],
+            "--eval-flags --step 50: the experiment scores each cell's final checkpoint "
+            "only, checkpoint-100; add --every-checkpoint to score every saved step and report step 50",
+        ),
+        (
+            ["--every-checkpoint", "--eval-flags", "--step 55"],
+            "--eval-flags --step '55': the capped run saves "
+            "checkpoints at steps 10, 20, 30, 40, 50, 60, 70, 80, 90, 100 only; give one of them as the verdict step",
+        ),
+        (["--every-checkpoint", "--eval-flags=--step=0"], "--eval-flags --step '0': the capped run saves"),
+        (["--eval-flags", "--step " + "9" * 1000], "--eval-flags --step '99999"),
+        (["--eval-flags=--step"], "argument --step: expected one argument"),
         # shlex's refusals (a ValueError) of a string a shell would not split either
         (
             ["--eval-flags", '"unbalanced'],
@@ -771,3 +786,90 @@ def test_paths_are_read_where_given_and_recorded_absolute(tmp_path: Path, monkey
     # A shortened path flag would pass unchanged, its path relative: eval_aime.py refuses it.
     with pytest.raises(UserError, match="unrecognized arguments: --datas evalok.jsonl"):
         S.check_eval_flags(S.absolute_eval_flags(["--datas", "evalok.jsonl"]))
+
+
+# --- the verdict step (--eval-flags --step) and the arms' values past their bounds, accepted or refused -------------
+
+
+def fake_dry_runs(monkeypatch) -> None:
+    """The arms' dry runs (each a train_capped.sh --dry-run, seconds an arm) as their resolved settings: what these
+    tests check comes before or after them."""
+
+    def dry_run_arms(directory, spec, arms):
+        return {arm: dict(spec.arms[arm]["recipe"]) for arm in arms}
+
+    monkeypatch.setattr(commands, "dry_run_arms", dry_run_arms)
+
+
+@pytest.mark.parametrize(
+    ("extra", "step"),
+    [
+        (["--eval-flags", "--step 100"], 100),
+        (["--every-checkpoint", "--eval-flags", "--step 50"], 50),
+        (["--every-checkpoint", "--eval-flags", "--n 2 --step=50"], 50),
+        ([], 100),
+    ],
+)
+def test_a_verdict_step_the_experiment_scores_is_accepted_and_recorded(
+    tmp_path: Path, capsys, monkeypatch, extra: list[str], step: int
+) -> None:
+    """The default, final step and, with --every-checkpoint, a saved step are accepted (both were refused as "invalid
+    without --checkpoints": the experiment adds --checkpoints itself). The step is the verdict's
+    (`cells.declared_step`, summary.json's `step`); each cell's evaluation declares it, the base model's, which
+    has no checkpoints, does not carry it."""
+    from opsd.experiment import cells as C
+    from opsd.experiment import spec as S
+
+    fake_dry_runs(monkeypatch)
+    directory = tmp_path / "exp"
+    argv = [
+        "--out",
+        directory,
+        "--recipe",
+        "",
+        *ARMS,
+        "--profile",
+        "smoke",
+        "--seeds",
+        "42",
+        *extra,
+        "--print-commands",
+    ]
+    assert commands.main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert C.declared_step(S.load(directory)) == step
+    base = [line for line in out if "eval_aime.py" in line and "--checkpoints" not in line]
+    cells = [line for line in out if "--checkpoints" in line]
+    assert len(base) == 1 and "--step" not in base[0]
+    assert len(cells) == 2 and all(("--step" in line) == bool(extra) for line in cells)
+    assert all(f"--step {step}" in line or f"--step={step}" in line for line in cells if extra)
+    # A rerun without --every-checkpoint would score checkpoint-100 alone: a step before it is refused then.
+    if step != 100:
+        message = refused(["--out", directory, "--print-commands"], capsys, watch=tmp_path)
+        assert "add --every-checkpoint to score every saved step" in message
+
+
+def test_an_arms_value_past_its_bound_is_refused_by_its_dry_run(tmp_path: Path, capsys, monkeypatch) -> None:
+    """METHOD=grpo NUM_GENERATIONS=1000000000 in an --arm: refused in one line by the arm's dry run (here in this
+    process, as train_capped.sh runs it), naming the arm and the bound; it once passed and died at step 1."""
+    from tests.conftest import ENV, in_process
+
+    def run_group(argv, *, env, cwd):
+        res = in_process("train_capped.sh", argv[2:], env={**env, **ENV}, cwd=cwd)
+        return res.returncode, res.stdout, res.stderr
+
+    monkeypatch.setattr(commands, "run_group", run_group)
+    for arm, bound in (
+        (
+            "g=METHOD=grpo,NUM_GENERATIONS=1000000000",
+            "num_generations=1000000000 is out of range: must be in [0, 1024]",
+        ),
+        (
+            "g=TEACHER_CONTRAST=shuffled,CONTRAST_KL_TAU=1e-300",
+            "contrast_kl_tau=1e-300 is out of range: must be 0 or in",
+        ),
+    ):
+        argv = ["--out", tmp_path / "exp", "--recipe", "", "--arm", arm, "--arm", "b=CLIP_MODE=none", "--profile",
+                "smoke", "--print-commands"]  # fmt: skip
+        message = refused(argv, capsys, watch=tmp_path)
+        assert message.startswith("opsd.experiment: error: arm 'g' (") and bound in message, message
