@@ -99,7 +99,10 @@ def shown(value: object, max_chars: int = SHOWN_CHARS) -> str:
 
 
 # A quoted value longer than `shown` leaves one: 'x...' or "x..." with backslash escapes inside.
-_LONG_QUOTED = re.compile("|".join(rf"{q}(?:[^{q}\\\n]|\\.){{{SHOWN_CHARS + 4},}}{q}" for q in ("'", '"')))
+# A quote is one when no letter or digit touches it from outside: the apostrophe of "vLLM's" opens or closes nothing.
+_LONG_QUOTED = re.compile(
+    "|".join(rf"(?<!\w){q}(?:[^{q}\\\n]|\\.){{{SHOWN_CHARS + 4},}}{q}(?!\w)" for q in ("'", '"'))
+)
 
 
 def short_message(message: object) -> str:

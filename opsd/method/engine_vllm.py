@@ -59,8 +59,17 @@ class SeededLLM(vllm.LLM):
     prompts that do (`prefill_groups`), each row with its own seed as before."""
 
     def __init__(self, *args, seeds_for, **kwargs):
+        from vllm.platforms import current_platform
+
         self.seeds_for = seeds_for
         super().__init__(*args, **kwargs)
+        sched = self.llm_engine.vllm_config.scheduler_config
+        # (prompt tokens, prompts) that prefill in one scheduler step on the CPU backend; None elsewhere
+        self.prefill_step = (
+            (int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
+            if current_platform.is_cpu()
+            else None
+        )
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         if (
@@ -80,14 +89,11 @@ class SeededLLM(vllm.LLM):
         return out
 
     def _prefill_groups(self, prompts) -> list[slice]:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu() or not isinstance(prompts, list):
+        if self.prefill_step is None or not isinstance(prompts, list):
             return [slice(0, None)]
-        sched = self.llm_engine.vllm_config.scheduler_config
         lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else 0
                    for p in prompts]  # fmt: skip
-        return prefill_groups(lengths, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
+        return prefill_groups(lengths, *self.prefill_step)
 
 
 def per_row_params(sampling_params, seeds: list[int]) -> list:

@@ -749,6 +749,13 @@ runpy.run_module("opsd.experiment", run_name="__main__", alter_sys=True)
 """
 
 
+def _default_stop_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(("sig", "group"), [("SIGTERM", False), ("SIGINT", True)])  # SIGHUP: as SIGTERM
 def test_a_stop_signal_sent_twice_leaves_one_line(tmp_path, sig, group):
     """A stop while jobs run: one line, exit 130, however often the signal comes. `timeout` sends SIGTERM to the
@@ -763,8 +770,10 @@ def test_a_stop_signal_sent_twice_leaves_one_line(tmp_path, sig, group):
     argv = [sys.executable, "-c", FAKE_JOBS, "--out", str(tmp_path / "exp"), "--recipe", "", "--arm",
             "a=CLIP_MODE=element", "--arm", "b=CLIP_MODE=none", "--profile", "smoke", "--seeds", "42",
             "--eval-flags", "--dataset builtin --n 2"]  # fmt: skip
+    # As a terminal starts a foreground job: SIGINT and SIGTERM at their defaults (a pytest-xdist worker ignores
+    # SIGINT, and an ignored signal stays ignored across exec, so the command would never see the Ctrl-C).
     proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_default_stop_signals)  # fmt: skip
     try:
         before = []
         for line in proc.stderr:  # the log, up to the first job's start
