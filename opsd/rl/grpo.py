@@ -10,10 +10,12 @@ so that `method` is the only difference between two arms:
 - `_tokenize_prompts`: OPSD's student prompt (`opsd.method.prompts`: chat template, thinking switch, wording);
 - the rollout engine is OPSD's, handed in as OPSDTrainer takes it (`opsd.method.rollouts`): one seed per row, so a run resumes on the same
   rollouts, and the merged weights pushed out of place (on vLLM's CPU backend the one push that works);
-- `_get_per_token_logps_and_entropies`: each real token at its index in its own unpadded sequence, as the engine
-  placed it (`fix_position_ids`, on by default; off keeps TRL's positions, which left padding shifts);
-- the reward (`opsd.rl.reward.CorrectAnswer`), the `rollout/*` metrics, the phase times and the compute ledger
-  (`opsd.run.ledger`).
+- `_get_per_token_logps_and_entropies`: each sampled token scored as the engine sampled it (temperature, top-k,
+  top-p, renormalised: `opsd.method.sampler`; TRL's own head applies the temperature only, which biased its
+  importance ratio below 1), at its index in its own unpadded sequence (`fix_position_ids`, on by default; off
+  keeps TRL's positions, which left padding shifts);
+- the reward (`opsd.rl.reward.CorrectAnswer`), the `rollout/*`, `rollout/logprob_gap/*` and `rl/*` metrics, the
+  phase times and the compute ledger (`opsd.run.ledger`).
 """
 
 from __future__ import annotations

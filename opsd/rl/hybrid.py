@@ -13,8 +13,10 @@ step's loss tokens and divided by their number over all processes, which is also
 normalises. So `sd_weight=0` is TRL's GRPO loss (no teacher rows, no teacher forward), and with the GRPO term
 switched off (every advantage 0: a step whose groups are all right or all wrong) the loss is OPSD's on these
 rollouts. The teacher is the initial policy (`teacher_mode=fixed`: the adapters off) or the student itself
-(`dynamic`). Cost: the student's forward runs twice per micro-batch (TRL's for its log-probabilities and OPSD's for
-the divergence), plus one teacher forward; the compute ledger counts the teacher's tokens.
+(`dynamic`). `hybrid_route` picks the rollouts under the OPSD term (`opsd.rl.routes`: every one, those of groups
+without GRPO signal, or those not graded correct; a routed rollout's GRPO advantage is 0). Cost: one student
+forward per micro-batch serves both terms (two with fix_position_ids=false), plus one teacher forward; the compute
+ledger counts the teacher's tokens.
 
 With `teacher_contrast` the teacher also reads wrong hints (one forward per hint and micro-batch): the OPSD term's
 target becomes RLCSD's (`opsd.method.contrast_target`), and with `contrast_rl_weight` > 0 each token's GRPO
