@@ -27,6 +27,8 @@ Modules, in the order a step uses them:
 * `contrast_target`: RLCSD's target (anchored on the teacher, on its top-k plus a tail bucket, KL-weighted) and
   its modulation of GRPO advantages;
 * `token_weights`: the per-token loss weights (`token_weight`);
+* `sampler`: the rollout sampler's distribution (temperature, top-k, top-p, renormalised) and the sampled tokens'
+  log-probs under it, with a gradient (GRPO's ratio, `rollout/logprob_gap`);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
   arguments: `LossSettings`, built from the config by `loss_settings`), against the teacher or the contrastive
   target, the teacher-free fixed advantage, and its `opsd/*` metrics;
