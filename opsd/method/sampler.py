@@ -22,7 +22,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from opsd.method.hidden import LogitTransform
+from opsd.method.hidden import LogitTransform, head_logits
 
 
 def sampler_support(x_NV: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor | None:
@@ -56,8 +56,7 @@ def sampler_support(x_NV: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
 
 def _chunk_logps(h_CH, w_VH, ids_C, transform: LogitTransform, temperature: float, top_k: int, top_p: float):
     """(log p(y) (C,), entropy (C,)) of one chunk under the sampler's distribution, float32, with gradient."""
-    logits_CV = h_CH.to(w_VH.dtype) @ w_VH.T
-    x_CV = transform(logits_CV.float()) / temperature
+    x_CV = head_logits(h_CH, w_VH, transform) / temperature
     keep_CV = sampler_support(x_CV, top_k=top_k, top_p=top_p)
     if keep_CV is not None:
         keep_CV = keep_CV.scatter(-1, ids_C[:, None], True)

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from opsd.method.hidden import head_logits
 from opsd.method.sampler import sampler_support
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def trainer_logprobs(
     out = []
     for start in range(0, hidden_NH.size(0), chunk_size):
         h_CH = hidden_NH[start : start + chunk_size]
-        logits_CV = transform((h_CH.to(weight_VH.dtype) @ weight_VH.T).float())
+        logits_CV = head_logits(h_CH, weight_VH, transform)
         out.append(
             sampling_logprobs(
                 logits_CV,
