@@ -233,6 +233,15 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.fixture
+def first_inert_lines(monkeypatch):
+    """The config logs each inert-switch line once per process; a test that reads the log starts from a process
+    that has said none (another test in the same worker may have said the same line first)."""
+    from opsd.configuration import checks
+
+    monkeypatch.setattr(checks, "_logged", set())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from opsd.testing.tiny import build_tiny_model

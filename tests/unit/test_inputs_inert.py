@@ -62,7 +62,7 @@ def test_a_switch_without_effect_is_one_warning_naming_what_it_needs(
     assert not [got for got in warn_inert(config(tmp_path, **unset), DEFAULTS) if got.startswith(field)]
 
 
-def test_the_config_logs_each_line_once(tmp_path, caplog) -> None:
+def test_the_config_logs_each_line_once(tmp_path, caplog, first_inert_lines) -> None:
     """Every entry point builds its config through OPSDConfig, which logs the lines; a config checked again (a new
     micro-batch plan re-runs the checks) does not repeat them."""
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):

@@ -586,7 +586,7 @@ def test_switches_another_method_reads_are_refused_in_one_line(tmp_path, recipe,
         assert needle in message, message
 
 
-def test_budget_unit_under_opsd_is_the_same_step(tmp_path, caplog):
+def test_budget_unit_under_opsd_is_the_same_step(tmp_path, caplog, first_inert_lines):
     """method=opsd samples one rollout per problem: budget_unit=rollouts is accepted with a note that it changes
     nothing (and the experiment compares arms without it)."""
     from opsd.configuration.checks import inert_fields
