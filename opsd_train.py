@@ -33,19 +33,12 @@ from opsd.method.engine_env import kv_cache_bytes, kv_cache_gib, training_proces
 
 training_process_env()
 
+from opsd import methods  # noqa: E402
 from opsd.configuration.config import OPSDConfig  # noqa: E402
 from opsd.errors import exit_now, run_main  # noqa: E402
 from opsd.launch import preflight  # noqa: E402
 
 logger = logging.getLogger("opsd")
-
-
-def rl_trainers() -> dict:
-    """The trainers of the other methods (opsd.rl), beside OPSDTrainer: method -> class, each built alike."""
-    from opsd.rl.grpo import GRPOTrainer
-    from opsd.rl.hybrid import HybridTrainer
-
-    return {"grpo": GRPOTrainer, "hybrid": HybridTrainer}
 
 
 @dataclasses.dataclass
@@ -168,9 +161,8 @@ def build_trainer(run: PreparedRun, state):
     metrics log, the tail weight average (returned too, None when off) and the completion mark, last."""
     from opsd.method import lora_targets
     from opsd.method.rollouts import build_rollout_engine
-    from opsd.run.callbacks import CompleteMark, MetricsJSONL, TailWeightAverage
+    from opsd.run.callbacks import CompleteMark, FinalCheckpoint, MetricsJSONL, TailWeightAverage
     from opsd.run.probe import Probe
-    from opsd_trainer import OPSDTrainer
 
     config = run.config
     model, peft_config = load_model_and_lora(run)
@@ -178,7 +170,9 @@ def build_trainer(run: PreparedRun, state):
     engine = build_rollout_engine(config, kv_cache_bytes=kv_cache_bytes())
     if config.use_vllm and kv_cache_gib() is not None:
         logger.info("vLLM KV cache fixed at %s GiB (OPSD_KV_CACHE_GIB)", kv_cache_gib())
-    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[config.method]
+    # The trainer, and what the harness adds to it, by the method's entry in the registry (opsd.methods).
+    method = methods.get(config.method)
+    trainer_class = method.trainer_class()
     with lora_targets.peft_refusal(config.lora_target_modules, model):
         trainer = trainer_class(
             model=model,
@@ -191,15 +185,14 @@ def build_trainer(run: PreparedRun, state):
         )
     if config.use_peft and state.is_main_process:
         lora_targets.log_coverage(trainer.accelerator.unwrap_model(trainer.model))
-    if (
-        run.probe_rows and config.method == "opsd"
-    ):  # the probe scores OPSD's teacher; the hold-out is every method's
+    if run.probe_rows and method.probe:  # the probe scores OPSD's teacher; the hold-out is every method's
         trainer.add_callback(Probe(trainer, run.probe_rows, config.probe_steps))
     trainer.add_callback(MetricsJSONL())
     wavg = None
     if config.wavg_last:
         wavg = TailWeightAverage(trainer.model, config.wavg_last)
         trainer.add_callback(wavg)
+    trainer.add_callback(FinalCheckpoint())
     trainer.add_callback(CompleteMark())
     return trainer, wavg
 
@@ -213,7 +206,6 @@ def run_training(trainer, out: Path, wavg, state) -> Path:
         checkpoint_step,
         is_complete,
         latest_complete_checkpoint,
-        mark_complete,
         trim_step_log,
     )
 
@@ -227,10 +219,10 @@ def run_training(trainer, out: Path, wavg, state) -> Path:
             wavg.restore(resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     final = checkpoint_dir(out, trainer.state.global_step)
-    if not is_complete(final):
-        trainer._save_checkpoint(trainer.model, trial=None)
-        if state.is_main_process:
-            mark_complete(final)
+    if not is_complete(final):  # `FinalCheckpoint` saves the last step whatever save_strategy says
+        raise RuntimeError(
+            f"training ended at step {trainer.state.global_step} without its checkpoint {final}"
+        )
     if wavg is not None:  # on every process: saving may be collective (DeepSpeed)
         wavg.save_average(trainer, trainer.state.global_step)
     if state.is_main_process:

@@ -19,7 +19,8 @@ steps skipped (`opsd.run.step_watch`), several steps per generation (`steps_per_
 phase timing and OPSD metrics. For other families than Qwen3 (docs/families.md): the loss applies the model's own
 logit transform, checked against its logits on each model's first forward (`opsd.method.hidden`), and with a
 colocated engine the model's classes are its own, out of reach of vLLM's in-place decoration
-(`opsd.method.engine_classes`). The private TRL names it touches are listed, with reasons, in `PRIVATE_TRL_NAMES`.
+(`opsd.method.engine_classes`). The private TRL names it touches are listed, with reasons, in
+`opsd.method.trl_compat.PRIVATE_LIBRARY_NAMES`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,27 +38,24 @@ from trl.experimental.sdft import SDFTTrainer
 from opsd import PAPER
 from opsd.configuration.config import OPSDConfig
 from opsd.method import completions
-from opsd.method.contrast import rows_with_contrast
 from opsd.method.ema_teacher import InitialisedAdapterEMA, own_ema_teacher, save_student_adapter
 from opsd.method.engine import weights_dtype
-from opsd.method.engine_classes import own_classes
-from opsd.method.hidden import (
-    CheckedForwards,
-    CompletionHiddenStates,
-    eval_mode,
-    left_pad,
-    lm_head_weight,
-    loss_token_mask,
-    right_pad,
-)
-from opsd.method.loss import chunked_opsd_loss, loss_metrics, loss_settings, one_hint, token_rows
+from opsd.method.hidden import CheckedForwards, CompletionHiddenStates, left_pad, lm_head_weight, right_pad
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import PromptBuilder, teacher_rows
-from opsd.method.rollout_stats import completion_metrics
 from opsd.method.rollouts import build_rollout_engine
+from opsd.method.scoring import SelfDistillation, TeacherHidden, TeacherWeights, prompt_part
 from opsd.method.trl_compat import restore_lora_dropout
 from opsd.run.logprob_gap import LogprobGap, engine_logprobs
-from opsd.run.step_watch import ComputeLedger, NonFiniteGuard, PhaseClock, RolloutGrader, StepTimer
+from opsd.run.step_watch import (
+    ComputeLedger,
+    MetricsWindow,
+    NonFiniteGuard,
+    PhaseClock,
+    RolloutGrader,
+    StepTimer,
+    completion_metrics,
+)
 from opsd.rundir import COMPLETIONS_FILE
 from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 
@@ -96,49 +93,41 @@ class OPSDTrainer(SDFTTrainer):
     _paper = PAPER  # the model card cites the method trained here (TRL's SDFTTrainer would cite SDFT)
     # The TRL methods overridden here that TRL calls; tests/integration/test_trl_hooks.py fails if TRL stops
     # calling one of them by this name.
-    TRL_HOOKS = ("_load_optimizer_and_scheduler", "training_step", "_prepare_inputs", "compute_loss", "_save")
-    # Every private name of TRL or of transformers' Trainer that OPSD's trainer, engine and callbacks override, call
-    # or read, and why; tests/integration/test_trl_hooks.py finds them in the code and fails on any other. The GRPO
-    # arms (opsd.rl) hook into TRL's GRPOTrainer and list theirs there. docs/decisions.md weighs this against
-    # subclassing TRL's BaseTrainer.
-    PRIVATE_TRL_NAMES = {
-        "_prepare_inputs": "transformers' one per-micro-batch input hook: each micro-batch of the window is handed out here",
-        "_save": "a checkpoint holds the student adapter alone, at its root (peft puts each of two adapters in a subfolder)",
-        "_load_optimizer_and_scheduler": "the one hook every resume runs before the first step, on every backend: restores the EMA teacher",
-        "_metrics": "TRL's logging window, averaged by its public `log`: OPSD's metrics are logged with TRL's",
-    }  # fmt: skip
-    # The model card's declarations, which every TRL trainer sets for its own card (they are read, never called).
-    MODEL_CARD_NAMES = ("_name", "_paper", "_tag_names")
+    TRL_HOOKS = (
+        "_load_optimizer_and_scheduler", "training_step", "_prepare_inputs", "compute_loss", "log", "_save",
+    )  # fmt: skip
+    # The private names of TRL and transformers the repository uses (these hooks, the model card's declarations
+    # above) are listed once, with their reasons, in `opsd.method.trl_compat.PRIVATE_LIBRARY_NAMES`.
+
+    # SDFT builds a vLLM engine of its own in `__init__`, and samples from it in its `_generate`, where this is true.
+    # OPSD samples from `self.engine` (started in `bind`) and never calls `_generate`: to SDFT's code it is false,
+    # whatever the config says (SDFT's `__init__` assigns it from the config; the assignment is dropped).
+    use_vllm = property(lambda self: False, lambda self, value: None)
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def __init__(self, *args, prompt_builder: PromptBuilder | None = None, engine=None, **kwargs):
         config: OPSDConfig = kwargs.get("args", args[1] if len(args) > 1 else None)
-        colocated = config.use_vllm and config.vllm_mode == "colocate"
-        model = kwargs.get("model", args[0] if args else None)
         self.clock = PhaseClock()
-        # The rollout engine (`opsd.method.rollouts`): the entry point's, or one built from the config. TRL builds
-        # its vLLM engine inside `__init__`; `in_place_of_trl` makes that one this engine's, for the block only.
+        self.logged = MetricsWindow()  # OPSD's metrics of the logging period, averaged into TRL's `log`
+        # The rollout engine (`opsd.method.rollouts`): the entry point's, or one built from the config. SDFT builds
+        # none (`use_vllm`); a vLLM engine starts in `bind`, once SDFT's __init__ has built what it serves.
         self.engine = engine or build_rollout_engine(config)
         if (self.engine.name == "vllm") != config.use_vllm:
             raise ValueError(
                 f"a {self.engine.name} engine was given to a run with use_vllm={config.use_vllm}"
             )
-        with self.engine.in_place_of_trl(model):
-            super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
         self.engine.bind(self)
         a: OPSDConfig = self.args
         # Before the EMA teacher's callback, which reads it: a skipped optimizer step moves no EMA teacher.
-        self.nonfinite = NonFiniteGuard(self._metrics["train"], self.accelerator, a.max_nonfinite_steps)
+        self.nonfinite = NonFiniteGuard(self.train_record, self.accelerator, a.max_nonfinite_steps)
         # The teacher's weights in its forwards, TRL's routing decided once: an EMA teacher kept as a second adapter
         # is that adapter (its callback replaced by OPSD's); a LoRA student's fixed teacher is its base (adapters
         # off); any other teacher (a model of its own, or the student itself) runs as it is.
         self.teacher_adapter = own_ema_teacher(self, step_skipped=lambda: self.nonfinite.last_skipped)
         self.teacher_base = a.teacher_model_kind == "base" and is_peft_model(self.model)
-        if colocated and isinstance(self.teacher_model, torch.nn.Module):
-            own_classes(self.teacher_model)
         # The run's builder when opsd_train.py passes it (thinking_switch resolved once per run).
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, a)
-        self.loss_settings = loss_settings(a)
         # The engine's log-probs of the sampled tokens (`_sample`) against the trainer's: rollout/logprob_gap.
         self.logprob_gap = LogprobGap(weights_dtype(self.accelerator.unwrap_model(self.model)))
         self.sampled_logprobs = None
@@ -158,9 +147,16 @@ class OPSDTrainer(SDFTTrainer):
             mixed_precision=self.accelerator.mixed_precision,
         )  # fmt: skip
         self.window: list[dict] | None = None  # the current window's micro-batches (`_prepare_inputs`)
+        # The scoring core every self-distilling method shares (`opsd.method.scoring`): the loss, its masks, the
+        # teacher's forwards under its weights, the diagnostics and the teacher's ledger tokens.
+        route = "base" if self.teacher_base else "adapter" if self.teacher_adapter is not None else "as_is"
+        teacher = TeacherWeights(
+            self.teacher_model, self.accelerator.unwrap_model, route, self.teacher_adapter
+        )
+        self.core = SelfDistillation(a, self.forwards, teacher, tok.eos_token_id)
         # Tokens and seconds per step, as every method books them (opsd.run.ledger); the step timer closes each row.
-        self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)
-        self.step_timer = StepTimer(self._metrics["train"], self.clock, self.ledger)
+        self.ledger = ComputeLedger(self.train_record, self.accelerator)
+        self.step_timer = StepTimer(self.train_record, self.clock, self.ledger)
         self.add_callback(self.step_timer)
         self.add_callback(self.nonfinite)
         # lora_dropout applies to the student's training forward, as in peft; rollouts and every teacher
@@ -236,20 +232,22 @@ class OPSDTrainer(SDFTTrainer):
         stop, gather = [*self.eos_token_ids, pad_id], self.accelerator.gather
         self.record_metrics(completion_metrics(rollouts, stop_ids=stop, gather=gather, device=device))
         # 1c. A loss without a teacher (fixed_advantage) renders no teacher prompt and runs no teacher forward.
+        settings = self.core.settings
         teacher, truncated = teacher_rows(
-            self.prompt_builder if self.loss_settings.needs_teacher else None,
+            self.prompt_builder if settings.needs_teacher else None,
             problems, references, completion_ids, completion_mask, pad_id,
         )  # fmt: skip
         batch.update(teacher)
         self.record_metrics({"prompts/teacher_truncated": float(truncated)})
-        if self.loss_settings.contrast is not None:
-            # The contrastive teacher's rows: the same completions after the wrong hint (opsd.method.contrast).
+        if settings.contrast is not None:
+            # The contrastive teacher's prompt: the problem after the wrong hint (opsd.method.contrast), one per row.
             contrast, _ = teacher_rows(
                 self.prompt_builder, problems, [row[CONTRAST_COLUMN] for row in inputs],
                 completion_ids, completion_mask, pad_id,
             )  # fmt: skip
-            batch["contrast_input_ids"] = contrast["teacher_input_ids"]
-            batch["contrast_attention_mask"] = contrast["teacher_attention_mask"]
+            ids, mask = prompt_part({**contrast, "completion_ids": completion_ids}, "teacher")
+            batch.update(contrast_input_ids=ids[:, None], contrast_attention_mask=mask[:, None],
+                         contrast_valid=torch.ones_like(ids[:, :1], dtype=torch.bool))  # fmt: skip
         if training:
             self.rollout_grader.submit(rollouts, [row.get("answer", "") for row in inputs])
         batch["num_loss_tokens"] = self._loss_denominators(completion_ids, completion_mask)
@@ -265,7 +263,7 @@ class OPSDTrainer(SDFTTrainer):
         """1d. Each optimizer step's valid-token count over all processes, known before its first backward: that
         step's loss denominator, one per row of the window (a step's rows carry its count)."""
         steps = self.args.steps_per_rollout if self.model.training else 1
-        local_S = self._loss_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
+        local_S = self.core.token_mask(completion_ids, completion_mask).sum(1).view(steps, -1).sum(1)
         total_S = self.accelerator.reduce(local_S.clone(), reduction="sum")
         return total_S.repeat_interleave(len(completion_ids) // steps)
 
@@ -290,142 +288,64 @@ class OPSDTrainer(SDFTTrainer):
         )
         return prompt_ids, completion_ids
 
-    def _loss_mask(self, completion_ids, completion_mask):
-        """Every sampled token in the loss, the stop token included whatever the pad id and the layout."""
-        return loss_token_mask(completion_ids, completion_mask, skip=self.args.num_loss_tokens_to_skip)
-
     # -- 2. the loss of a micro-batch --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The loss of a micro-batch: its clipped divergence summed over its valid tokens, divided by its
-        optimizer step's valid tokens over all processes (`num_loss_tokens`, carried by every row)."""
+        """The loss of a micro-batch (`opsd.method.scoring`): its clipped divergence summed over its valid tokens,
+        divided by its optimizer step's valid tokens over all processes (`num_loss_tokens`, carried by every row)."""
         if return_outputs:
             raise ValueError("OPSDTrainer does not return outputs")
-        settings = self.loss_settings
         with self.clock.part("score_loss"):
-            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            teacher = self._prompt_part(inputs, "teacher") if settings.needs_teacher else (None, None)
-            contrast = self._prompt_part(inputs, "contrast") if settings.contrast is not None else None
-            hidden = self.completion_hidden_states(
-                model, inputs["prompt_ids"], inputs["prompt_mask"], *teacher, completion_ids, completion_mask,
-                contrast=contrast,
+            hidden, teacher = self.completion_hidden_states(model, inputs)
+            scored = self.core.loss(
+                hidden.student_hidden_NH, hidden.student_weight_VH, teacher, inputs,
+                denominator=inputs["num_loss_tokens"][0], num_processes=self.accelerator.num_processes,
             )  # fmt: skip
-            # Hidden states come flattened over completion_mask; the loss counts the subset keep_N.
-            keep_BC = self._loss_mask(completion_ids, completion_mask)
-            if (
-                contrast is not None
-            ):  # a row whose wrong hint is its hint adds exactly 0 (opsd.method.contrast)
-                keep_BC = keep_BC * rows_with_contrast(*teacher, *contrast)[:, None]
-            keep_N = keep_BC[completion_mask.bool()].bool()
-            loss_sum, stats = chunked_opsd_loss(
-                *[
-                    None if h is None else h[keep_N]
-                    for h in (hidden.student_hidden_NH, hidden.teacher_hidden_NH)
-                ],
-                hidden.student_weight_VH,
-                hidden.teacher_weight_VH,
-                settings=settings,
-                target_ids_N=completion_ids[completion_mask.bool()][keep_N],
-                transform=hidden.logit_transform,
-                contrast=one_hint(hidden.contrast_hidden_NH, keep_N, self.processing_class.eos_token_id),
-                rows_N=token_rows(keep_BC),
-            )
-            # Gradients are averaged over processes by DDP/DeepSpeed, hence the factor num_processes.
-            denom = inputs["num_loss_tokens"][0].clamp(min=1).to(loss_sum.dtype)
-            loss = loss_sum / denom * self.accelerator.num_processes
-            self.record_metrics(loss_metrics(loss_sum.detach(), stats, teacher=settings.needs_teacher))
+            self.record_metrics(scored.metrics)
             if self.model.training:
-                # Each teacher forward reads its prompt and the completion (a contrastive teacher: two forwards).
-                masks = [mask for _, mask in (teacher, contrast or (None, None)) if mask is not None]
-                completion_tokens = int(completion_mask.sum())
-                self.ledger.add(
-                    teacher=sum(int(m.sum()) + completion_tokens for m in masks), trained=int(keep_N.sum())
-                )
+                self.ledger.add(teacher=self.core.teacher_tokens(inputs), trained=scored.trained_tokens)
                 self.record_metrics(
                     {"rollout/staleness_steps": float(self.state.global_step - self.rollout_step)}
                 )
             if self.model.training and "sampled_logprobs" in inputs:
                 a = self.args  # the engine's log-probs come after the rollout's temperature, top-k and top-p
                 gap = self.logprob_gap.from_hidden(
-                    inputs["sampled_logprobs"], completion_ids, completion_mask, hidden,
+                    inputs["sampled_logprobs"], inputs["completion_ids"], inputs["completion_mask"], hidden,
                     temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 )  # fmt: skip
                 self.record_metrics(gap)
             if self._completions_due():
                 self._log_completions(inputs, hidden)
-        return loss
-
-    @staticmethod
-    def _prompt_part(inputs, role: str):
-        """(ids, mask) of the prompt part of a role's `[prompt ; completion]` rows (role: teacher or contrast)."""
-        ids, mask = inputs[f"{role}_input_ids"], inputs[f"{role}_attention_mask"]
-        width = ids.size(1) - inputs["completion_ids"].size(1)
-        return ids[:, :width], mask[:, :width]
+        return scored.loss
 
     def completion_hidden_states(
-        self, model, student_ids, student_mask, teacher_ids, teacher_mask, completion_ids, completion_mask, *,
-        contrast=None,
-    ) -> CompletionHiddenStates:  # fmt: skip
-        """Both roles' final hidden states of the valid completion tokens of a batch, and their lm_heads.
+        self, model, batch: dict, *, teacher: bool | None = None
+    ) -> tuple[CompletionHiddenStates, TeacherHidden | None]:
+        """Both roles' final hidden states of the valid completion tokens of `batch` (the keys of
+        `opsd.method.scoring`, with the student's `prompt_ids` and `prompt_mask`), and their lm_heads; the
+        teacher's with its wrong hints' (`teacher`: whether to run the teacher; None: when the loss reads it).
 
         The student goes through `model` (the wrapped model in training, so DDP/DeepSpeed see the forward),
-        with gradients if they are enabled; the teacher through TRL's teacher context in eval mode, without
-        gradients, once after its prompt (`teacher_ids`; None: no teacher forward) and, given `contrast`
-        (ids, mask of the wrong hint's prompt), once more after that. Prompts are left-padded, completions
-        right-padded (`opsd.method.hidden`).
-        """
-        student_NH = self._completion_hidden(
-            model, student_ids, student_mask, completion_ids, completion_mask
-        )
-        unwrap = self.accelerator.unwrap_model
-        student_weight_VH = lm_head_weight(unwrap(model))
-        if teacher_ids is None:
-            return CompletionHiddenStates(student_NH, None, student_weight_VH, None, self.logit_transform)
-        with torch.no_grad(), self.teacher_context():
-            teacher_NH = self._completion_hidden(
-                self.teacher_model, teacher_ids, teacher_mask, completion_ids, completion_mask
-            )
-            contrast_NH = None
-            if contrast is not None:
-                contrast_NH = self._completion_hidden(
-                    self.teacher_model, *contrast, completion_ids, completion_mask
-                )
-        return CompletionHiddenStates(
-            student_hidden_NH=student_NH,
-            teacher_hidden_NH=teacher_NH.detach(),
-            student_weight_VH=student_weight_VH,
-            teacher_weight_VH=lm_head_weight(unwrap(self.teacher_model)).detach(),
-            logit_transform=self.logit_transform,
-            contrast_hidden_NH=None if contrast_NH is None else contrast_NH.detach(),
-        )
-
-    def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        return self.forwards(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        with gradients if they are enabled; the teacher through `teacher_context`, without gradients. Prompts are
+        left-padded, completions right-padded (`opsd.method.hidden`)."""
+        student_NH = self.core.student_hidden(model, batch)
+        student_weight_VH = lm_head_weight(self.accelerator.unwrap_model(model))
+        if teacher is None:
+            teacher = self.core.needs_teacher
+        scored = self.core.teacher_hidden(batch) if teacher else None
+        hidden = CompletionHiddenStates(
+            student_NH, None if scored is None else scored.hidden_NH, student_weight_VH,
+            None if scored is None else scored.weight_VH, self.logit_transform,
+        )  # fmt: skip
+        return hidden, scored
 
     @property
     def logit_transform(self):
         """The loss's logit transform after the lm_head, picked and checked on each model's first forward."""
         return self.forwards.transform
 
-    @contextmanager
     def teacher_context(self):
-        """Every teacher forward (loss, probe): the teacher's weights (`teacher_base`: the adapters off;
-        `teacher_adapter`: that adapter active), in eval mode. The teacher must be a deterministic function of its
-        weights: in training mode LoRA dropout would make the EMA adapter and the dynamic teacher (the student
-        itself) score the same tokens differently on every call."""
-        teacher = self.accelerator.unwrap_model(self.teacher_model)
-        with eval_mode(teacher):
-            if self.teacher_base:
-                with teacher.disable_adapter():
-                    yield
-            elif self.teacher_adapter is not None:
-                student_adapter = teacher.active_adapter
-                teacher.set_adapter(self.teacher_adapter)
-                try:
-                    yield
-                finally:
-                    teacher.set_adapter(student_adapter)
-            else:
-                yield
+        """Every teacher forward (loss, probe): the teacher's weights, in eval mode (`TeacherWeights.active`)."""
+        return self.core.teacher.active()
 
     def _completions_due(self) -> bool:
         """The first micro-batch of every `completions_steps`-th optimizer step, on the main process."""
@@ -455,7 +375,7 @@ class OPSDTrainer(SDFTTrainer):
             tokenizer=self.processing_class,
             rows=a.completions_rows,
             # The divergence shown is the one from the teacher under its reference, also with a contrast.
-            settings=dataclasses.replace(self.loss_settings, contrast=None, token_weight="none"),
+            settings=dataclasses.replace(self.core.settings, contrast=None, token_weight="none"),
         )
         completions.append(Path(a.output_dir) / COMPLETIONS_FILE, rows)
         completions.to_trackers(a.report_to, rows)
@@ -485,10 +405,17 @@ class OPSDTrainer(SDFTTrainer):
         return [list(c) for c in completions_]
 
     def record_metrics(self, metrics: dict[str, float]) -> None:
-        """Adds values to the current logging window (averaged there like every metric)."""
-        window = self._metrics["train" if self.model.training else "eval"]
-        for key, value in metrics.items():
-            window[key].append(value)
+        """Adds values to the current mode's logging period (averaged at the next log, like every metric)."""
+        self.logged.add(metrics, "train" if self.model.training else "eval")
+
+    def train_record(self, metrics: dict[str, float]) -> None:
+        """Adds values to the training period, whatever the mode (the step's watchers log through it)."""
+        self.logged.add(metrics, "train")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with OPSD's metrics of the period averaged in (`MetricsWindow`)."""
+        logs.update(self.logged.take("train" if self.model.training else "eval"))
+        super().log(logs, start_time)
 
 
 def split_rows(batch: dict, parts: int) -> list[dict]:

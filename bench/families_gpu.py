@@ -100,8 +100,8 @@ def agreement(trainer, n_prompts: int, n_tokens: int, seed: int) -> dict:
 
     from opsd.method.hidden import IDENTITY, eval_mode, head_logits, left_pad, lm_head_weight, right_pad
 
-    gen = trainer.vllm_generation
-    trainer.vllm_generation.sync_weights()  # the last optimizer step's weights are not in the engine yet
+    gen = trainer.engine.generation
+    gen.sync_weights()  # the last optimizer step's weights are not in the engine yet
     if getattr(gen, "enable_sleep_mode", False):
         gen.llm.wake_up(tags=["kv_cache"])
     rows = trainer.train_dataset.select(range(n_prompts))
@@ -125,7 +125,7 @@ def agreement(trainer, n_prompts: int, n_tokens: int, seed: int) -> dict:
     c_ids, c_mask = right_pad(completions, pad, device)
     transform = trainer.logit_transform or IDENTITY
     with torch.no_grad(), eval_mode(unwrapped):
-        hidden_NH = trainer._completion_hidden(model, p_ids, p_mask, c_ids, c_mask)
+        hidden_NH = trainer.forwards(model, p_ids, p_mask, c_ids, c_mask)
         targets_N = c_ids[c_mask.bool()]
         weight_VH = lm_head_weight(unwrapped)
         chunks = [  # (chunk, V) float32 logits: a chunk at a time keeps a 262k vocabulary small

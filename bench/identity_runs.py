@@ -1,5 +1,6 @@
-"""Three fixed-seed tiny runs whose bytes must not change when the code is restructured: transformers rollouts,
-`steps_per_rollout=2`, and the colocated vLLM engine with the completions log. Each run's adapter tensors, logged
+"""Fixed-seed tiny runs whose bytes must not change when the code is restructured: transformers rollouts,
+`steps_per_rollout=2`, the colocated vLLM engine with the completions log, the hybrid, and OPSD with a contrastive
+teacher. Each run's adapter tensors, logged
 metrics and completions log are hashed (sha256); run it before and after a change and compare the two JSONs.
 
     python bench/identity_runs.py --out bench/results/identity_before.json
@@ -28,7 +29,16 @@ for name, value in (
 
 from common import machine  # noqa: E402
 
-LOGGED = ("loss", "grad_norm", "opsd/divergence", "completions/mean_length")
+LOGGED = (
+    "loss",
+    "grad_norm",
+    "opsd/divergence",
+    "opsd/loss_per_token",
+    "completions/mean_length",
+    "hybrid/sd_loss",
+    "ledger/teacher_tokens",
+    "ledger/trained_tokens",
+)
 RUNS = {
     "transformers": dict(use_vllm=False, max_steps=3, gradient_accumulation_steps=2),
     "steps_per_rollout_2": dict(
@@ -42,10 +52,17 @@ RUNS = {
         max_teacher_prompt_length=60,
     ),  # fmt: skip
 }
+# The hybrid (GRPO + the OPSD term on the same rollouts; `HybridTrainer`) and OPSD with a contrastive teacher: the
+# paths that share the scoring core (`opsd.method.scoring`).
+RUNS["hybrid"] = dict(
+    use_vllm=False, max_steps=2, gradient_accumulation_steps=2, method="hybrid", num_generations=2,
+    hybrid_route="mix", completions_steps=0,
+)  # fmt: skip
+RUNS["contrast"] = dict(use_vllm=False, max_steps=2, teacher_contrast="shuffled", completions_steps=0)
 # GPU only (vLLM's CPU backend has no sleep mode): the colocated run with an engine that drops its weights after
 # every generation.
 RUNS["vllm_sleep"] = {**RUNS["vllm_colocate"], "vllm_enable_sleep_mode": True}
-DEFAULT_RUNS = ["transformers", "steps_per_rollout_2", "vllm_colocate"]
+DEFAULT_RUNS = ["transformers", "steps_per_rollout_2", "vllm_colocate", "hybrid", "contrast"]
 
 
 def _sha(data: bytes) -> str:
@@ -57,18 +74,18 @@ def one_run(model_dir: Path, out: Path, overrides: dict) -> dict:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opsd import methods
     from opsd.configuration.config import OPSDConfig
     from opsd.launch.preflight import build_paired_dataset
-    from opsd_trainer import OPSDTrainer
 
     torch.manual_seed(0)
-    cfg = OPSDConfig(
+    settings = dict(
         output_dir=str(out), per_device_train_batch_size=2, max_completion_length=12, learning_rate=5e-2,
         save_strategy="no", gradient_checkpointing=False, logging_steps=1, completions_steps=1, bf16=False,
-        **overrides,
     )  # fmt: skip
+    cfg = OPSDConfig(**{**settings, **overrides})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = OPSDTrainer(
+    trainer = methods.get(cfg.method).trainer_class()(
         model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),

@@ -61,9 +61,9 @@ from common import machine, write
 from learning_figures import plot
 from opsd.configuration.switches import CHOICES
 from opsd.experiment import cells as C
+from opsd.experiment import rendering as R
 from opsd.experiment import spec as S
 from opsd.experiment import stats
-from opsd.experiment import verdict as R
 from opsd.experiment.commands import main as experiment_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,14 +189,19 @@ def paired(a: dict, b: dict) -> dict:
     return out
 
 
+def read_scores(eval_dir: Path) -> dict[str, dict[str, list[float]]]:
+    """{per-sample field: {problem id: values by sample index}} of one evaluation directory (checked)."""
+    return C.read_eval(eval_dir)[1]
+
+
 def build_rows(directory: Path, arms: list[Arm], summary: dict) -> list[dict]:
     """One row per cell, from the summary of the first arm's report and the samples it scored."""
-    base = {int(s): R.read_scores(S.base_eval_dir(directory, int(s))) for s in summary["base_per_seed"]}
+    base = {int(s): read_scores(S.base_eval_dir(directory, int(s))) for s in summary["base_per_seed"]}
     scores = {}
     for arm in arms:
         for seed in summary["arms"][arm.name]["per_seed"]:
             where = C.scored_steps(S.eval_dir(directory, arm.name, int(seed)))[S.STEPS]
-            scores[arm.name, seed] = R.read_scores(where)
+            scores[arm.name, seed] = read_scores(where)
     rows = []
     for arm in arms:
         entry = summary["arms"][arm.name]

@@ -23,7 +23,8 @@ import opsd_train  # first: it sets the engine's environment before vLLM loads
 import opsd_trainer
 from opsd.errors import run_main
 from opsd.method.hidden import positions
-from opsd.method.loss import loss_metrics, loss_settings
+from opsd.method.loss import loss_settings
+from opsd.method.scoring import loss_metrics
 from opsd.testing.reference_loss import opsd_loss_from_logits
 
 
@@ -32,17 +33,17 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.use_vllm:
-            gen = self.vllm_generation
+        if self.engine.name == "vllm":
+            gen = self.engine.generation
             gen.generation_kwargs = {k: v for k, v in gen.generation_kwargs.items() if k != "detokenize"}
             gen.llm.seeds_for = None  # the reference samples with TRL's one seed per engine
 
     def _sample(self, prompt_ids):
         from trl.generation.vllm_generation import VLLMGeneration
 
-        if self.use_vllm and self.state.global_step != self.engine.weights_step:
+        if self.engine.name == "vllm" and self.state.global_step != self.engine.weights_step:
             with self.clock.phase("weight_sync"):
-                VLLMGeneration.sync_weights(self.vllm_generation)  # TRL's push, not OPSDGeneration's
+                VLLMGeneration.sync_weights(self.engine.generation)  # TRL's push, not OPSDGeneration's
             self.engine.weights_step = self.state.global_step  # so the engine's own push is skipped
         return super()._sample(prompt_ids)
 
@@ -78,7 +79,7 @@ class ReferenceStepTrainer(opsd_trainer.OPSDTrainer):
         loss_sum, stats = opsd_loss_from_logits(
             student_BCV,
             teacher_BCV,
-            self._loss_mask(completion_ids, completion_mask),
+            self.core.token_mask(completion_ids, completion_mask),
             settings=loss_settings(a),
             target_ids_BT=completion_ids,
         )

@@ -111,15 +111,30 @@ class FixedRollouts(TransformersRolloutEngine):
         return allowed[pick].tolist(), None
 
 
+class _TimedForwards:
+    """The scoring core's forwards (`opsd.method.scoring`), each timed as the student's or the teacher's span."""
+
+    def __init__(self, forwards, trainer):
+        self.forwards, self.trainer = forwards, trainer
+
+    @property
+    def transform(self):
+        return self.forwards.transform
+
+    def __call__(self, model, *args, **kwargs):
+        name = "student_forward" if torch.is_grad_enabled() else "teacher_forward"
+        self.trainer.spans.start(name)
+        out = self.forwards(model, *args, **kwargs)
+        self.trainer.spans.stop(name)
+        return out
+
+
 class FixedRolloutTrainer(OPSDTrainer):
     """OPSDTrainer with the training half's spans timed (its rollouts: `FixedRollouts`)."""
 
-    def _completion_hidden(self, model, *args, **kwargs):
-        name = "student_forward" if torch.is_grad_enabled() else "teacher_forward"
-        self.spans.start(name)
-        out = super()._completion_hidden(model, *args, **kwargs)
-        self.spans.stop(name)
-        return out
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.core.forwards = _TimedForwards(self.core.forwards, self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         completion = inputs["completion_ids"]  # every row LENGTH tokens: no padding

@@ -2,9 +2,10 @@
 
 * `method/`: one OPSD step, from the rollout to the loss;
 * `rl/`: the methods beside OPSD, TRL's GRPO and the GRPO + OPSD hybrid, run by the same harness (`method`);
-* `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, YAML);
+* `configuration/`: every switch, its default, its check and its sources (`recipe.env`, `OPSD_*`, older names);
 * `run/`: a training run's logs, compute ledger, resume and probe;
-* `launch/`: a run's inputs checked before any model loads, the dry run and the capped budget's plan;
+* `launch/`: training's command line and YAML, a run's inputs checked before any model loads, the dry run and
+  the capped budget's plan;
 * `speed/`: how a step is split into micro-batches and compiled (memory and time, not method);
 * `data/`: training and evaluation tables, and the built-in sets;
 * `evaluation/`: AIME-style scoring of checkpoints (`eval_aime.py`);
@@ -12,6 +13,7 @@
 * `testing/`: what tests and benchmarks share: small models built locally, the loss from full logits;
 * `errors`, `paths`, `rundir`, `models`: user errors, the paths a user names, a run directory's layout
   (file names, checkpoints, step logs), model and tokenizer loading;
+* `methods`: the method registry: what each `method` trains with, the switches it reads, its rollouts per problem;
 * `grading`: a completion's answer (the last complete box) and whether it is correct: what evaluation
   scores and what training logs of its rollouts (`rollout/correct`).
 

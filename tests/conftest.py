@@ -295,7 +295,6 @@ def make_trainer(
     from opsd.configuration.config import OPSDConfig
     from opsd.launch.preflight import build_paired_dataset
     from opsd.method.lora_targets import resolve_targets
-    from opsd_trainer import OPSDTrainer
 
     settings = dict(
         output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
@@ -315,9 +314,9 @@ def make_trainer(
         if use_peft
         else None
     )
-    from opsd_train import rl_trainers
+    from opsd import methods
 
-    trainer_class = {"opsd": OPSDTrainer, **rl_trainers()}[cfg.method]
+    trainer_class = methods.get(cfg.method).trainer_class()
     return trainer_class(
         model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft, prompt_builder=prompt_builder,

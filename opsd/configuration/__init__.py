@@ -8,7 +8,8 @@
   docs/configuration.md; the loss's settings are built from it beside the loss: `opsd.method.loss.loss_settings`);
 * `checks`: how a value is checked: its choices and range, the rules across fields, the switches each method
   reads, the switches the others leave without effect, TRL's options OPSD ignores, the generation window;
-* `sources`: where a value comes from: the command line, YAML (keys transformers 5 removed, bounded values),
-  `recipe.env`, `OPSD_*` and the harness's pass-through flags, older field names;
+* `sources`: where a value given as text comes from: `recipe.env`, `OPSD_*` and the harness's pass-through
+  flags, each checked against its field's type; older field names (opsd_train.py's command line and its YAML,
+  which append these values after the user's flags, are `opsd.launch.command_line`);
 * `docs`: docs/configuration.md's switch table, generated from the switches.
 """

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
+from opsd import methods
 from opsd.configuration.switches import (
     AUTO,
     CHOICES,
@@ -239,53 +240,26 @@ def check_cross_fields(config) -> None:
 # The methods share everything a comparison must hold fixed (model, LoRA, data, prompts, rollout sampling,
 # optimiser, budget, seeds); each also reads switches the others do not (docs/method.md §6).
 
-# TRL's GRPOConfig default number of rollouts per problem (G).
-TRL_GRPO_GENERATIONS = 8
-
-# Read by the self-distillation loss and its teacher only (opsd, and hybrid's OPSD term): method=grpo has neither.
-SELF_DISTILLATION_FIELDS = (
-    "beta", "loss_temperature", "divergence_clip", "clip_mode", "top_k_loss", "loss_type", "fixed_advantage",
-    "token_weight", "teacher_contrast", "contrast_weight", "contrast_top_k", "contrast_log_floor", "contrast_kl_tau",
-    "contrast_hints", "teacher_mode", "ema_decay", "teacher_ref", "teacher_ref_fraction",
-    "teacher_ref_pairing", "teacher_ref_max_chars", "max_teacher_prompt_length", "teacher_thinking",
-    "teacher_prompt_file", "num_loss_tokens_to_skip", "completions_steps", "completions_rows",
-)  # fmt: skip
-# Read by OPSD's own trainer only (its generation window, its compiled forwards, its probe); hybrid runs TRL's GRPO
-# step, which has none of them, and its teacher is the initial policy or the student itself (no EMA adapter).
-OPSD_TRAINER_FIELDS = ("steps_per_rollout", "compile_layers")
-# Read by method=hybrid only: the weight of its OPSD term, which rollouts each term trains on, and RLCSD's
-# modulation of its GRPO advantages; each with what it is, for the refusal.
-HYBRID_FIELDS = {
-    "sd_weight": "the weight of its OPSD term",
-    "hybrid_route": "which rollouts its GRPO and OPSD terms train on",
-    "contrast_rl_weight": "RLCSD's modulation of its GRPO advantages",
-    "contrast_rl_tau": "RLCSD's modulation of its GRPO advantages",
-    "contrast_rl_delta": "RLCSD's modulation of its GRPO advantages",
-}
-# TRL's GRPO settings (its GRPOConfig, opsd.rl.grpo.grpo_args): read by method=grpo and hybrid, which run TRL's GRPO
-# step; method=opsd has no ratio, no advantage and no reference.
-GRPO_FIELDS = ("rl_loss_type", "epsilon_high", "mask_truncated_completions", "scale_rewards", "rl_beta")
-
-HYBRID_TEACHER_MODES = ("fixed", "dynamic")
-
 
 def default_generations(method: str) -> int:
-    """The rollouts per problem of `method` when `num_generations` is 0: 1 for opsd, TRL's 8 for GRPO's."""
-    return 1 if method == "opsd" else TRL_GRPO_GENERATIONS
+    """The rollouts per problem of `method` when `num_generations` is 0 (`opsd.methods`): 1 for a method that
+    samples one per problem, TRL's 8 for a group; 1 for a name the registry lacks, which the choice check refuses)."""
+    return methods.REGISTRY[method].default_generations if method in methods.REGISTRY else 1
 
 
 def _check_generations(method: str, generations: object) -> None:
-    G = generations
+    G, entry = generations, methods.get(method)
     if not isinstance(G, int) or isinstance(G, bool) or G < 0:
         raise ValueError(
             f"num_generations={G!r} is out of range: must be an integer >= 0 (0 = the method's own)"
         )
-    if method == "opsd" and G != 1:
+    groups = " or ".join(name for name, m in methods.REGISTRY.items() if m.rollouts == methods.GROUP)
+    if entry.rollouts == 1 and G != 1:
         raise ValueError(
-            f"num_generations={G} with method=opsd: OPSD samples one rollout per problem; leave it unset (or 1), "
-            "or set method=grpo or hybrid for G rollouts per problem"
+            f"num_generations={G} with method={method}: {entry.summary}, one rollout per problem; leave it unset "
+            f"(or 1), or set method={groups} for G rollouts per problem"
         )
-    if method != "opsd" and G < 2:
+    if entry.rollouts == methods.GROUP and G < 2:
         raise ValueError(
             f"num_generations={G} with method={method}: GRPO normalises each reward within its problem's group, "
             "so it needs at least 2 rollouts per problem; leave it unset (TRL's 8) or give 2 or more"
@@ -293,38 +267,26 @@ def _check_generations(method: str, generations: object) -> None:
 
 
 def _unread_switch(config, method: str, defaults: Mapping[str, object]) -> str | None:
-    """The refusal of the first switch set away from its default that `method` never reads, or None."""
-    for name, what in HYBRID_FIELDS.items() if method != "hybrid" else ():
-        if getattr(config, name) != defaults[name]:
-            return (
-                f"{name}={getattr(config, name)!r} is read by method=hybrid only ({what}), and method={method} has "
-                "none; remove it, or set method=hybrid"
-            )
-    for name in GRPO_FIELDS if method == "opsd" else ():
-        if getattr(config, name) != defaults[name]:
-            return (
-                f"{name}={getattr(config, name)!r} is a GRPO setting (TRL's GRPOConfig), read by method=grpo and "
-                "hybrid only, and method=opsd has no GRPO term; remove it, or set method=grpo or hybrid"
-            )
-    if config.teacher_contrast == "own_wrong" and method == "opsd":
+    """The refusal of the first switch set away from its default that `method` never reads while another
+    registered method does (`opsd.methods`), or None."""
+    entry = methods.get(method)
+    if config.teacher_contrast == "own_wrong" and entry.rollouts == 1:
+        groups = " or ".join(name for name, m in methods.REGISTRY.items()
+                             if m.rollouts == methods.GROUP and "teacher_contrast" in m.reads)  # fmt: skip
         return (
             "teacher_contrast=own_wrong takes its wrong hints from the other rollouts of the same problem, and "
-            "method=opsd draws one rollout per problem; set method=hybrid (num_generations rollouts per problem), "
-            "or teacher_contrast=shuffled or wrong_answer"
+            f"method={method} draws one rollout per problem; set method={groups} (num_generations rollouts per "
+            "problem), or teacher_contrast=shuffled or wrong_answer"
         )
-    unread = (
-        ()
-        if method == "opsd"
-        else OPSD_TRAINER_FIELDS + (SELF_DISTILLATION_FIELDS if method == "grpo" else ())
-    )
-    for name in unread:
+    for name in methods.METHOD_SWITCHES:
         value = getattr(config, name)
-        if value != defaults[name]:
-            readers = "opsd" if name in OPSD_TRAINER_FIELDS else "opsd and hybrid"
-            return (
-                f"{name}={value!r} is read by method={readers} only, and method={method} never reads it; remove "
-                "it, or set method=opsd"
-            )
+        if name in entry.reads or value == defaults[name]:
+            continue
+        readers = methods.readers(name)
+        return (
+            f"{name}={value!r} is read by method={' and '.join(readers)} only, and method={method} never reads it; "
+            f"remove it, or set method={' or '.join(readers)}"
+        )
     return None
 
 
@@ -369,15 +331,17 @@ def check_method(config) -> None:
     problem = _unread_switch(config, method, {f.name: f.default for f in fields(config)})
     if problem:
         raise ValueError(problem)
-    if method == "hybrid" and config.teacher_mode == "fixed" and not config.use_peft:
+    modes = methods.get(method).teacher_modes
+    if modes is not None and config.teacher_mode == "fixed" and not config.use_peft:
         raise ValueError(
-            "teacher_mode=fixed with method=hybrid and use_peft=false: the hybrid's fixed teacher is the initial "
+            f"teacher_mode=fixed with method={method} and use_peft=false: its fixed teacher is the initial "
             "policy under the LoRA student's adapters; train LoRA (use_peft=true) or use teacher_mode=dynamic"
         )
-    if method == "hybrid" and config.teacher_mode not in HYBRID_TEACHER_MODES:
+    if modes is not None and config.teacher_mode not in modes:
         raise ValueError(
-            f"teacher_mode={config.teacher_mode} with method=hybrid: the hybrid's teacher is the initial policy "
-            "(fixed) or the student itself (dynamic); use one of those, or method=opsd for an EMA teacher"
+            f"teacher_mode={config.teacher_mode} with method={method}: its teacher is one of "
+            f"{', '.join(modes)} (fixed: the initial policy, dynamic: the student itself); use one of those, or "
+            "method=opsd for an EMA teacher"
         )
     _check_sampler_reproduced(config)
 
@@ -385,7 +349,7 @@ def check_method(config) -> None:
 def _check_sampler_reproduced(config) -> None:
     """GRPO's ratio scores each sampled token under the sampler's distribution (temperature, top-k, top-p:
     `opsd.method.sampler`); min_p and a repetition penalty change that distribution too, and are not reproduced."""
-    if config.method == "opsd":
+    if not methods.get(config.method).scores_sampler:
         return
     for name, off in (("min_p", (None, 0, 0.0)), ("repetition_penalty", (1, 1.0))):
         value = getattr(config, name, off[0])
@@ -513,10 +477,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         ("budget_unit",),
-        lambda c: c.method == "opsd",
+        lambda c: methods.get(c.method).rollouts == 1,
         lambda c: (
-            "it needs method=grpo or hybrid (method=opsd samples one rollout per problem: a step's problems are "
-            "its rollouts)"
+            f"it needs a method with a group of rollouts per problem (method={c.method} samples one rollout per "
+            "problem: a step's problems are its rollouts)"
         ),
     ),
     Rule(

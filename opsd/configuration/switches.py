@@ -4,10 +4,11 @@ under the capped harness (its role), its `OPSD_*` name and any older name, all i
 `Switches` holds OPSD's own fields and the TRL/transformers fields whose default OPSD sets (the published recipe,
 docs/method.md §2); `TRL_SWITCHES` adds a range or a role to TRL fields OPSD leaves at TRL's default.
 `opsd.configuration.config.OPSDConfig` is these fields on TRL's `SDFTConfig`, checked and with its derived fields
-set. Every reader takes a switch's properties from here: the command line and its `--help`, YAML, `recipe.env` and
-`OPSD_*` (`opsd.configuration.sources`), the checks (`opsd.configuration.checks`), the generated table of
-docs/configuration.md (`opsd.configuration.docs`), the resume check, the harness and the tests. The tables below
-the class (`CHOICES`, `RANGES`, the key sets of each role, `ALIASES`) are views of the metadata, not copies.
+set. Every reader takes a switch's properties from here: the command line and its `--help`, YAML
+(`opsd.launch.command_line`), `recipe.env` and `OPSD_*` (`opsd.configuration.sources`), the checks
+(`opsd.configuration.checks`), the generated table of docs/configuration.md (`opsd.configuration.docs`), the
+resume check, the harness and the tests. The tables below the class (`CHOICES`, `RANGES`, the key sets of each
+role, `ALIASES`) are views of the metadata, not copies.
 
 A field's metadata:
 
@@ -19,7 +20,7 @@ A field's metadata:
 * `env`: its `OPSD_*` variable where it is not `OPSD_` + its name in upper case (`env_name`);
 * `formerly`: an older name still accepted, with a note (`jsd_token_clip` is `divergence_clip`).
 
-No dependency beyond the standard library: the data, prompt, model and evaluation modules read choices from here
+No dependency beyond the standard library and the method registry (`opsd.methods`, itself standard library only): the data, prompt, model and evaluation modules read choices from here
 without importing TRL (importing `OPSDConfig` takes seconds).
 """
 
@@ -29,6 +30,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
+
+from opsd import methods
 
 METHOD, OPERATIONAL, BUDGET = "method", "operational", "budget"
 ROLES = (METHOD, OPERATIONAL, BUDGET)
@@ -307,8 +310,8 @@ class Switches:
     method: str = switch(
         "opsd",
         role=METHOD,
-        choices=("opsd", "grpo", "hybrid"),
-        help="What the run trains (docs/method.md §6): opsd (self-distillation, this repo's trainer) | grpo (TRL's "
+        choices=methods.NAMES,
+        help="What the run trains (docs/method.md §6; the methods are registered in opsd/methods.py): opsd (self-distillation, this repo's trainer) | grpo (TRL's "
         "GRPOTrainer, rewarded by the evaluation's grader) | hybrid (GRPO's loss plus sd_weight x the OPSD loss "
         "on the same G rollouts per problem).",
     )

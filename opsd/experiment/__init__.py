@@ -17,6 +17,8 @@ each importing only those before it:
 * `status`: the status of a running experiment as data, and its display (a rich table);
 * `schedule`: the jobs run on this machine's GPU slots (or its CPU): fixed `RunSettings`, changing `Progress`,
   resume and one retry;
-* `verdict`: report.md, summary.json and the figures from whatever has finished;
+* `verdict`: summary.json's content from whatever has finished: each arm against the baseline and the base
+  model, the macro average over benchmarks, the compute ledger, take-off and the training curves;
+* `rendering`: report.md, summary.json and the figures written whole, and the lines the command prints;
 * `commands`: the command line, its `run` and `report` commands.
 """

@@ -514,8 +514,8 @@ def check_baseline(baseline: str | None, spec: S.Spec, directory: Path) -> None:
 
 
 def write_report(directory: Path, a: argparse.Namespace) -> None:
+    from opsd.experiment.rendering import console_lines, write
     from opsd.experiment.stats import UnpairedCells
-    from opsd.experiment.verdict import console_lines, write
 
     try:
         result, paths = write(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd.configuration.config import OPSDConfig
-from opsd.configuration.sources import parse_config
+from opsd.launch.command_line import parse_config
 from opsd.paths import check_output_dir
 
 logger = logging.getLogger("opsd")

@@ -13,7 +13,6 @@ Modules, in the order a step uses them:
 * `engine`: what every engine shares: per-row seeds (the same rollouts for any number of processes and on
   resume), and the student's merged weights pushed into it before each generation; `engine_env`: the
   environment every vLLM engine of the repo starts with, and the fixed KV cache's size;
-* `rollout_stats`: the `completions/*` metrics of a generation (TRL's names and values);
 * `prompts`: the student's and the teacher's prompts (the teacher reads the reference solution), and the
   `[teacher prompt ; completion]` rows;
 * `pairing`: whose reference each problem's teacher reads (`teacher_ref_pairing`);
@@ -31,7 +30,10 @@ Modules, in the order a step uses them:
   log-probs under it, with a gradient (GRPO's ratio, `rollout/logprob_gap`);
 * `loss`: the divergence per token, its clip and its reduction, chunked over the vocabulary projection (its
   arguments: `LossSettings`, built from the config by `loss_settings`), against the teacher or the contrastive
-  target, the teacher-free fixed advantage, and its `opsd/*` metrics;
+  target, the teacher-free fixed advantage;
+* `scoring`: the scoring core every self-distilling method calls (OPSD's trainer, the hybrid's OPSD term): the
+  loss tokens, the teacher's forwards under its weights (`TeacherWeights`), the loss of a micro-batch, its
+  `opsd/*` metrics and the teacher's ledger tokens;
 * `completions`: the completions log, a few rows of what the student wrote and where its teacher disagreed;
 * `trl_compat`: the narrow patches where TRL's trainer does something OPSD must not.
 """

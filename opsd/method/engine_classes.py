@@ -22,9 +22,12 @@ one line names that file, and nothing of it reaches the terminal unless `--debug
 A progress bar vLLM opened meanwhile (its checkpoint loading's) is closed into the kept output, so that no fragment
 of it reaches the terminal after the line.
 
-`engine_failure` does the same for what a started engine does: a weight push, a generation, and the sleep and
-wake-up inside them. A failure there (a kernel that refuses the model's shapes only once it runs, a reload that
-cannot take the weights) is one line too, its output and traceback kept in `vllm_engine_error.log`.
+The capture is the start's alone: it swaps the process's file descriptors, so everything the process writes meanwhile
+(a logging handler, the rollout grader's thread) is held back with vLLM's output. A started engine's operations (a
+weight push, a generation, and the sleep and wake-up inside them) run with the streams as they are, and vLLM's lines
+about them (the reload's, its progress bar) show as they happen. `engine_failure` makes a failure there (a kernel
+that refuses the model's shapes only once it runs, a reload that cannot take the weights) one line too, with its
+traceback kept in `vllm_engine_error.log`.
 """
 
 from __future__ import annotations
@@ -136,18 +139,17 @@ def engine_start_refusal(colocated: bool, model, log_dir: str | Path | None = No
 
 @contextmanager
 def engine_failure(model, log_dir: str | Path | None, *, failed: str):
-    """Inside the block (an operation of a started engine: a weight push, a generation), the process's output goes
-    to a temporary folder and is replayed after it; an error raised from vLLM's own code becomes one line as at
-    start-up, naming what failed (`failed`: "on a weight push", ...), with vLLM's output and the traceback kept in
-    `log_dir`/vllm_engine_error.log (a temporary file without one)."""
-    with tempfile.TemporaryDirectory(prefix="opsd-engine-") as tmp:
-        log = functools.partial(_engine_log_path, log_dir, ENGINE_ERROR_LOG)
-        with _refused(model, _Capture(Path(tmp)), log, failed):
-            yield
+    """Inside the block (an operation of a started engine: a weight push, a generation), an error raised from vLLM's
+    own code becomes one line as at start-up, naming what failed (`failed`: "on a weight push", ...), with the
+    traceback kept in `log_dir`/vllm_engine_error.log (a temporary file without one). Nothing is captured: the
+    process's output, vLLM's included, goes where it goes as it is written."""
+    log = functools.partial(_engine_log_path, log_dir, ENGINE_ERROR_LOG)
+    with _refused(model, _Uncaptured(), log, failed):
+        yield
 
 
 @contextmanager
-def _refused(model, capture: _Capture, log: Callable[[], Path], failed: str):
+def _refused(model, capture: _Capture | _Uncaptured, log: Callable[[], Path], failed: str):
     """The block's output captured; an error from vLLM's code becomes `refusal_line` with the output and the
     traceback written to `log()`, others keep their traceback after the output is replayed."""
     try:
@@ -166,7 +168,8 @@ def _refused(model, capture: _Capture, log: Callable[[], Path], failed: str):
             capture.text() + "\n== the error ==\n" + "".join(traceback.format_exception(err)),
             errors="replace",
         )
-        raise UnsupportedModel(refusal_line(err, model, capture.text(), path, failed=failed)) from err
+        line = refusal_line(err, model, capture.text(), path, failed=failed, kept=capture.kept)
+        raise UnsupportedModel(line) from err
     capture.replay()
 
 
@@ -189,6 +192,8 @@ def _capture_folder(log_dir: str | Path | None):
 class _Capture:
     """File descriptors 1 and 2 redirected to files in `folder` while inside; `replay` writes what they got to the
     streams they were meant for."""
+
+    kept = "vLLM's output"  # what a failure's log holds, as its one line names it
 
     def __init__(self, folder: Path):
         self.paths = {fd: folder / name for fd, name in ((1, "stdout"), (2, "stderr"))}
@@ -230,6 +235,24 @@ class _Capture:
                 data = data[os.write(fd, data) :]
 
 
+class _Uncaptured:
+    """No capture: the output went where the process writes as it was written; nothing to replay or keep."""
+
+    kept = "its traceback"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def text(self) -> str:
+        return ""
+
+    def replay(self) -> None:
+        """Nothing was held back."""
+
+
 def _progress_bars() -> list:
     """The tqdm progress bars open in this process (none if tqdm was never imported)."""
     std = sys.modules.get("tqdm.std")
@@ -258,11 +281,13 @@ def _engine_log_path(log_dir: str | Path | None, name: str = ENGINE_LOG) -> Path
 
 
 def refusal_line(
-    err: BaseException, model, output: str, log: Path | None, *, failed: str = "to start"
-) -> str:
+    err: BaseException, model, output: str, log: Path | None, *, failed: str = "to start",
+    kept: str = "vLLM's output",
+) -> str:  # fmt: skip
     """The one line for an engine that failed `failed` (to start, on a weight push, on a generation): engine and
     version, the architecture and the model type the checkpoint declares (and the one it was loaded as, where they
-    differ), the cause in a few words, the fix, and where vLLM's output is (when it was kept)."""
+    differ), the cause in a few words, the fix, and the file `log` that keeps what `kept` says (when one was
+    written)."""
     import vllm
 
     config = getattr(model, "config", None)
@@ -280,7 +305,7 @@ def refusal_line(
     else:
         cause, fix = _cause(err, output, config, declared)
         cause = cause.rstrip(". ")
-    where = f"; vLLM's output: {log}" if log is not None else ""
+    where = f"; {kept}: {log}" if log is not None else ""
     return f"the colocated vLLM {vllm.__version__} engine failed {failed} for {arch} ({what}): {cause}; {fix}{where}"
 
 

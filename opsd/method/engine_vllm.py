@@ -1,11 +1,17 @@
 """The vLLM rollout engine of training (`VLLMRolloutEngine`), imported only when a run uses vLLM.
 
 `VLLMRolloutEngine` is built by the entry point with its settings (seeds, the batch cap, the KV-cache size) and handed to
-the trainer. TRL's trainers construct their engine themselves inside `__init__`, by the name `VLLMGeneration`
-read from a TRL module and with no setting for its class; `VLLMRolloutEngine.in_place_of_trl` stands that name in for the
-duration of the trainer's `__init__` (a context manager: the name is TRL's again on exit) so that the engine TRL
-constructs is this one's `OPSDGeneration`, with TRL's arguments and this engine's settings. Nothing of vLLM is
-replaced: the colocated engine is a `SeededLLM` (a `vllm.LLM` subclass) built with TRL's arguments and OPSD's.
+the trainer, and starts once the trainer exists (`bind`): it builds its `OPSDGeneration` itself, from the trainer's
+model, accelerator, tokenizer and TRL config, with the arguments TRL's trainers give their engine and OPSD's
+settings. The trainers build no engine of their own (`OPSDTrainer`, `opsd.rl.grpo.GRPOTrainer`: TRL's `use_vllm`
+reads false while TRL's `__init__` runs). Nothing of vLLM is replaced: the colocated engine is a `SeededLLM` (a
+`vllm.LLM` subclass) built with TRL's arguments and OPSD's.
+
+One name of TRL's is stood in for, once, while the engine is built: TRL's `VLLMGeneration` starts its colocated
+engine by the name `LLM` read from its own module (`trl.generation.vllm_generation`), with fixed arguments and no
+setting for the class. `OPSDGeneration.__init__` makes that name the `SeededLLM` with OPSD's arguments for the
+duration of TRL's constructor (`_replaced`, a context manager: the name is TRL's again however the block ends).
+docs/decisions.md ("The engine's construction") says why the other ways cost more.
 
 `OPSDGeneration` is TRL's `VLLMGeneration` with every OPSD difference in a public method or constructor argument:
 
@@ -23,8 +29,10 @@ replaced: the colocated engine is a `SeededLLM` (a `vllm.LLM` subclass) built wi
 - `sync_weights` pushes the merged weights out of place (`opsd.method.engine.sync_colocated_engine`); a server
   and ZeRO-3's sharded parameters take TRL's path. With sleep mode the weights are discarded after every
   generation, and TRL's `generate` pushes them again before the next: the trainer then pushes nothing itself;
-- a colocated engine's failure in a push or a generation (and the sleep and wake-up inside them) is one line
-  (`opsd.method.engine_classes.engine_failure`), its log kept in `log_dir`.
+- the colocated engine starts with the process's output captured, and a failure to start is one line
+  (`opsd.method.engine_classes.engine_start_refusal`); a failure in a push or a generation (and the sleep and
+  wake-up inside them) is one line too, its traceback kept in `log_dir`, with nothing captured
+  (`opsd.method.engine_classes.engine_failure`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import logging
 import sys
 from contextlib import contextmanager, nullcontext
 
+import torch
 import vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -118,19 +127,13 @@ def _replaced(module, name: str, value):
 
 
 class OPSDGeneration(VLLMGeneration):
-    """TRL's `VLLMGeneration` as OPSD drives it (module docstring); `settings` is the `VLLMRolloutEngine` that built it."""
+    """TRL's `VLLMGeneration` as OPSD drives it (module docstring); `settings` is the `VLLMRolloutEngine` that built
+    it, `trl_arguments` TRL's constructor arguments (`VLLMRolloutEngine.generation_arguments`)."""
 
     def __init__(self, *, settings: VLLMRolloutEngine, **trl_arguments):
         self.settings = settings
         self.generations = 0
         colocated = trl_arguments.get("mode") == "colocate"
-        if settings.max_num_seqs > 0:
-            trl_arguments["max_num_seqs"] = settings.max_num_seqs
-        if colocated:
-            fixed = trl_arguments.get("generation_kwargs") or {}
-            trl_arguments["generation_kwargs"] = {"detokenize": False, **fixed}
-        if trl_arguments.get("logprobs") is None:  # SDFTTrainer asks for none; 0 = the sampled token's only
-            trl_arguments["logprobs"] = 0
         model = trl_arguments["accelerator"].unwrap_model(trl_arguments["model"])
         arguments = settings.llm_arguments(model)
         llm = functools.partial(SeededLLM, seeds_for=settings.seeds_for, **arguments)
@@ -190,8 +193,8 @@ class VLLMRolloutEngine:
     `seeds`: the run's rollout seeds; `max_num_seqs`: the colocated engine's batch cap (0: TRL's sizing);
     `kv_cache_bytes`: a fixed KV cache (None: vLLM's own sizing); `tensor_parallel_size` and `process_index` place
     this process's rows in the global batch; `log_dir`: where a failed engine's output is kept. The trainer it
-    serves (`bind`) times the weight pushes on its clock (phase `weight_sync`). `generation` is TRL's engine once a trainer has built it
-    (`in_place_of_trl`)."""
+    serves (`bind`) times the weight pushes on its clock (phase `weight_sync`). `generation` is the engine once
+    `bind` has started it."""
 
     name = "vllm"
 
@@ -219,8 +222,56 @@ class VLLMRolloutEngine:
         self.weights_step: int | None = None  # the step whose weights the engine holds (None: as loaded)
 
     def bind(self, trainer) -> None:
-        """The trainer's phase clock times the weight pushes."""
+        """Starts the engine for `trainer`, a TRL trainer whose `__init__` is done and built no engine of its own;
+        its phase clock times the weight pushes. A colocated engine starts with the trainer's models in classes of
+        their own, out of reach of the engine's in-place decoration, and with the process's output captured until
+        it is up; a start-up failure is refused in one line (`opsd.method.engine_classes`)."""
+        from opsd.method.engine_classes import engine_start_refusal, own_classes
+
         self.clock = trainer.clock
+        if self.generation is not None:
+            return
+        arguments = self.generation_arguments(trainer)
+        model = arguments["accelerator"].unwrap_model(arguments["model"])
+        if self.colocated:
+            for held in (model, getattr(trainer, "teacher_model", None), getattr(trainer, "ref_model", None)):
+                if isinstance(held, torch.nn.Module):
+                    own_classes(held)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with engine_start_refusal(self.colocated, base, self.log_dir):
+            self.generation = OPSDGeneration(settings=self, **arguments)
+
+    def generation_arguments(self, trainer) -> dict:
+        """`VLLMGeneration`'s constructor arguments for `trainer`: those TRL's trainers pass from their config
+        (SDFTTrainer's and GRPOTrainer's `__init__`), with OPSD's settings (`with_settings`)."""
+        a = trainer.args
+        return self.with_settings(
+            dict(
+                model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
+                mode=a.vllm_mode, structured_outputs_regex=getattr(a, "vllm_structured_outputs_regex", None),
+                server_base_url=a.vllm_server_base_url, server_host=a.vllm_server_host,
+                server_port=a.vllm_server_port, group_port=a.vllm_group_port, server_timeout=a.vllm_server_timeout,
+                tensor_parallel_size=a.vllm_tensor_parallel_size,
+                gpu_memory_utilization=a.vllm_gpu_memory_utilization, max_model_length=a.vllm_max_model_length,
+                max_num_seqs=a.per_device_train_batch_size * a.vllm_tensor_parallel_size * a.steps_per_generation,
+                enable_sleep_mode=a.vllm_enable_sleep_mode, model_impl=a.vllm_model_impl,
+                trust_remote_code=a.trust_remote_code, repetition_penalty=a.repetition_penalty,
+                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                max_completion_length=a.max_completion_length, generation_kwargs=a.generation_kwargs,
+            )
+        )  # fmt: skip
+
+    def with_settings(self, trl_arguments: dict) -> dict:
+        """TRL's engine arguments with OPSD's: the batch cap where one is set, no detokenisation in a colocated
+        engine, and every generation's log-prob of each sampled token (`logprobs=0`: that token's only;
+        SDFTTrainer asks for none)."""
+        arguments = {**trl_arguments, "logprobs": 0}
+        if self.max_num_seqs > 0:
+            arguments["max_num_seqs"] = self.max_num_seqs
+        if arguments.get("mode") == "colocate":
+            fixed = arguments.get("generation_kwargs") or {}
+            arguments["generation_kwargs"] = {"detokenize": False, **fixed}
+        return arguments
 
     def probe(self):
         """Inside the block, rollouts are seeded as the probe's (`opsd.method.engine.PROBE_STEP`)."""
@@ -236,33 +287,6 @@ class VLLMRolloutEngine:
         if self.kv_cache_bytes is not None:
             arguments["kv_cache_memory_bytes"] = self.kv_cache_bytes
         return arguments
-
-    @contextmanager
-    def in_place_of_trl(self, model, owner=None):
-        """Inside the block, the engine a TRL trainer's `__init__` constructs by the name `VLLMGeneration` in
-        `owner` (TRL's `vllm_generation` module for SDFTTrainer; `trl.trainer.grpo_trainer` for GRPOTrainer, which
-        imports the class by name) is this engine's `OPSDGeneration`; the name is TRL's own again on exit. With a
-        colocated engine the trainer's `model` keeps classes of its own, out of reach of the engine's in-place
-        decoration (before it starts), and a start-up failure is refused in one line
-        (`opsd.method.engine_classes`)."""
-        import torch
-
-        from opsd.method.engine_classes import engine_start_refusal, own_classes
-
-        if owner is None:
-            from trl.generation import vllm_generation as owner
-
-        def build(**trl_arguments) -> OPSDGeneration:
-            self.generation = OPSDGeneration(settings=self, **trl_arguments)
-            return self.generation
-
-        if self.colocated and isinstance(model, torch.nn.Module):
-            own_classes(model)
-        with (
-            _replaced(owner, "VLLMGeneration", build),
-            engine_start_refusal(self.colocated, model, self.log_dir),
-        ):
-            yield
 
     def generate(self, prompt_ids, *, step: int, num_generations: int):
         """(completion ids, the sampled tokens' log-probs) of one rollout per prompt, seeded by `step`; the

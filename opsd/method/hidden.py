@@ -35,15 +35,13 @@ class CompletionHiddenStates:
     """Both roles' hidden states (N, H) of the valid completion tokens, flattened over the completion mask, and
     the lm_head weights (V, H) and transform that turn them into each role's logits (`OPSDTrainer.
     completion_hidden_states`; the loss, the probe and the completions log read them). The teacher's are None
-    when the loss reads no teacher; `contrast_hidden_NH` is the teacher's under a wrong hint (a contrastive
-    teacher), scored with the teacher's weight."""
+    when the loss reads no teacher."""
 
     student_hidden_NH: torch.Tensor
     teacher_hidden_NH: torch.Tensor | None
     student_weight_VH: torch.Tensor
     teacher_weight_VH: torch.Tensor | None
     logit_transform: LogitTransform
-    contrast_hidden_NH: torch.Tensor | None = None
 
 
 @contextmanager

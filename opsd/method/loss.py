@@ -245,22 +245,6 @@ class ContrastHidden:
         return ContrastHidden(self.hidden_JNH[:, keep_N], self.valid_JN[:, keep_N], self.eos_token_id)
 
 
-def one_hint(hidden_NH: torch.Tensor | None, keep_N: torch.Tensor, eos_token_id: int | None):
-    """`ContrastHidden` of a single wrong hint per row (`shuffled`, `wrong_answer`), for the tokens `keep_N` of the
-    flat hidden states (N, H); None without them."""
-    if hidden_NH is None:
-        return None
-    kept_NH = hidden_NH[keep_N]
-    valid_JN = torch.ones(1, kept_NH.shape[0], dtype=torch.bool, device=kept_NH.device)
-    return ContrastHidden(kept_NH[None], valid_JN, eos_token_id)
-
-
-def token_rows(mask_BC: torch.Tensor) -> torch.Tensor:
-    """(N,) the row of each token of a (B, C) mask, in the order the flat tokens come (row-major)."""
-    rows_BC = torch.arange(mask_BC.shape[0], device=mask_BC.device)[:, None].expand_as(mask_BC)
-    return rows_BC[mask_BC.bool()]
-
-
 def _scaled(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits_NV.detach().to(torch.float32, copy=True).div_(temperature)
 
@@ -709,11 +693,3 @@ def token_log_probs(
             )
             out_N[start:end] = F.log_softmax(x_CV, -1).gather(-1, ids_N[start:end, None])[:, 0]
     return out_N
-
-
-def loss_metrics(loss_sum: torch.Tensor, stats: dict, *, teacher: bool = True) -> dict[str, float]:
-    """The `opsd/*` metrics of one micro-batch: `chunked_opsd_loss`'s sums per valid token (without the
-    teacher's statistics when the loss read no teacher)."""
-    n = max(float(stats["num_tokens"]), 1.0)
-    keys = [k for k in stats if k != "num_tokens"] if teacher else ["abs_advantage"]
-    return {**{f"opsd/{k}": float(stats[k]) / n for k in keys}, "opsd/loss_per_token": float(loss_sum) / n}

@@ -5,13 +5,12 @@
     push_weights(step)     the trainer's current weights into the engine (once per step that generates)
     sleep(level) / wake_up()
     probe()                a block whose rollouts are seeded as the probe's
-    in_place_of_trl(model, owner=None)
-                           the block in which a TRL trainer's `__init__` builds its engine: this one
-    bind(trainer)          the trainer the engine serves, once it exists
+    bind(trainer)          the trainer the engine serves, once its `__init__` is done (a vLLM engine starts here)
 
 `TransformersRolloutEngine` (here) samples from the trained model itself; `VLLMRolloutEngine`
-(`opsd.method.engine_vllm`, imported only with vLLM) runs TRL's vLLM engine with OPSD's seeds, weight pushes and
-settings, each a constructor argument (docs/decisions.md, "One engine, owned counters, private TRL names").
+(`opsd.method.engine_vllm`, imported only with vLLM) builds TRL's vLLM engine itself, with OPSD's seeds, weight
+pushes and settings, each a constructor argument (docs/decisions.md, "One engine, owned counters, private TRL
+names" and "The engine's construction").
 """
 
 from __future__ import annotations
@@ -67,10 +66,6 @@ class TransformersRolloutEngine:
 
     def probe(self):
         """The probe's rollouts draw from the global random state too (the trainer forks it around them)."""
-        return nullcontext()
-
-    def in_place_of_trl(self, model, owner=None):
-        """Nothing of TRL's to stand in for: TRL builds no engine without vLLM."""
         return nullcontext()
 
     def push_weights(self, step: int) -> None:

@@ -27,7 +27,6 @@ from dataclasses import fields
 import torch
 import trl
 from transformers import TrainingArguments
-from trl.trainer import grpo_trainer as trl_grpo
 
 from opsd.method.engine import weights_dtype
 from opsd.method.hidden import CheckedForwards, lm_head_weight
@@ -37,7 +36,7 @@ from opsd.method.sampler import sampled_token_logps
 from opsd.rl.reward import CorrectAnswer
 from opsd.rl.routes import route_metrics
 from opsd.run.logprob_gap import LogprobGap
-from opsd.run.step_watch import ComputeLedger, PhaseClock, StepTimer, metrics
+from opsd.run.step_watch import ComputeLedger, MetricsWindow, PhaseClock, StepTimer, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -89,33 +88,35 @@ class GRPOTrainer(trl.GRPOTrainer):
     ):
         self.config = config = args
         self.clock = PhaseClock()
+        # The harness's metrics of the logging period, averaged into TRL's `log` (NaN left out, as TRL's GRPO does).
+        self.logged = MetricsWindow(skip_nan=True)
         self.reward = CorrectAnswer()
-        # The rollout engine, as OPSDTrainer takes it; TRL's GRPOTrainer drives it (its pushes and generations).
+        # The rollout engine, as OPSDTrainer takes it; TRL builds none (`use_vllm`), a vLLM engine starts in `bind`.
         self.engine = engine or build_rollout_engine(config)
-        with self.engine.in_place_of_trl(model, owner=trl_grpo):
-            super().__init__(
-                model=model,
-                reward_funcs=[self.reward],
-                args=grpo_args(config),
-                train_dataset=train_dataset,
-                processing_class=processing_class,
-                peft_config=peft_config,
-            )
+        super().__init__(
+            model=model,
+            reward_funcs=[self.reward],
+            args=grpo_args(config),
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+        )
         self.engine.bind(self)
         self.prompt_builder = prompt_builder or PromptBuilder.from_config(self.processing_class, config)
-        self.ledger = ComputeLedger(self._metrics["train"], self.accelerator)
-        self.step_timer = StepTimer(self._metrics["train"], self.clock, self.ledger)
+        self.ledger = ComputeLedger(self.train_record, self.accelerator)
+        self.step_timer = StepTimer(self.train_record, self.clock, self.ledger)
         self.add_callback(self.step_timer)
         # The completion tokens' final hidden states, as the engine placed them (or TRL's columns: `columns`).
         self.forwards = CheckedForwards(
             self.accelerator.unwrap_model,
             fix_positions=config.fix_position_ids,
-            pad_token_id=self._tokenizer.pad_token_id,
+            pad_token_id=self.processing_class.pad_token_id,
             mixed_precision=self.accelerator.mixed_precision,
             columns=True,
         )
         self.logprob_gap = LogprobGap(weights_dtype(self.accelerator.unwrap_model(self.model)))
         self._given_hidden: torch.Tensor | None = None  # `scored_from`
+        self.micro_batch = 0  # the micro-batches this process has run in this `train()` call
         if self.aux_loss_enabled:
             logger.warning(
                 "the model's router load-balancing loss is not added to the GRPO loss: the log-probs are scored "
@@ -123,16 +124,39 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "silence this"
             )
 
+    # TRL's GRPO takes its vLLM paths (its importance-sampling correction of the engine's log-probs) where this is
+    # true, and builds an engine of its own in `__init__` where it is true then. The harness's engine starts once
+    # TRL's `__init__` is done (`engine.bind`): true from then on (TRL's assignment from its config is dropped),
+    # and `vllm_generation`, which TRL reads, is that engine's.
+    use_vllm = property(
+        lambda self: getattr(self.engine, "generation", None) is not None, lambda self, value: None
+    )
+    vllm_generation = property(lambda self: self.engine.generation)
+
     # -- a micro-batch, and the generation at a step's start ---------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         per_step = self.args.gradient_accumulation_steps
-        if self._step % per_step == 0:  # TRL's micro-batch counter; it counts up in super().training_step
+        if self.micro_batch % per_step == 0:  # the optimizer step's first micro-batch
             self.step_timer.step_begins()
         with self.clock.phase("train_micro"):
             out = super().training_step(model, inputs, num_items_in_batch)
-        if self._step % per_step == 0:
+        self.micro_batch += 1
+        if self.micro_batch % per_step == 0:  # its last
             self.step_timer.optimizer_begins()
         return out
+
+    def record_metrics(self, metrics: dict[str, float]) -> None:
+        """Adds values to the current mode's logging period (averaged at the next log, like every metric)."""
+        self.logged.add(metrics, "train" if self.model.training else "eval")
+
+    def train_record(self, metrics: dict[str, float]) -> None:
+        """Adds values to the training period, whatever the mode (the step's watchers log through it)."""
+        self.logged.add(metrics, "train")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the harness's metrics of the period averaged in (`MetricsWindow`)."""
+        logs.update(self.logged.take("train" if self.model.training else "eval"))
+        super().log(logs, start_time)
 
     def _tokenize_prompts(self, prompts: list):
         """The dataset's `prompt` is the bare problem; the student turn is OPSD's (chat template included)."""
@@ -141,12 +165,17 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
-        if self.engine.name == "vllm":
-            self.engine.seeds.at_step(self.state.global_step)  # the rows' seeds are the step's
         with self.clock.phase("rollout"):
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            if self.engine.name != "vllm":
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+            # The weights pushed when the step's are not the engine's yet, the rows seeded by the step; the log-prob
+            # of each sampled token, as TRL keeps it.
+            completion_ids, logprobs = self.engine.generate(
+                prompt_ids, step=self.state.global_step, num_generations=num_generations
             )
+            return completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -157,8 +186,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # [correct, graded, boxed, rows, tokens]: this process's rollouts, as the reward graded them
             sums = torch.tensor(self.reward.sums, dtype=torch.float64, device=self.accelerator.device)
             self.ledger.add(generated=int(self.reward.sums[4]), trained=int(self._loss_mask(out).sum()))
-            for key, value in metrics(self.accelerator.reduce(sums, reduction="sum").tolist()).items():
-                self._metrics["train"][key].append(value)
+            self.train_record(metrics(self.accelerator.reduce(sums, reduction="sum").tolist()))
             self._log_routes(out, sd_rows_B)
             self._log_logprob_gap(out)
         return out
@@ -179,10 +207,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             torch.tensor(sums, dtype=torch.float64, device=self.accelerator.device), reduction="sum"
         ).tolist()
         zero_groups, groups, positive, rows, sd_tokens, tokens = total
-        window = self._metrics["train"]
-        window["rl/zero_signal_groups"].append(zero_groups / max(groups, 1.0))
-        window["rl/positive_rollouts"].append(positive / max(rows, 1.0))
-        window["rl/sd_token_share"].append(sd_tokens / max(tokens, 1.0))
+        self.train_record({
+            "rl/zero_signal_groups": zero_groups / max(groups, 1.0),
+            "rl/positive_rollouts": positive / max(rows, 1.0),
+            "rl/sd_token_share": sd_tokens / max(tokens, 1.0),
+        })  # fmt: skip
 
     def _log_logprob_gap(self, batch) -> None:
         """`rollout/logprob_gap/*` from what TRL computed already: the engine's log-probs of its sampled tokens
@@ -191,9 +220,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         engine_BT, trainer_BT = batch.get("sampling_per_token_logps"), batch.get("old_per_token_logps")
         if engine_BT is None or trainer_BT is None:
             return
-        local = self.logprob_gap.metrics(engine_BT.float(), trainer_BT.float(), self._loss_mask(batch))
-        for key, value in local.items():
-            self._metrics["train"][key].append(value)
+        self.train_record(
+            self.logprob_gap.metrics(engine_BT.float(), trainer_BT.float(), self._loss_mask(batch))
+        )
 
     @staticmethod
     def _loss_mask(batch) -> torch.Tensor:

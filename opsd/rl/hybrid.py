@@ -27,30 +27,17 @@ as c, up to `contrast_hints` wrong siblings as c~.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
-from opsd.method.contrast import rows_with_contrast, sibling_hints
+from opsd.method.contrast import sibling_hints
 from opsd.method.contrast_target import modulated_advantages, sampled_log_ratio
-from opsd.method.hidden import (
-    CheckedForwards,
-    eval_mode,
-    left_pad,
-    lm_head_weight,
-    loss_token_mask,
-)
-from opsd.method.loss import (
-    ContrastHidden,
-    chunked_opsd_loss,
-    loss_metrics,
-    loss_settings,
-    token_log_probs,
-    token_rows,
-)
+from opsd.method.hidden import CheckedForwards, left_pad, lm_head_weight
+from opsd.method.loss import token_log_probs
 from opsd.method.pairing import CONTRAST_COLUMN
 from opsd.method.prompts import teacher_rows
+from opsd.method.scoring import SelfDistillation, TeacherHidden, TeacherWeights
 from opsd.rl.grpo import GRPOTrainer
 from opsd.rl.routes import sd_rows
 
@@ -66,11 +53,9 @@ class HybridTrainer(GRPOTrainer):
         c = self.config
         self.sd_weight = float(c.sd_weight)
         self.hybrid_route = c.hybrid_route
-        self.loss_settings = loss_settings(c)
         self.contrast = c.teacher_contrast
         # RLCSD's modulation of the GRPO advantages: with a contrast and a weight.
         self.modulate = c.contrast_on and c.contrast_rl_weight > 0
-        self.teacher_rows_needed = self.loss_settings.needs_teacher and (self.sd_weight > 0 or self.modulate)
         # The OPSD term's rows: those GRPO scores (`self.forwards`, one student forward for both terms), or the
         # reference code's with fix_position_ids=false, whose layout is not TRL's (then two student forwards).
         self.sd_forwards = self.forwards
@@ -78,9 +63,17 @@ class HybridTrainer(GRPOTrainer):
             self.sd_forwards = CheckedForwards(
                 self.accelerator.unwrap_model,
                 fix_positions=False,
-                pad_token_id=self._tokenizer.pad_token_id,
+                pad_token_id=self.processing_class.pad_token_id,
                 mixed_precision=self.accelerator.mixed_precision,
             )
+        # The OPSD term is scored by the core every self-distilling method shares (`opsd.method.scoring`); the
+        # teacher is the initial policy (a LoRA student's adapters off) or the student itself (dynamic).
+        route = "base" if c.teacher_mode == "fixed" else "as_is"
+        teacher = TeacherWeights(
+            self.accelerator.unwrap_model(self.model), self.accelerator.unwrap_model, route
+        )
+        self.core = SelfDistillation(c, self.sd_forwards, teacher, self.processing_class.eos_token_id)
+        self.teacher_rows_needed = self.core.needs_teacher and (self.sd_weight > 0 or self.modulate)
 
     # -- the batch: TRL's, plus the teacher's rows ------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -90,7 +83,7 @@ class HybridTrainer(GRPOTrainer):
         completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
         problems = [x["prompt"] for x in inputs]
         hints, wrongs = self._hints(inputs)
-        pad_id = self._tokenizer.pad_token_id
+        pad_id = self.processing_class.pad_token_id
         rows, truncated = teacher_rows(
             self.prompt_builder, problems, [h if h is not None else "" for h in hints], completion_ids,
             completion_mask, pad_id,
@@ -99,16 +92,11 @@ class HybridTrainer(GRPOTrainer):
         if wrongs is not None:
             out.update(self._wrong_hint_rows(problems, hints, wrongs, completion_ids))
         # The OPSD term's denominator: its loss tokens over the whole step and every process (as OPSD's trainer).
-        local = self._sd_mask(completion_ids, completion_mask).sum()
+        local = self.core.token_mask(completion_ids, completion_mask).sum()
         out["sd_num_tokens"] = self.accelerator.reduce(local.clone(), reduction="sum")
         if self.model.training:
-            self._metrics["train"]["prompts/teacher_truncated"].append(float(truncated))
-            hint_tokens = 0
-            if wrongs is not None:  # each scored hint's forward reads its prompt and the completion
-                valid_BJ = out["contrast_valid"]
-                prompts = (out["contrast_attention_mask"].sum(-1) * valid_BJ).sum()
-                hint_tokens = int(prompts + (valid_BJ.sum(1) * completion_mask.sum(1)).sum())
-            self.ledger.add(teacher=int(rows["teacher_attention_mask"].sum()) + hint_tokens)
+            self.record_metrics({"prompts/teacher_truncated": float(truncated)})
+            self.ledger.add(teacher=self.core.teacher_tokens(out))
         return out
 
     def _sd_rows(self, batch) -> torch.Tensor:
@@ -140,10 +128,11 @@ class HybridTrainer(GRPOTrainer):
         )
         if self.model.training:
             paired = max(record["rows_with_pair"], 1.0)
-            window = self._metrics["train"]
-            window["contrast/rows_with_pair"].append(record["rows_with_pair"] / record["rows"])
-            window["contrast/hints_per_row"].append(record["wrong_hints"] / paired)
-            window["contrast/hint_from_reference"].append(record["hint_from_reference"] / paired)
+            self.record_metrics({
+                "contrast/rows_with_pair": record["rows_with_pair"] / record["rows"],
+                "contrast/hints_per_row": record["wrong_hints"] / paired,
+                "contrast/hint_from_reference": record["hint_from_reference"] / paired,
+            })  # fmt: skip
         return hints, wrongs
 
     def _wrong_hint_rows(self, problems, hints, wrongs, completion_ids) -> dict:
@@ -157,7 +146,7 @@ class HybridTrainer(GRPOTrainer):
                 prompts.append(
                     self.prompt_builder.teacher_ids(problem, row[j] if j < len(row) else hint or "").ids
                 )
-        ids, mask = left_pad(prompts, self._tokenizer.pad_token_id, completion_ids.device)
+        ids, mask = left_pad(prompts, self.processing_class.pad_token_id, completion_ids.device)
         B = len(problems)
         return {
             "contrast_input_ids": ids.view(B, J, -1),
@@ -165,138 +154,62 @@ class HybridTrainer(GRPOTrainer):
             "contrast_valid": torch.tensor(valid, device=completion_ids.device).view(B, J),
         }
 
-    def _sd_mask(self, completion_ids, completion_mask) -> torch.Tensor:
-        """The self-distillation term's tokens: every sampled one, the stop token included (`loss_token_mask`)."""
-        return loss_token_mask(completion_ids, completion_mask, skip=self.config.num_loss_tokens_to_skip)
-
     # -- the loss --------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
-        teachers = self._teacher_hidden(model, inputs) if self.teacher_rows_needed else None
+        teacher = self.core.teacher_hidden(inputs) if self.teacher_rows_needed else None
         if self.modulate:
-            inputs = {**inputs, "advantages": self._modulated_advantages(model, inputs, teachers)}
+            inputs = {**inputs, "advantages": self._modulated_advantages(inputs, teacher)}
         if self.sd_weight == 0:
             return super()._compute_loss(model, inputs)
         # One student forward for both terms: TRL's loss scores the sampled tokens from these hidden states.
-        student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
+        student_NH = self.core.student_hidden(model, inputs)
         with self.scored_from(student_NH if self.sd_forwards is self.forwards else None):
             grpo = super()._compute_loss(model, inputs)
-        sd = self.sd_loss(model, inputs, teachers, student_NH)
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["hybrid/grpo_loss"].append(float(grpo.detach()))
-        self._metrics[mode]["hybrid/sd_loss"].append(float(sd.detach()))
+        sd = self.sd_loss(model, inputs, teacher, student_NH)
+        self.record_metrics({"hybrid/grpo_loss": float(grpo.detach()), "hybrid/sd_loss": float(sd.detach())})
         return grpo + self.sd_weight * sd
 
-    def _teacher_hidden(self, model, inputs):
-        """(the teacher's hidden states under c, (N, H) over every completion token; the wrong hints', a
-        `ContrastHidden` over the same tokens, or None; the rows that have a contrast (B,) or None)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        width = inputs["teacher_input_ids"].size(1) - completion_ids.size(1)
-        teacher_ids, teacher_mask = (
-            inputs["teacher_input_ids"][:, :width],
-            inputs["teacher_attention_mask"][:, :width],
-        )
-        with torch.no_grad(), self._teacher(unwrapped):
-            teacher_NH = self._hidden(unwrapped, teacher_ids, teacher_mask, inputs).detach()
-            if "contrast_input_ids" not in inputs:
-                return teacher_NH, None, None
-            ids_BJP, mask_BJP, valid_BJ = (inputs[k] for k in ("contrast_input_ids", "contrast_attention_mask",
-                                                               "contrast_valid"))  # fmt: skip
-            rows_N = token_rows(completion_mask)
-            valid_JN = valid_BJ[rows_N].T.contiguous()
-            hidden_JNH = teacher_NH.new_zeros((valid_BJ.size(1), *teacher_NH.shape))
-            for j in range(valid_BJ.size(1)):
-                rows_B = valid_BJ[:, j]
-                if rows_B.any():
-                    part = {
-                        "completion_ids": completion_ids[rows_B],
-                        "completion_mask": completion_mask[rows_B],
-                    }
-                    h = self._hidden(unwrapped, ids_BJP[rows_B, j], mask_BJP[rows_B, j], part)
-                    hidden_JNH[j, valid_JN[j]] = h.detach()
-        # A row has a contrast when it has a wrong hint and that hint is not its hint (shuffled, wrong_answer).
-        has_B = valid_BJ.any(1) & rows_with_contrast(teacher_ids, teacher_mask, ids_BJP[:, 0], mask_BJP[:, 0])
-        eos = self._tokenizer.eos_token_id
-        return teacher_NH, ContrastHidden(hidden_JNH, valid_JN, eos), has_B
-
-    def _modulated_advantages(self, model, inputs, teachers) -> torch.Tensor:
+    def _modulated_advantages(self, inputs, teacher: TeacherHidden) -> torch.Tensor:
         """RLCSD's per-token advantages (B, T) (`opsd.method.contrast_target.modulated_advantages`)."""
-        teacher_NH, contrast, has_B = teachers
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask_BT = completion_mask.bool()
         ids_N = completion_ids[mask_BT]
-        weight_VH = lm_head_weight(self.accelerator.unwrap_model(model)).detach()
-        kw = dict(transform=self.logit_transform, temperature=self.loss_settings.temperature,
-                  chunk_size=self.loss_settings.chunk_size)  # fmt: skip
+        settings, contrast = self.core.settings, teacher.contrast
+        kw = dict(transform=self.core.forwards.transform, temperature=settings.temperature,
+                  chunk_size=settings.chunk_size)  # fmt: skip
         with torch.no_grad():
-            logp_c_N = token_log_probs(teacher_NH, weight_VH, ids_N, **kw)
-            logp_w_JN = torch.stack([token_log_probs(h, weight_VH, ids_N, **kw) for h in contrast.hidden_JNH])
+            logp_c_N = token_log_probs(teacher.hidden_NH, teacher.weight_VH, ids_N, **kw)
+            logp_w_JN = torch.stack(
+                [token_log_probs(h, teacher.weight_VH, ids_N, **kw) for h in contrast.hidden_JNH]
+            )
             e_BT = torch.zeros_like(completion_mask, dtype=logp_c_N.dtype)
             e_BT[mask_BT] = sampled_log_ratio(logp_c_N, logp_w_JN, contrast.valid_JN)
         c = self.config
         advantages_BT, selected_BT = modulated_advantages(
-            inputs["advantages"], e_BT, has_B[:, None] & mask_BT, weight=c.contrast_rl_weight,
+            inputs["advantages"], e_BT, teacher.has_contrast_B[:, None] & mask_BT, weight=c.contrast_rl_weight,
             tau=c.contrast_rl_tau, delta=c.contrast_rl_delta,
         )  # fmt: skip
         if self.hybrid_route != "mix":  # a rollout routed to self-distillation gets no GRPO term
             advantages_BT = advantages_BT.masked_fill(inputs["sd_rows"][:, None], 0.0)
         if self.model.training:
             n = max(int(mask_BT.sum()), 1)
-            window = self._metrics["train"]
-            window["contrast/rl_selected"].append(float(selected_BT.sum()) / n)
-            window["contrast/rl_shift"].append(
-                float((advantages_BT - inputs["advantages"][:, None]).abs()[mask_BT].sum()) / n
+            shift = float((advantages_BT - inputs["advantages"][:, None]).abs()[mask_BT].sum()) / n
+            self.record_metrics(
+                {"contrast/rl_selected": float(selected_BT.sum()) / n, "contrast/rl_shift": shift}
             )
         return advantages_BT
 
-    def sd_loss(self, model, inputs, teachers, student_NH) -> torch.Tensor:
-        """The OPSD term of a micro-batch: its clipped divergence summed over the loss tokens of its rollouts routed
-        to it (`sd_rows`), divided by the step's loss tokens of every rollout over all processes, times the
-        processes (DDP/DeepSpeed average the gradients). `student_NH`: the student's completion hidden states in
-        TRL's layout; the OPSD term runs its own forward where its layout differs (fix_position_ids=false)."""
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    def sd_loss(self, model, inputs, teacher: TeacherHidden | None, student_NH) -> torch.Tensor:
+        """The OPSD term of a micro-batch (`SelfDistillation.loss`): its clipped divergence summed over the loss
+        tokens of its rollouts routed to it (`sd_rows`), divided by the step's loss tokens of every rollout over
+        all processes, times the processes. `student_NH`: the student's completion hidden states in TRL's layout;
+        the OPSD term runs its own forward where its layout differs (fix_position_ids=false)."""
         if self.sd_forwards is not self.forwards:
-            student_NH = self._hidden(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs)
-        unwrapped = self.accelerator.unwrap_model(model)
-        teacher_NH, contrast, has_B = teachers if teachers is not None else (None, None, None)
-        keep_BC = self._sd_mask(completion_ids, completion_mask) * inputs["sd_rows"][:, None]
-        if has_B is not None:  # a row without a contrast (no hint pair, or c~ = c) adds exactly 0
-            keep_BC = keep_BC * has_B[:, None]
-        keep_N = keep_BC[completion_mask.bool()].bool()
-        needs_teacher = self.loss_settings.needs_teacher
-        loss_sum, stats = chunked_opsd_loss(
-            student_NH[keep_N],
-            None if teacher_NH is None else teacher_NH[keep_N],
-            lm_head_weight(unwrapped),
-            lm_head_weight(unwrapped).detach() if needs_teacher else None,
-            settings=self.loss_settings,
-            target_ids_N=completion_ids[completion_mask.bool()][keep_N],
-            transform=self.logit_transform,
-            contrast=None if contrast is None else contrast.kept(keep_N),
-            rows_N=token_rows(keep_BC),
-        )
-        mode = "train" if self.model.training else "eval"
-        for key, value in loss_metrics(loss_sum.detach(), stats, teacher=needs_teacher).items():
-            self._metrics[mode][key].append(value)
-        denom = inputs["sd_num_tokens"].clamp(min=1).to(loss_sum.dtype)
-        return loss_sum / denom * self.accelerator.num_processes
-
-    @contextlib.contextmanager
-    def _teacher(self, unwrapped):
-        """The teacher's weights, in eval mode: the initial policy (a LoRA student's adapters off) for
-        teacher_mode=fixed, the student itself for dynamic."""
-        with eval_mode(unwrapped):
-            if self.config.teacher_mode == "fixed":
-                with unwrapped.disable_adapter():
-                    yield
-            else:
-                yield
-
-    def _hidden(self, model, prompt_ids, prompt_mask, inputs) -> torch.Tensor:
-        return self.sd_forwards(
-            model, prompt_ids, prompt_mask, inputs["completion_ids"], inputs["completion_mask"]
-        )
-
-    @property
-    def logit_transform(self):
-        return self.sd_forwards.transform
+            student_NH = self.core.student_hidden(model, inputs)
+        scored = self.core.loss(
+            student_NH, lm_head_weight(self.accelerator.unwrap_model(model)), teacher, inputs,
+            denominator=inputs["sd_num_tokens"], rows_B=inputs["sd_rows"],
+            num_processes=self.accelerator.num_processes,
+        )  # fmt: skip
+        self.record_metrics(scored.metrics)
+        return scored.loss

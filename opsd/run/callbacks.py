@@ -15,6 +15,17 @@ from opsd.rundir import METRICS_FILE, checkpoint_dir, mark_complete, wavg_dir
 logger = logging.getLogger(__name__)
 
 
+class FinalCheckpoint(TrainerCallback):
+    """Saves the last step's checkpoint whatever `save_strategy` says: a run's result is its final checkpoint
+    (`checkpoint-<max_steps>`, the path the harness prints), and transformers saves the last step only under a
+    save strategy. The save is transformers' own (weights, optimizer, scheduler, RNG, trainer state), followed by
+    every callback's `on_save` (the EMA teacher's and the tail average's state, the complete mark)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps or control.should_training_stop:
+            control.should_save = True
+
+
 class CompleteMark(TrainerCallback):
     """Marks a checkpoint complete once the trainer has finished writing it (added last, so it runs last)."""
 

@@ -197,9 +197,10 @@ class Probe(TrainerCallback):
                 c_ids, c_mask = right_pad([r["completion_ids"] for r in part], pad, device)
                 s_ids, s_mask = left_pad([r["student_ids"] for r in part], pad, device)
                 t_ids, t_mask = left_pad([r["teacher_ids"] for r in part], pad, device)
-                hidden = t.completion_hidden_states(
-                    t.model_wrapped, s_ids, s_mask, t_ids, t_mask, c_ids, c_mask
-                )
+                scored = dict(prompt_ids=s_ids, prompt_mask=s_mask, completion_ids=c_ids, completion_mask=c_mask,
+                              teacher_input_ids=torch.cat([t_ids, c_ids], 1),
+                              teacher_attention_mask=torch.cat([t_mask, c_mask], 1))  # fmt: skip
+                hidden, _ = t.completion_hidden_states(t.model_wrapped, scored, teacher=True)
                 sums_5[:4] += probe_token_sums(
                     hidden.student_hidden_NH, hidden.teacher_hidden_NH, hidden.student_weight_VH,
                     hidden.teacher_weight_VH, settings=settings, target_ids_N=c_ids[c_mask.bool()],

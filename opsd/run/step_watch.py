@@ -1,6 +1,7 @@
 """What watches each optimizer step: the time of its phases (`PhaseClock`, `StepTimer`), its tokens and seconds
-(`ComputeLedger`, docs in `opsd.run.ledger`), its non-finite loss or gradients (`NonFiniteGuard`), and whether its
-rollouts are correct (`RolloutGrader`).
+(`ComputeLedger`, docs in `opsd.run.ledger`), its non-finite loss or gradients (`NonFiniteGuard`), whether its
+rollouts are correct (`RolloutGrader`) and how long they are (`completion_metrics`); and the window each of them
+and the trainers log into (`MetricsWindow`), which TRL's public `log` logs.
 
 Rollout correctness: `rollout/correct`, `rollout/boxed`, `rollout/length` at every generation. Each rollout is
 graded against its problem's `answer` with the grader `eval_aime.py` scores samples with (`opsd.grading.grade`:
@@ -20,9 +21,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +37,66 @@ from opsd.grading import extract_boxed, grade
 from opsd.rundir import LEDGER_FILE, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
+
+# How a watcher logs: a trainer's `MetricsWindow.add` for one mode (metric -> value).
+Record = Callable[[dict[str, float]], None]
+
+
+class MetricsWindow:
+    """The repository's metrics of the current logging period, per mode (train, eval): each value added as it is
+    measured (`add`), and at each of TRL's logs averaged over the period and handed to TRL's public `log` with
+    TRL's own metrics (`take`), the trainer's `log` override. TRL keeps its own window private (`_metrics`);
+    this one is the trainer's, so no helper of the repository holds TRL's.
+
+    `skip_nan`: a value that is NaN is left out of its key's mean (TRL's GRPOTrainer does so; its SDFTTrainer
+    averages every value, so a non-finite step's loss shows)."""
+
+    def __init__(self, *, skip_nan: bool = False):
+        self.skip_nan = skip_nan
+        self.modes: dict[str, defaultdict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
+
+    def add(self, metrics: Mapping[str, float], mode: str) -> None:
+        window = self.modes[mode]
+        for key, value in metrics.items():
+            window[key].append(value)
+
+    def take(self, mode: str) -> dict[str, float | None]:
+        """The mean of each key of `mode` over the period (eval keys prefixed `eval_`, as TRL logs them), the
+        period then emptied. A key whose values were all NaN (with `skip_nan`) is None."""
+        means = {}
+        for key, values in self.modes[mode].items():
+            kept = [v for v in values if not math.isnan(v)] if self.skip_nan else values
+            if values:
+                means[key] = sum(kept) / len(kept) if kept else None
+        self.modes[mode].clear()
+        return {f"eval_{k}" if mode == "eval" else k: v for k, v in means.items()}
+
+
+def completion_metrics(rollouts: list[list[int]], *, stop_ids: list[int], gather, device) -> dict[str, float]:
+    """The `completions/*` metrics of a generation (TRL's names and values): `rollouts` (this process's completion
+    ids) summarised over all processes (`gather`: the accelerator's).
+
+    A rollout is cut (`clipped_ratio`) when its last token is none of `stop_ids` (end-of-sequence ids and the pad
+    id); an empty one is not cut. Terminated lengths are 0 when every rollout was cut."""
+    lengths = gather(torch.tensor([len(r) for r in rollouts], device=device))
+    if lengths.numel() == 0:
+        raise RuntimeError("the rollout engine returned no completions: see its log above")
+    cut = gather(torch.tensor([bool(r) and r[-1] not in stop_ids for r in rollouts], device=device))
+    ended = lengths[~cut]
+    if len(ended) == 0:
+        ended = torch.zeros(1, device=device)
+    return {
+        "completions/mean_length": lengths.float().mean().item(),
+        "completions/min_length": lengths.float().min().item(),
+        "completions/max_length": lengths.float().max().item(),
+        "completions/clipped_ratio": cut.float().mean().item(),
+        "completions/mean_terminated_length": ended.float().mean().item(),
+        "completions/min_terminated_length": ended.float().min().item(),
+        "completions/max_terminated_length": ended.float().max().item(),
+    }
 
 
 # -- the time of a step's phases ---------------------------------------------------------------------------
@@ -94,8 +156,8 @@ class StepTimer(TrainerCallback):
     step's totals become the metrics `time/<phase>_s`, so a step's split adds up across its micro-batches.
     """
 
-    def __init__(self, metrics: dict, clock: PhaseClock, ledger: ComputeLedger | None = None):
-        self.metrics = metrics
+    def __init__(self, record: Record, clock: PhaseClock, ledger: ComputeLedger | None = None):
+        self.record = record
         self.clock = clock
         self.ledger = ledger
         self._t_step = self._t_opt = None
@@ -112,19 +174,21 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
+        logged = {}
         if self._t_opt is not None:
-            self.metrics["time/optimizer_s"].append(now - self._t_opt)
+            logged["time/optimizer_s"] = now - self._t_opt
         if self._t_step is not None:
-            self.metrics["time/step_s"].append(now - self._t_step)
+            logged["time/step_s"] = now - self._t_step
         if torch.cuda.is_available():
             # Everything this process holds at its peak (colocated vLLM included), and the part the step added.
             peak = torch.cuda.max_memory_allocated() / 2**30
-            self.metrics["memory/peak_gib"].append(peak)
-            self.metrics["memory/step_extra_gib"].append(peak - self._allocated_gib)
+            logged["memory/peak_gib"] = peak
+            logged["memory/step_extra_gib"] = peak - self._allocated_gib
         seconds = {"step_s": now - self._t_step} if self._t_step is not None else {}
         for phase, phase_s in self.clock.take().items():
-            self.metrics[f"time/{phase}_s"].append(phase_s)
+            logged[f"time/{phase}_s"] = phase_s
             seconds[f"{phase}_s"] = phase_s
+        self.record(logged)
         if self.ledger is not None:
             self.ledger.close(args, state, seconds)
         self._t_step = self._t_opt = None
@@ -144,8 +208,8 @@ class ComputeLedger:
     summed over processes at each step's end (`close`, a collective that `StepTimer.on_step_end` calls on every
     process) into the step's row of ledger.jsonl and its `ledger/*` metrics."""
 
-    def __init__(self, metrics: dict, accelerator):
-        self.metrics = metrics
+    def __init__(self, record: Record, accelerator):
+        self.record = record
         self.accelerator = accelerator
         self.counts = dict.fromkeys(LEDGER_TOKENS, 0)
 
@@ -166,9 +230,7 @@ class ComputeLedger:
         row.update(seconds)
         if torch.cuda.is_available() and "step_s" in row:
             row["gpu_s"] = row["step_s"] * self.accelerator.num_processes
-        for key in (*LEDGER_TOKENS, "gpu_s"):
-            if key in row:
-                self.metrics[f"ledger/{key}"].append(float(row[key]))
+        self.record({f"ledger/{key}": float(row[key]) for key in (*LEDGER_TOKENS, "gpu_s") if key in row})
         if state.is_world_process_zero:
             path = Path(args.output_dir) / LEDGER_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,8 +254,8 @@ class NonFiniteGuard(TrainerCallback):
     the run.
     """
 
-    def __init__(self, metrics: dict, accelerator, max_consecutive: int):
-        self.metrics = metrics
+    def __init__(self, record: Record, accelerator, max_consecutive: int):
+        self.record = record
         self.accelerator = accelerator
         self.max_consecutive = max_consecutive
         self.consecutive = 0
@@ -224,7 +286,7 @@ class NonFiniteGuard(TrainerCallback):
             model.zero_grad(set_to_none=True)
             self._held = HeldSchedule(lr_scheduler, optimizer)
         self.last_skipped = skipped
-        self.metrics["train/nonfinite_skipped"].append(float(skipped))
+        self.record({"train/nonfinite_skipped": float(skipped)})
         if not skipped:
             self.consecutive = 0
             return

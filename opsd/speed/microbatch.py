@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from opsd import methods
 from opsd.configuration.switches import AUTO
 from opsd.errors import InvalidValue
 
@@ -235,9 +236,9 @@ def resolve(config, rows, model_path: str | None, *, colocated_engine: bool, pro
     if config.micro_batch_size != AUTO or not torch.cuda.is_available():
         plan = plan_for(config)
         return apply(config, plan), plan
-    if (
-        config.method != "opsd"
-    ):  # auto's memory model is OPSD's step (student + teacher rows, one per problem)
+    if not methods.get(
+        config.method
+    ).memory_model:  # auto's memory model is OPSD's step (student + teacher rows)
         per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
         plan = fixed_plan(
             per_process, config.per_device_train_batch_size, f"auto: method={config.method}, as given"

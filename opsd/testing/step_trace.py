@@ -229,8 +229,8 @@ def trace_step(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=cfg,
         train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        callbacks=[Start()],  # before OPSD's own callbacks, so their step-begin work is traced
     )  # fmt: skip
-    trainer.callback_handler.callbacks.insert(0, Start())
     trainer.add_callback(Stop())
     threading.setprofile(trace.thread_starts)  # the grader's thread starts at the first generation
     try:

@@ -58,7 +58,7 @@ def test_dry_run_validates_values_as_training_does(tmp_path, key, value, message
 
 def test_zero_steps_are_refused_before_training(tmp_path):
     # Outside the harness max_steps is settable; 0 used to start a run that trained one step.
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with pytest.raises(ValueError, match="max_steps=0 is out of range: must be > 0"):
         parse_config(["--output_dir", str(tmp_path), "--max_steps", "0"], environ={})

@@ -223,7 +223,7 @@ def test_the_size_bounds_and_the_smallest_taus_through_every_source(name, tmp_pa
 def test_rollouts_held_at_once_are_bounded_and_a_count_beyond_int64_is_one_line(tmp_path):
     """G x problems per step within the rows a process holds (the product, each factor within its own range),
     and a num_generations beyond int64 (10^20) refused as 1e9 is."""
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     out = ["--output_dir", str(tmp_path / "run"), "--method", "grpo"]
     with pytest.raises(InvalidValue) as info:
@@ -248,7 +248,7 @@ def _text(value: object) -> str:
 
 def _via(path: str, name: str, value: object, tmp_path, data):
     """Parse `name=value` through one entry path; returns the config (the dry run: its printed config)."""
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
     from opsd_train import main
 
     out = ["--output_dir", str(tmp_path / "run")]
@@ -344,7 +344,7 @@ def test_every_choice_through_every_entry_path(name, tmp_path, tiny_data, capsys
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with pytest.raises(
         InvalidValue, match=rf"learning_rate={value}.* is out of range: must be finite and in \(0, 1\]"
@@ -353,7 +353,7 @@ def test_non_finite_numbers_are_refused_on_the_cli(value, tmp_path):
 
 
 def test_warmup_over_half_is_a_note(tmp_path, caplog):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         parse_config(["--output_dir", str(tmp_path), "--warmup_steps", "60"], environ={})
@@ -376,7 +376,7 @@ def test_warmup_over_half_is_a_note(tmp_path, caplog):
     ],
 )
 def test_trl_teacher_options_are_refused(args, message, tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with pytest.raises(InvalidValue, match=message) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -384,7 +384,7 @@ def test_trl_teacher_options_are_refused(args, message, tmp_path):
 
 
 def test_trl_teacher_options_at_opsd_values_pass(tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     out = ["--output_dir", str(tmp_path)]
     cfg, _ = parse_config([*out, "--teacher_mode", "dynamic", "--teacher_model_kind", "live"], environ={})
@@ -407,7 +407,7 @@ def test_the_rollout_engine_is_derived_with_the_config(installed, tmp_path, monk
     whether vLLM is installed, with a warning when not; vllm without vLLM is one line naming the fix; a caller's
     own `use_vllm` decides under auto and must agree with vllm or transformers."""
     from opsd.configuration import config
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     monkeypatch.setattr(config, "vllm_installed", lambda: installed)
 
@@ -499,11 +499,11 @@ warmup_ratio: 0.1
 
 
 def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     cfg_path = tmp_path / "config_opsd.yaml"
     cfg_path.write_text(OPEN_R1_YAML)
-    with caplog.at_level(logging.WARNING, logger="opsd.configuration.sources"):
+    with caplog.at_level(logging.WARNING, logger="opsd.launch.command_line"):
         cfg, _ = parse_config(["--config", str(cfg_path)], environ={})
     assert cfg.warmup_steps == 0.1 and cfg.get_warmup_steps(cfg.max_steps) == 20  # the fraction form
     assert cfg.lr_scheduler_type.value == "cosine" and cfg.learning_rate == 2e-5 and cfg.max_steps == 200
@@ -511,7 +511,7 @@ def test_open_r1_style_yaml_loads_as_written(tmp_path, caplog):
     assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and cfg.lora_dropout == 0.05
     assert cfg.report_to == []  # transformers reads a list holding "none" as no tracker
     assert cfg.push_to_hub is False and cfg.eval_strategy.value == "no" and cfg.do_eval is False
-    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.configuration.sources"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "opsd.launch.command_line"]
     assert len(notes) == 5, notes  # one per translated or ignored key
     for key in ("warmup_ratio", "overwrite_output_dir", "evaluation_strategy", "eval_strategy", "do_eval"):
         assert any(f"note: {key}=" in n for n in notes), key
@@ -559,7 +559,7 @@ ALIAS_BOMB = (
     ],
 )
 def test_yaml_mistakes_are_one_line(text, message, tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(text)
@@ -644,7 +644,7 @@ def test_help_starts_with_the_entry_flags_and_opsd_fields(tmp_path):
     ],
 )
 def test_cli_mistakes_get_the_hint(args, message, tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with pytest.raises(InvalidValue) as info:
         parse_config(["--output_dir", str(tmp_path), *args], environ={})
@@ -668,7 +668,7 @@ def test_max_prompt_length_is_ignored_with_a_note(tmp_path, caplog):
     and never cuts one, so a recipe's value is named as ignored instead of passing silently."""
     import logging
 
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     with caplog.at_level(logging.WARNING, logger="opsd.configuration.checks"):
         cfg, _ = parse_config(["--output_dir", str(tmp_path), "--max_prompt_length", "512"], environ={})

@@ -1,9 +1,11 @@
 """The rollout engine is one object built outside the trainer and handed to it: its settings are constructor
-arguments, and building a trainer with it (the colocated vLLM engine on the tiny model) and tearing it down leaves
-vLLM's and TRL's modules as they were."""
+arguments, it is the only vLLM engine the process starts (TRL's trainer builds none of its own), and building a
+trainer with it (the colocated vLLM engine on the tiny model) and tearing it down leaves vLLM's and TRL's modules as
+they were."""
 
 import gc
 import inspect
+import os
 
 import pytest
 import torch
@@ -26,6 +28,19 @@ def _module_state():
         "trl.trainer.grpo_trainer": dict(vars(grpo)),
         "trl.experimental.sdft.sdft_trainer": dict(vars(sdft)),
     }
+
+
+def _streams() -> tuple:
+    """The files the process's stdout and stderr (descriptors 1 and 2) are, as (device, inode) pairs."""
+    return tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2))
+
+
+def _watched(method, seen: list):
+    def watched(*args, **kwargs):
+        seen.append(_streams())
+        return method(*args, **kwargs)
+
+    return watched
 
 
 def test_an_injected_engine_runs_and_leaves_no_patch(tiny_model_dir, tmp_path):
@@ -57,15 +72,25 @@ def test_an_injected_engine_runs_and_leaves_no_patch(tiny_model_dir, tmp_path):
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
             engine=engine,
         )  # fmt: skip
-        assert trainer.engine is engine and engine.generation is trainer.vllm_generation
         llm = engine.generation.llm
-        assert isinstance(llm, SeededLLM)
+        assert trainer.engine is engine and isinstance(llm, SeededLLM)
+        # TRL's trainer built no engine of its own (SDFTTrainer keeps the one it builds as `vllm_generation`).
+        assert not hasattr(trainer, "vllm_generation")
         # The constructor's settings reached the engine vLLM runs.
         assert llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == kv_bytes
         assert llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 1
         assert str(llm.llm_engine.vllm_config.model_config.dtype) == "torch.float32"
+        # The process's output is captured while the engine starts only: a push and a generation write where the
+        # process writes (a logging handler's and the rollout grader's lines are not held back meanwhile).
+        streams = {"before": _streams()}
+        for name in ("generate", "collective_rpc"):  # a generation; a push (vLLM's reload on the CPU backend)
+            streams[name] = []
+            setattr(llm, name, _watched(getattr(llm, name), streams[name]))
         trainer.train()
         assert engine.weights_step == 0 and engine.generation.generations == 1
+        assert streams["generate"] and streams["collective_rpc"]
+        assert set(streams["generate"] + streams["collective_rpc"]) == {streams["before"]}
+        del llm.generate, llm.collective_rpc
         del trainer, llm
         gc.collect()
     after = _module_state()

@@ -92,15 +92,16 @@ def test_two_steps_with_colocated_vllm(family, family_dirs, tmp_path):
         assert max(gaps) < 1e-4 and warning not in proc.stderr
 
 
-def _refused_in_one_line(proc, run_dir, log_name="vllm_engine_start.log") -> str:
-    """The run's one line (exit status 2), after checking that no traceback reached either stream and that vLLM's
-    output, with its tracebacks, is in the run directory where the line says."""
+def _refused_in_one_line(proc, run_dir, log_name="vllm_engine_start.log", kept="vLLM's output") -> str:
+    """The run's one line (exit status 2), after checking that no traceback reached either stream and that the log
+    the line names (vLLM's output at start-up, the traceback after it) is in the run directory, with the
+    traceback."""
     assert proc.returncode == 2, proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("opsd_train.py: error: the colocated vLLM "), proc.stderr[-4000:]
     assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr
     log = run_dir / log_name
-    assert last.endswith(f"vLLM's output: {log}") and "Traceback" in log.read_text()
+    assert last.endswith(f"{kept}: {log}") and "Traceback" in log.read_text()
     return last
 
 
@@ -142,11 +143,11 @@ def test_a_deepseek_config_without_its_router_fields_is_one_line_naming_them(fam
 
 def test_a_failure_after_the_engine_started_is_one_line(family_dirs, tmp_path):
     """The engine is up, and its first generation fails (the prompts are longer than its context): one line naming
-    what failed and the fix, the trainer's progress bar ended before it, vLLM's traceback kept in the run
-    directory's vllm_engine_error.log."""
+    what failed and the fix, the trainer's progress bar ended before it, the traceback kept in the run directory's
+    vllm_engine_error.log."""
     run = tmp_path / "run"
     proc = run_train(_args(family_dirs["llama"], run, context=48), tmp_path, timeout=600)
-    last = _refused_in_one_line(proc, run, "vllm_engine_error.log")
+    last = _refused_in_one_line(proc, run, "vllm_engine_error.log", kept="its traceback")
     assert "engine failed on its first generation for LlamaForCausalLM (model type 'llama')" in last
     assert "maximum context length is 48 tokens" in last
     assert "raise --vllm_max_model_length" in last and "--rollout_engine" not in last

@@ -164,7 +164,7 @@ def test_bad_recipe_line_is_named(tmp_path):
 
 
 def test_precedence_defaults_yaml_cli_recipe_env(tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     yaml = tmp_path / "c.yaml"
     yaml.write_text("beta: 0.1\ntemperature: 0.9\ntop_k_loss: 3\nwavg_last: 2\n")
@@ -197,9 +197,10 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
     canonical one with a note that names it, and refuses both names at once."""
     import logging
 
-    from opsd.configuration.sources import RecipeError, parse_config
+    from opsd.configuration.sources import RecipeError
     from opsd.configuration.switches import ALIASES
     from opsd.errors import InvalidValue
+    from opsd.launch.command_line import parse_config
 
     assert ALIASES == {"jsd_token_clip": "divergence_clip"}
     out = ["--output_dir", str(tmp_path)]
@@ -233,7 +234,7 @@ def test_older_name_jsd_token_clip_is_read_as_divergence_clip(tmp_path, caplog):
 
 
 def test_every_shipped_config_loads(tmp_path):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     configs = sorted((ROOT / "configs").rglob("*.yaml"))
     assert configs

@@ -111,7 +111,7 @@ def _scoring_batch(trainer, tok):
 def _teacher_hidden(trainer, b):
     width = b["teacher_input_ids"].size(1) - b["completion_ids"].size(1)
     with torch.no_grad(), trainer.teacher_context():
-        return trainer._completion_hidden(
+        return trainer.forwards(
             trainer.teacher_model,
             b["teacher_input_ids"][:, :width],
             b["teacher_attention_mask"][:, :width],
@@ -122,7 +122,7 @@ def _teacher_hidden(trainer, b):
 
 def _student_logprobs(trainer, b):
     with torch.no_grad():
-        h = trainer._completion_hidden(
+        h = trainer.forwards(
             trainer.model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"]
         )
         logits = h @ lm_head_weight(trainer.model).T
@@ -133,7 +133,7 @@ def _engine_logprobs(trainer, b):
     """The rollout engine's log-probs of the same completions (prompt logprobs of prompt+completion)."""
     from vllm import SamplingParams
 
-    llm = trainer.vllm_generation.llm
+    llm = trainer.engine.generation.llm
     out = []
     for p, c in zip(b["raw_prompts"], b["completions"], strict=True):
         res = llm.generate(
@@ -192,7 +192,7 @@ def test_fixed_teacher_is_the_initial_model(trained):
 
 def test_engine_logprobs_equal_trainer_after_update(trained):
     trainer, _, _, _, batch, _ = trained
-    trainer.vllm_generation.sync_weights()
+    trainer.engine.generation.sync_weights()
     engine = _engine_logprobs(trainer, batch)
     student = _student_logprobs(trainer, batch)
     torch.testing.assert_close(student, engine, atol=2e-3, rtol=1e-3)

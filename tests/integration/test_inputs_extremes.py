@@ -140,10 +140,9 @@ def one_step(model_dir, out_dir, **settings) -> tuple[dict, bool]:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opsd import methods
     from opsd.configuration.config import OPSDConfig
     from opsd.launch.preflight import build_paired_dataset
-    from opsd_train import rl_trainers
-    from opsd_trainer import OPSDTrainer
 
     base = dict(output_dir=str(out_dir), max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                 max_completion_length=4, use_vllm=False, save_strategy="no", gradient_checkpointing=False,
@@ -152,7 +151,7 @@ def one_step(model_dir, out_dir, **settings) -> tuple[dict, bool]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # fmt: skip
-    trainer = {"opsd": OPSDTrainer, **rl_trainers()}[cfg.method](
+    trainer = methods.get(cfg.method).trainer_class()(
         model=model, args=cfg, train_dataset=build_paired_dataset(cfg)[0],
         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=lora,
     )  # fmt: skip

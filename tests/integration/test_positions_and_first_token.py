@@ -6,8 +6,6 @@ right with the pad token, completions appended, attention mask = (id != pad id),
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -104,7 +102,7 @@ def test_trainer_scores_reference_rows_when_positions_are_not_fixed(trainer, tin
     trainer.forwards.fix_positions = False
     try:
         with torch.no_grad(), trainer.teacher_context():
-            hidden = trainer._completion_hidden(trainer.teacher_model, p_ids, p_mask, c_ids, c_mask)
+            hidden = trainer.forwards(trainer.teacher_model, p_ids, p_mask, c_ids, c_mask)
     finally:
         trainer.forwards.fix_positions = True
     logp = (hidden @ model.get_output_embeddings().weight.T).log_softmax(-1)
@@ -136,10 +134,9 @@ def test_the_sampled_stop_token_is_trained_on_the_embedded_model(
 ):
     """The embedded SmolLM2 pads with its stop token <|im_end|>. In both layouts (fix_position_ids on, and off:
     the reference's rows) the stop token that ends each completion is in the loss mask and its denominator, and
-    the loss has a gradient at the hidden state that predicts it; the hybrid's self-distillation term keeps it
-    too."""
+    the loss has a gradient at the hidden state that predicts it. (The hybrid's self-distillation term is scored
+    by the same core, `opsd.method.scoring`.)"""
     from opsd.models import EMBEDDED_NAME
-    from opsd.rl.hybrid import HybridTrainer
 
     trainer = make_trainer(
         embedded_cache_dir / EMBEDDED_NAME, tmp_path, fix_position_ids=fix, clip_mode="none",
@@ -155,21 +152,17 @@ def test_the_sampled_stop_token_is_trained_on_the_embedded_model(
     c_ids, c_mask = batch["completion_ids"], batch["completion_mask"]
     last_B = c_mask.sum(1) - 1
     assert (c_ids[torch.arange(2), last_B] == eos).all()
-    keep_BC = trainer._loss_mask(c_ids, c_mask)
+    keep_BC = trainer.core.token_mask(c_ids, c_mask)
     assert keep_BC.tolist() == c_mask.tolist() and int(batch["num_loss_tokens"][0]) == int(c_mask.sum())
-    hybrid = SimpleNamespace(
-        config=SimpleNamespace(num_loss_tokens_to_skip=0, fix_position_ids=fix), _tokenizer=tok
-    )
-    assert HybridTrainer._sd_mask(hybrid, c_ids, c_mask).tolist() == c_mask.tolist()
 
     captured = {}
     scored = trainer.completion_hidden_states
 
     def keep_grad(*args, **kwargs):
-        hidden = scored(*args, **kwargs)
+        hidden, teacher = scored(*args, **kwargs)
         hidden.student_hidden_NH.retain_grad()
         captured["h"] = hidden.student_hidden_NH
-        return hidden
+        return hidden, teacher
 
     monkeypatch.setattr(trainer, "completion_hidden_states", keep_grad)
     trainer.compute_loss(trainer.model, batch).backward()
@@ -194,17 +187,15 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
         cols = torch.arange(c_mask.size(1)).expand_as(c_mask)
         kept_BC = c_mask.bool() & (cols >= skip)
         assert int(batch["num_loss_tokens"][0]) == int(kept_BC.sum()) > 0
-        for m in trainer._metrics.values():
+        for m in trainer.logged.modes.values():
             m.clear()
         loss = trainer.compute_loss(trainer.model, batch)
 
         width = batch["teacher_input_ids"].size(1) - c_ids.size(1)
         with torch.no_grad():
-            h_s = trainer._completion_hidden(
-                trainer.model, batch["prompt_ids"], batch["prompt_mask"], c_ids, c_mask
-            )
+            h_s = trainer.forwards(trainer.model, batch["prompt_ids"], batch["prompt_mask"], c_ids, c_mask)
             with trainer.teacher_context():
-                h_t = trainer._completion_hidden(
+                h_t = trainer.forwards(
                     trainer.teacher_model,
                     batch["teacher_input_ids"][:, :width],
                     batch["teacher_attention_mask"][:, :width],
@@ -216,7 +207,9 @@ def test_skipped_tokens_leave_loss_denominator_and_metrics(trainer, skip):
         keep_N = kept_BC[c_mask.bool()]
         expected = loss_N[keep_N].sum() / keep_N.sum()
         torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
-        divergence = trainer._metrics["train" if trainer.model.training else "eval"]["opsd/divergence"][-1]
+        divergence = trainer.logged.modes["train" if trainer.model.training else "eval"]["opsd/divergence"][
+            -1
+        ]
         assert divergence == pytest.approx(float(stats["divergence"][keep_N].mean()), rel=1e-4, abs=1e-6)
     finally:
         a.num_loss_tokens_to_skip, a.clip_mode = 0, "element"

@@ -138,7 +138,7 @@ def test_grpo_is_trls_trainer_with_the_harness_overrides_only():
     }
     assert overridden == {
         "__init__", "training_step", "_tokenize_prompts", "_generate_single_turn",
-        "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
+        "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "log",
     }  # fmt: skip
     for name in overridden - {"_tokenize_prompts", "_get_per_token_logps_and_entropies"}:
         assert "super()." in inspect.getsource(GRPOTrainer.__dict__[name]), name
@@ -236,7 +236,7 @@ def test_hybrid_own_wrong_hints_and_modulation_against_unpadded_forwards(tiny_mo
     log p_T(y|c) - log mean_j p_T(y|c~_j) from an unpadded forward of every [hint prompt ; completion] row."""
     import math
 
-    from opsd.method.loss import token_rows
+    from opsd.method.scoring import token_rows
 
     g = 4
     trainer = _perturbed(make_trainer(tiny_model_dir, tmp_path, method="hybrid", num_generations=g,
@@ -274,12 +274,17 @@ def test_hybrid_own_wrong_hints_and_modulation_against_unpadded_forwards(tiny_mo
         teacher_rows(trainer.prompt_builder, problems, hints, completion_ids, completion_mask, pad)[0]
     )
     batch.update(trainer._wrong_hint_rows(problems, hints, wrongs, completion_ids))
-    teachers = trainer._teacher_hidden(trainer.model, batch)
-    assert teachers[2].tolist() == [True] * g + [True, True, True, True]  # every row here has a pair
-    got = trainer._modulated_advantages(trainer.model, batch, teachers)
+    teacher = trainer.core.teacher_hidden(batch)
+    assert teacher.has_contrast_B.tolist() == [True] * g + [
+        True,
+        True,
+        True,
+        True,
+    ]  # every row here has a pair
+    got = trainer._modulated_advantages(batch, teacher)
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    tau = trainer.loss_settings.temperature
+    tau = trainer.core.settings.temperature
 
     def logp(hint_text: str, problem: str, completion: list[int]) -> torch.Tensor:
         prompt = trainer.prompt_builder.teacher_ids(problem, hint_text).ids
@@ -303,7 +308,7 @@ def test_hybrid_own_wrong_hints_and_modulation_against_unpadded_forwards(tiny_mo
         > 1e-3
     )
     model.train()
-    window = trainer._metrics["train"]
+    window = trainer.logged.modes["train"]
     assert window["contrast/rows_with_pair"][-1] == 1.0 and window["contrast/hints_per_row"][-1] > 1.0
     loss = trainer._compute_loss(trainer.model, {**batch, "num_items_in_batch": completion_mask.sum(),
                                                  "sd_num_tokens": completion_mask.sum(),

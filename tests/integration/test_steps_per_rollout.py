@@ -19,7 +19,7 @@ def _recorded(trainer):
 
     def record_loss(model, inputs, *args, **kwargs):
         if model.training:
-            counted = trainer._loss_mask(inputs["completion_ids"], inputs["completion_mask"]).sum()
+            counted = trainer.core.token_mask(inputs["completion_ids"], inputs["completion_mask"]).sum()
             calls["loss"].append({
                 "step": trainer.state.global_step,
                 "problems": list(inputs["problems"]),

@@ -133,8 +133,8 @@ def test_teacher_forward_is_deterministic_with_lora_dropout(tiny_model_dir, tmp_
     with torch.no_grad():
         args = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
         a, b = (
-            trainer._completion_hidden(trainer.model, *args),
-            trainer._completion_hidden(trainer.model, *args),
+            trainer.forwards(trainer.model, *args),
+            trainer.forwards(trainer.model, *args),
         )
     assert not torch.equal(a, b)
 
@@ -273,3 +273,25 @@ def test_max_nonfinite_steps_must_be_positive(tmp_path):
 
     with pytest.raises(ValueError, match="max_nonfinite_steps=0"):
         OPSDConfig(output_dir=str(tmp_path), max_nonfinite_steps=0)
+
+
+def test_the_final_checkpoint_of_a_run_that_saves_none_holds_the_ema_teacher(tiny_model_dir, tmp_path):
+    """With save_strategy=no, opsd_train.py writes the final checkpoint itself after training; its callbacks'
+    `on_save` run as after every checkpoint, so it holds the EMA teacher's state (a run extended later resumes the
+    teacher, not the student) and is marked complete."""
+    import os
+
+    from opsd.rundir import is_complete
+    from tests.conftest import ENV, in_process
+    from tests.e2e.test_train_cli import tiny_args
+
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model_dir, out, "--max_steps", "1", "--teacher_mode", "ema", "--ema_decay", "0.5",
+                     "--save_strategy", "no", "--rollout_engine", "transformers")  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}, **ENV}
+    proc = in_process("opsd_train.py", args, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = out / "checkpoint-1"
+    assert is_complete(final) and (final / "ema_teacher.pt").is_file()
+    shadow = torch.load(final / "ema_teacher.pt", map_location="cpu")["shadow"]
+    assert shadow and all(torch.isfinite(t).all() for t in shadow.values())

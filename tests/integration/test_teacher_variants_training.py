@@ -17,26 +17,32 @@ def lora_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def count_calls(trainer, counts: dict[str, int]) -> None:
-    """Counts teacher prompts rendered, entries into TRL's teacher context and model forwards (both roles)."""
-    builder = trainer.prompt_builder
-    render, context = builder.teacher_ids, trainer.teacher_context
-    forward = trainer._completion_hidden
+    """Counts teacher prompts rendered, entries into the teacher's weights and model forwards (both roles), as the
+    scoring core (`trainer.core`) runs them."""
+    builder, core = trainer.prompt_builder, trainer.core
+    render, forwards, teacher = builder.teacher_ids, core.forwards, core.teacher
 
-    def completion_hidden(*a, **kw):
-        counts["forwards"] += 1
-        return forward(*a, **kw)
+    class CountedForwards:
+        transform = property(lambda _: forwards.transform)
+
+        def __call__(self, *a, **kw):
+            counts["forwards"] += 1
+            return forwards(*a, **kw)
+
+    class CountedTeacher:
+        model = teacher.model
+        weight_VH = teacher.weight_VH
+
+        def active(self):
+            counts["teacher_contexts"] += 1
+            return teacher.active()
 
     def teacher_ids(*a, **kw):
         counts["prompts"] += 1
         return render(*a, **kw)
 
-    def teacher_context(*a, **kw):
-        counts["teacher_contexts"] += 1
-        return context(*a, **kw)
-
     builder.teacher_ids = teacher_ids
-    trainer.teacher_context = teacher_context
-    trainer._completion_hidden = completion_hidden
+    core.forwards, core.teacher = CountedForwards(), CountedTeacher()
 
 
 def test_fixed_advantage_builds_no_teacher_prompt_and_runs_no_teacher_forward(tiny_model_dir, tmp_path):
@@ -94,16 +100,13 @@ def target_and_student(trainer, batch):
     """(q, p_S) at the first completion token of `batch`, from the trainer's own forwards."""
     from opsd.method.contrast_target import contrast_support
 
-    settings = trainer.loss_settings
+    settings = trainer.core.settings
     with torch.no_grad():
-        hidden = trainer.completion_hidden_states(
-            trainer.model, batch["prompt_ids"], batch["prompt_mask"], *trainer._prompt_part(batch, "teacher"),
-            batch["completion_ids"], batch["completion_mask"], contrast=trainer._prompt_part(batch, "contrast"),
-        )  # fmt: skip
+        hidden, teacher = trainer.completion_hidden_states(trainer.model, batch)
         tau = settings.temperature
         x = hidden.student_hidden_NH[:1] @ hidden.student_weight_VH.T / tau
         xt = hidden.teacher_hidden_NH[:1] @ hidden.teacher_weight_VH.T / tau
-        xw = (hidden.contrast_hidden_NH[:1] @ hidden.teacher_weight_VH.T / tau)[None]
+        xw = (teacher.contrast.hidden_JNH[0, :1] @ hidden.teacher_weight_VH.T / tau)[None]
         c = settings.contrast
         sup = contrast_support(x, xt, xw, torch.ones(1, 1, dtype=torch.bool), alpha=c.alpha, top_k=c.top_k,
                                floor=c.floor, kl_tau=c.kl_tau)  # fmt: skip

@@ -1,15 +1,22 @@
 """TRL calls every hook OPSDTrainer overrides (`TRL_HOOKS`), in the order one optimizer step runs them, and on
 resume: a TRL that renamed a hook or stopped calling it would otherwise silently change the method. Beside it,
-that TRL still defines each name and every override is listed."""
+that TRL still defines each name and every override is listed, and that the shipped code touches no private
+library name but those listed with their reasons."""
 
+import ast
+import contextlib
+import functools
+import importlib
 import inspect
+import re
 import sys
+from pathlib import Path
 
 from tests.conftest import make_trainer
 
 # One generating optimizer step with transformers rollouts, as TRL calls the hooks (first call of each), then a
 # checkpoint; a resume restores it before training.
-STEP_ORDER = ["training_step", "_prepare_inputs", "compute_loss", "_save"]
+STEP_ORDER = ["training_step", "_prepare_inputs", "compute_loss", "log", "_save"]
 RESUME_ORDER = ["_load_optimizer_and_scheduler", "training_step"]
 
 
@@ -51,7 +58,7 @@ def test_trl_calls_every_override_in_step_order_and_on_resume(tiny_model_dir, tm
     calls = _record_trl_calls(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
     assert _first_calls(calls)[:2] == RESUME_ORDER
-    assert set(calls) >= set(STEP_ORDER) - {"_save"}
+    assert set(calls) >= set(STEP_ORDER) - {"_save", "log"}
 
 
 def test_every_listed_hook_is_overridden_and_still_defined_by_trl():
@@ -75,81 +82,167 @@ def test_every_listed_hook_is_overridden_and_still_defined_by_trl():
     assert set(STEP_ORDER + RESUME_ORDER) == set(OPSDTrainer.TRL_HOOKS)
 
 
-# The files of OPSD's path: its trainer, its engines and its callbacks (the GRPO arms, opsd/rl, hook into TRL's
-# GRPOTrainer: theirs are another trainer's names).
-OPSD_PATH = [
-    "opsd_trainer.py",
-    *(f"opsd/{d}/*.py" for d in ("method", "run", "speed", "data", "configuration")),
-]
+# The libraries whose private names the shipped code may touch only as PRIVATE_LIBRARY_NAMES lists them.
+LIBRARIES = ("trl", "transformers", "accelerate", "peft", "vllm")
 
 
-def library_private_names() -> set[str]:
-    """Private names (`_x`, not dunder) that TRL's and transformers' classes under OPSD define or set on
-    themselves: SDFTTrainer's whole hierarchy (transformers' Trainer included), TRL's vLLM engine, its EMA
-    callback."""
-    import re
-
-    from trl.experimental.sdft import SDFTTrainer
-    from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    names = set()
-    for base in (SDFTTrainer, VLLMGeneration, PEFTAdapterEMACallback):
-        for cls in base.__mro__[:-1]:
-            names |= {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")}
-            names |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(cls)))
-    return names
-
-
-def private_uses(source: str, library: set[str]) -> set[str]:
-    """The library's private names that `source` overrides (a method of that name in a class with a base from a
-    library), reads, writes or calls (an attribute of that name on any object), leaving out names the module
-    itself defines for its own objects (a method of a class of its own, a module-level function)."""
-    import ast
-
-    tree = ast.parse(source)
-    own, used = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            # A class with a base may override a library's method (its own classes count as such too: a name
-            # both define is counted, never hidden).
-            for item in node.body:
-                names = [item.name] if isinstance(item, ast.FunctionDef) else []
-                if isinstance(item, ast.Assign):
-                    names = [t.id for t in item.targets if isinstance(t, ast.Name)]
-                for name in names:
-                    (used if node.bases and name in library else own).add(name)
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            own.add(node.name)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in library and node.attr not in own:
-            used.add(node.attr)
-    return used & library
-
-
-def test_the_private_trl_names_are_the_listed_ones():
-    """Every private TRL/transformers name OPSD's path overrides, calls or reads is in
-    `OPSDTrainer.PRIVATE_TRL_NAMES` (at most 5, each with its reason) or is one of the model card's declarations;
-    and the finder finds each kind of use in a snippet."""
-    from pathlib import Path
-
-    from opsd_trainer import OPSDTrainer
+def shipped_sources() -> dict[str, str]:
+    """Every Python file the repository ships, path -> source: the root modules pyproject installs (`py-modules`:
+    the entry points and the trainer) and the whole package."""
+    import tomllib
 
     root = Path(__file__).resolve().parents[2]
-    library = library_private_names()
-    assert {"_prepare_inputs", "_save", "_metrics", "_generate_transformers", "_init_vllm"} <= library
-    found = set()
-    for pattern in OPSD_PATH:
-        for path in sorted(root.glob(pattern)):
-            found |= private_uses(path.read_text(), library)
-    listed = OPSDTrainer.PRIVATE_TRL_NAMES
-    assert len(listed) <= 5 and all(len(why) > 40 for why in listed.values())
-    assert found == set(listed) | set(OPSDTrainer.MODEL_CARD_NAMES), found
-    # The finder: an override, a call through super(), a read on another object; not a name of the module's own.
-    snippet = (
-        "class T(SDFTTrainer):\n    def _generate(self): return super()._generate_transformers([])\n"
-        "class Own:\n    def _save(self): pass\n"
-        "def f(trainer): return trainer._metrics\n"
-    )
-    assert private_uses(snippet, library) == {"_generate", "_generate_transformers", "_metrics"}
+    modules = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    scripts = {p.name for p in root.glob("*.py")}
+    assert {f"{m}.py" for m in modules} == scripts, f"root scripts {scripts}, installed {modules}"
+    paths = [root / f"{m}.py" for m in modules] + sorted(root.glob("opsd/**/*.py"))
+    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8") for p in paths}
+
+
+def _library_class(expr: ast.expr, imported: dict[str, tuple[str, str | None]]) -> type | None:
+    """The library class that `expr` (a base or a name: `SDFTTrainer`, `trl.GRPOTrainer`) is, through the
+    module's imports from LIBRARIES (name -> (module, name there; None for a module))."""
+    parts = ast.unparse(expr).split(".")
+    if parts[0] not in imported:
+        return None
+    module, name = imported[parts[0]]
+    try:
+        found = importlib.import_module(module)
+        for attr in ([name] if name else []) + parts[1:]:
+            found = getattr(found, attr)
+    except (ImportError, AttributeError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def _library_imports(tree: ast.AST) -> dict[str, tuple[str, str | None]]:
+    """The names a module binds by importing from LIBRARIES: name -> (module, name there; None for a module)."""
+    imported = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                top = a.name.split(".")[0]
+                if top in LIBRARIES:
+                    imported[a.asname or top] = (a.name if a.asname else top, None)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in LIBRARIES:
+            for a in node.names:
+                imported[a.asname or a.name] = (node.module, a.name)
+    return imported
+
+
+@functools.cache
+def private_names(cls: type) -> frozenset[str]:
+    """The private names (`_x`, not dunder) that `cls` and its bases of LIBRARIES define or set on `self`."""
+    names = set()
+    for c in cls.__mro__:
+        if c.__module__.split(".")[0] in LIBRARIES:
+            names |= {n for n in vars(c) if n.startswith("_") and not n.startswith("__")}
+            with contextlib.suppress(OSError, TypeError):
+                names |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(c)))
+    return frozenset(names)
+
+
+def private_uses(sources: dict[str, str]) -> dict[str, list[str]]:
+    """The private names of library classes that `sources` (path -> source) use, each with its sites (path:line).
+    The library classes are every class of LIBRARIES that a module imports by name or a class derives from, with
+    their bases. A use is an override (a method or class attribute of that name in a class whose library bases,
+    through classes of `sources` too, have it) or an attribute of that name on any object (read, written or
+    called), leaving out the names a module uses for its own objects: its functions, its classes' other methods
+    and class attributes, and what they store on `self`."""
+    trees = {path: ast.parse(source) for path, source in sources.items()}
+    classes: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append((path, node))
+    imports = {path: _library_imports(tree) for path, tree in trees.items()}
+    library = set()
+    for imported in imports.values():
+        for name in imported:
+            if (cls := _library_class(ast.Name(name), imported)) is not None:
+                library |= private_names(cls)
+
+    @functools.cache
+    def inherited(path: str, node: ast.ClassDef) -> frozenset[str]:
+        """The private names the class `node` of `path` gets from its library bases, through classes of `sources`
+        (those of a base's name, taken together) too."""
+        names = set()
+        for base in node.bases:
+            if (cls := _library_class(base, imports[path])) is not None:
+                names |= private_names(cls)
+            elif isinstance(base, ast.Name | ast.Attribute):
+                for other_path, other in classes.get(ast.unparse(base).split(".")[-1], []):
+                    names |= inherited(other_path, other) if other is not node else set()
+        return frozenset(names)
+
+    library |= set().union(*(inherited(path, node) for defs in classes.values() for path, node in defs))
+    found: dict[str, list[str]] = {}
+    for path, tree in trees.items():
+        own = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            bases = inherited(path, cls)
+            for item in cls.body:
+                names = [item.name] if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) else []
+                if isinstance(item, ast.Assign | ast.AnnAssign):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    names = [t.id for t in targets if isinstance(t, ast.Name)]
+                for name in names:
+                    if name in bases:
+                        found.setdefault(name, []).append(f"{path}:{item.lineno}")
+                    else:
+                        own.add(name)
+            for node in ast.walk(cls):
+                if (
+                    isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr not in bases
+                ):  # fmt: skip
+                    own.add(node.attr)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in library and node.attr not in own:
+                found.setdefault(node.attr, []).append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_the_private_library_names_are_the_listed_ones():
+    """Every private name of a TRL, transformers, accelerate, peft or vLLM class that a shipped file (the entry
+    points, the trainer, the whole package: OPSD's trainer, the GRPO arms, the launcher, the evaluation, the
+    experiments, the test helpers) overrides, calls, reads or writes is in
+    `opsd.method.trl_compat.PRIVATE_LIBRARY_NAMES`, the one list, at most 11 names, each with its reason."""
+    from opsd.method.trl_compat import PRIVATE_LIBRARY_NAMES
+
+    sources = shipped_sources()
+    expected = {"opsd_train.py", "eval_aime.py", "opsd_trainer.py", "opsd/rl/grpo.py", "opsd/launch/capped.py",
+                "opsd/evaluation/evaluate.py", "opsd/experiment/commands.py", "opsd/testing/tiny.py"}  # fmt: skip
+    assert expected <= set(sources)
+    found = private_uses(sources)
+    sites = "\n".join(f"{name}: {' '.join(where)}" for name, where in sorted(found.items()))
+    assert set(found) == set(PRIVATE_LIBRARY_NAMES), f"found:\n{sites}"
+    # 11: OPSD's trainer 3 hooks and the model card's 3 declarations; the GRPO arms 5 of GRPOTrainer's hooks, which
+    # TRL offers no public form of (its `rollout_func` covers vLLM rollouts only, after TRL's own weight push:
+    # docs/decisions.md). A new name needs its reason and a higher cap here.
+    assert len(PRIVATE_LIBRARY_NAMES) <= 11, f"{len(PRIVATE_LIBRARY_NAMES)} private library names:\n{sites}"
+    assert all(len(why) > 40 for why in PRIVATE_LIBRARY_NAMES.values())
+
+
+def test_the_private_name_finder_finds_each_kind_of_use():
+    """The finder counts SDFTTrainer's and GRPOTrainer's names (both trainers' hierarchies, transformers' Trainer
+    in them): an override (a method, a class attribute), a call through super(), a call or read on another object;
+    not a name a module uses for its own objects, nor a method of a class whose library bases lack it."""
+    sources = {
+        "a.py": "from trl.experimental.sdft import SDFTTrainer\nimport trl\n\n\n"
+        "class T(SDFTTrainer):\n    _name = 'T'\n\n    def _generate(self):\n        return super()._generate_transformers([])\n\n"
+        "    def _mine(self):\n        return self._mine\n\n\n"
+        "class G(trl.GRPOTrainer):\n    def _tokenize_prompts(self, prompts):\n        return prompts\n\n\n"
+        "class H(G):\n    def _compute_loss(self, model, inputs):\n        return super()._compute_loss(model, inputs)\n\n\n"
+        "def f(trainer):\n    trainer._save_checkpoint(trainer.model, trial=None)\n    return trainer._metrics\n",
+        "b.py": "from transformers import TrainerCallback\n\n\nclass Probe(TrainerCallback):\n    def _save(self):\n"
+        "        self._step = 1\n\n    def on_save(self, *args, **kwargs):\n        return self._save(), self._step\n\n\n"
+        "def _prepare_inputs(rows):\n    return rows\n\n\nclass Own:\n    def _load_optimizer_and_scheduler(self):\n"
+        "        return _prepare_inputs(self)\n",
+    }  # fmt: skip
+    found = private_uses(sources)
+    assert set(found) == {
+        "_name", "_generate", "_generate_transformers", "_tokenize_prompts", "_compute_loss", "_save_checkpoint",
+        "_metrics",
+    }  # fmt: skip
+    assert found["_compute_loss"] == ["a.py:21", "a.py:22"]

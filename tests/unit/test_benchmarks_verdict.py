@@ -13,7 +13,7 @@ import pytest
 
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
-from opsd.experiment import spec, verdict
+from opsd.experiment import rendering, spec, verdict
 from tests.unit.test_experiment import lay_out_experiment, make_spec, mean, points, var1
 
 T975 = {1: 12.706205, 2: 4.302653}  # two-sided 95% Student t quantiles, from a table
@@ -111,7 +111,7 @@ def test_verdict_per_benchmark_and_on_the_macro_average(tmp_path: Path) -> None:
     assert vs["per_seed"] == {str(s): pytest.approx(d) for s, d in zip(SEEDS, base_diffs, strict=True)}
     assert result["base"]["avg"] == pytest.approx(mean(macro_points("base", s) for s in SEEDS))
 
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "Benchmarks: aime24, hmmt25." in md and "## Per benchmark" in md and "### aime24" in md
     assert "macro accuracy:" in md and result["step"] == 100 and json.loads(json.dumps(result)) == result
 

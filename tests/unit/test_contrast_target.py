@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from opsd.method import contrast_target, token_weights
-from opsd.method.loss import ContrastHidden, ContrastSettings, LossSettings, chunked_opsd_loss, token_rows
+from opsd.method.loss import ContrastHidden, ContrastSettings, LossSettings, chunked_opsd_loss
+from opsd.method.scoring import token_rows
 
 CLIP_MODES = ("element", "token", "rescale", "none")
 

@@ -1,4 +1,5 @@
-"""Tests for opsd.experiment (spec, cells, schedule, verdict, commands) and the fixed KV cache of opsd.method.engine_env.
+"""Tests for opsd.experiment (spec, cells, schedule, verdict, rendering, commands) and the fixed KV cache of
+opsd.method.engine_env.
 
 No model, engine or training run: arms are parsed from recipe files written here; commands are parsed back
 with shlex and checked against opsd.launch.capped's own plan of where a run writes; reports are built from synthetic
@@ -25,7 +26,7 @@ from opsd.configuration.sources import env_overrides, parse_recipe
 from opsd.errors import InvalidValue, UserError
 from opsd.evaluation.metrics import summarize
 from opsd.experiment import cells as C
-from opsd.experiment import commands, power, schedule, spec, verdict
+from opsd.experiment import commands, power, rendering, schedule, spec, verdict
 from opsd.experiment.arms import parse_arm
 from opsd.experiment.status import CellRow, Display, Status
 from opsd.launch.capped import make_plan
@@ -587,7 +588,7 @@ def experiment(directory: Path, *, unscored: dict[tuple[str, int], int | None] |
 
 def test_report_of_a_complete_experiment(tmp_path: Path) -> None:
     directory = experiment(tmp_path / "exp")
-    result, paths = verdict.write(directory, target_diff=10.0, reps=2000)
+    result, paths = rendering.write(directory, target_diff=10.0, reps=2000)
 
     # Per arm: each seed's rates, their mean and the between-seed SE.
     for arm in ("A", "B"):
@@ -713,7 +714,7 @@ def test_report_of_a_partial_experiment(tmp_path: Path) -> None:
     assert (comp["interval"]["estimate"], comp["interval"]["low"], comp["interval"]["high"]) == pytest.approx(
         t_interval(diffs), abs=1e-4
     )
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "| B | 2 of 3 |" in md and "| A | 3 of 3 |" in md
     assert "over 2 of the 3 planned seeds (1, 2)" in md
     assert "3: training at step 40/100" in md
@@ -735,7 +736,7 @@ def test_report_missing_cells_say_why(tmp_path: Path) -> None:
     }
     assert result["arms"]["A"]["missing"] == {"3": "eval failed (2 attempts, exit 1; /l/eval-A-s3.log)"}
     assert result["comparisons"]["B"]["accuracy"]["seeds"] == [1]
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert f"2: train failed (2 attempts, exit 3; {log})" in md
 
 
@@ -749,7 +750,7 @@ def test_report_baseline_choice(tmp_path: Path) -> None:
     assert result["comparisons"]["A"]["accuracy"]["per_seed"] == {
         str(s): pytest.approx(d) for s, d in zip(SEEDS, diffs, strict=True)
     }
-    assert "Against the baseline `B`" in verdict.markdown(result)
+    assert "Against the baseline `B`" in rendering.markdown(result)
     assert "holds no experiment.json" in refused(verdict.build, tmp_path / "empty")
 
 
@@ -1184,7 +1185,7 @@ def test_report_with_one_sample_per_problem_gives_the_t_interval(tmp_path: Path,
         monkeypatch.setitem(CORRECT, key, [row[:1] for row in CORRECT[key]])
         monkeypatch.setitem(BOXED, key, [row[:1] for row in BOXED[key]])
     directory = experiment(tmp_path / "exp")
-    result, _ = verdict.write(directory, reps=200)
+    result, _ = rendering.write(directory, reps=200)
     comp = result["comparisons"]["B"]["accuracy"]
     diffs = [points(CORRECT["B", s]) - points(CORRECT["A", s]) for s in SEEDS]
     assert diffs == pytest.approx(
@@ -1208,7 +1209,7 @@ def test_report_says_when_the_between_part_cannot_be_told_from_zero(tmp_path: Pa
     assert v["total_var"] == pytest.approx(var1([25, 100 / 3]))
     assert var1([25, 100 / 3]) < within
     assert v["between_floored"] and v["between_var"] == 0.0
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert f"below the within-seed (evaluation sampling) sd {math.sqrt(within):.2f} alone" in md
     assert "cannot be told from 0 with 2 seeds" in md and "between seeds 0.00" not in md
     assert "2 seeds cannot pin this down" in md
@@ -1282,14 +1283,14 @@ def test_the_figure_labels_each_interval_with_its_method(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", record)
     one = experiment(tmp_path / "one", unscored={("B", 2): None, ("B", 3): None})
-    verdict.figures(verdict.build(one, reps=200))
+    rendering.figures(verdict.build(one, reps=200))
     assert labels == [
         "B: accuracy (paired t over problems, 1 seed)",
         "B: format rate (paired t over problems, 1 seed)",
     ]
     labels.clear()
     three = experiment(tmp_path / "three")
-    verdict.figures(verdict.build(three, reps=200))
+    rendering.figures(verdict.build(three, reps=200))
     assert labels == ["B: accuracy (seed-paired t, 3 seeds)", "B: format rate (seed-paired t, 3 seeds)"]
 
 
@@ -1365,7 +1366,7 @@ def test_a_damaged_ledger_gives_no_totals_and_the_report_says_why(
     path.write_bytes(text.encode("latin-1") if named == "not UTF-8" else text.encode())
     totals, why = C.cell_ledger(directory, "A", 2)
     assert totals is None and named in why and str(path) in why
-    result, _ = verdict.write(directory, reps=200)  # the report is written all the same
+    result, _ = rendering.write(directory, reps=200)  # the report is written all the same
     led = result["arms"]["A"]["ledger"]
     assert led["seeds"] == [1, 3] and led["unavailable"] == {"2": why}
     assert led["per_million_generated"] is None
@@ -1397,7 +1398,7 @@ def test_report_compute_ledger_per_arm(tmp_path: Path) -> None:
             seed,
             {"generated_tokens": 400, "teacher_tokens": 0, "trained_tokens": 360, "step_s": 0.18},
         )
-    result, _ = verdict.write(directory, reps=500)
+    result, _ = rendering.write(directory, reps=500)
 
     # The verdict is the same with the ledger as without it.
     for arm in ("A", "B"):
@@ -1470,7 +1471,7 @@ def test_report_compute_ledger_with_one_seed_or_no_base(tmp_path: Path) -> None:
     est, low, high = t_interval(per_problem)
     assert (pm["estimate"], pm["low"], pm["high"]) == pytest.approx((est / 0.005, low / 0.005, high / 0.005))
     assert led["sd"]["generated_tokens"] is None
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "| A | `opsd` | 1 of 1 | 0.005 | 0.005 | 0.001 | 0.004 | 0.0278 | n/a (no GPU) | +3,333 [" in md
     # B has no ledger: n/a throughout, and no note on the gain (there is no ledger to note it against).
     assert "| B | `opsd` | 0 of 1 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in md
@@ -1530,7 +1531,7 @@ def test_report_gpu_hours_only_when_every_run_had_a_gpu(tmp_path: Path) -> None:
     result = verdict.build(directory, reps=200)
     assert result["arms"]["A"]["ledger"]["total"]["gpu_s"] == pytest.approx(1080)
     assert "gpu_s" not in result["arms"]["B"]["ledger"]["total"]
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "| A | `opsd` | 2 of 2 | 0.005 ± 0 | 0.01 | 0.002 | 0.008 | 0.1 | 0.3 |" in md
     assert (
         "| B | `opsd` | 2 of 2 | 0.005 ± 0 | 0.01 | 0.002 | 0.008 | 0.1 | n/a (not every run had a GPU) |"

@@ -473,7 +473,7 @@ def test_report_refuses_outputs_it_cannot_write(tmp_path: Path, capsys, monkeypa
 
 
 def test_report_is_replaced_whole_or_not_at_all(tmp_path: Path, capsys, monkeypatch) -> None:
-    from opsd.experiment import verdict
+    from opsd.experiment import rendering
 
     directory = experiment(tmp_path / "exp")
     assert commands.main(["report", str(directory), "--bootstrap-reps", "200"]) == 0
@@ -481,7 +481,7 @@ def test_report_is_replaced_whole_or_not_at_all(tmp_path: Path, capsys, monkeypa
     before = tree(directory)
     assert all(name in before for name in OUTPUTS)
     # The next report differs (a comparison against B), and its third file cannot be written (a full disk).
-    real, calls = verdict.staged_write, []
+    real, calls = rendering.staged_write, []
 
     def full_disk(path: Path, data: bytes) -> Path:
         calls.append(path.name)
@@ -489,13 +489,13 @@ def test_report_is_replaced_whole_or_not_at_all(tmp_path: Path, capsys, monkeypa
             raise OSError(28, "No space left on device")
         return real(path, data)
 
-    monkeypatch.setattr(verdict, "staged_write", full_disk)
+    monkeypatch.setattr(rendering, "staged_write", full_disk)
     argv = ["report", directory, "--bootstrap-reps", "200", "--baseline", "B"]
     message = refused(argv, capsys, watch=tmp_path)
     assert "No space left on device" in message and "the previous report is left as it was" in message
     # A figure that fails to draw: nothing is written either.
-    monkeypatch.setattr(verdict, "staged_write", real)
-    monkeypatch.setattr(verdict, "figures", lambda result: 1 / 0)
+    monkeypatch.setattr(rendering, "staged_write", real)
+    monkeypatch.setattr(rendering, "figures", lambda result: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         commands.main([str(a) for a in argv])
     assert tree(directory) == before, "a report that failed changed the previous one or left a temporary file"

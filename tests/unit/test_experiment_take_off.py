@@ -1,4 +1,4 @@
-"""Take-off in the experiment's report (opsd.experiment.take_off, opsd.experiment.verdict): each arm's seeds whose
+"""Take-off in the experiment's report (opsd.experiment.take_off, verdict, rendering): each arm's seeds whose
 training rollouts reached 50% correct and the first step each did, the per-seed outcomes shown before an interval
 that averages a bimodal arm's two outcomes, and the take-off marked on the training curves. The metrics.jsonl
 files are typed in here with known take-off steps; the experiment around them is test_experiment's."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd.experiment import schedule, spec, take_off, verdict
+from opsd.experiment import rendering, schedule, spec, take_off, verdict
 from tests.unit.test_experiment import experiment, make_spec
 
 NAN, INF = float("nan"), float("inf")
@@ -48,7 +48,7 @@ def write_logs(directory: Path, logs=LOGS) -> Path:
 
 def test_take_off_of_each_seed_and_the_json(tmp_path: Path) -> None:
     directory = write_logs(experiment(tmp_path / "exp"))
-    result, _ = verdict.write(directory, reps=200)
+    result, _ = rendering.write(directory, reps=200)
     assert result["take_off_rule"] == {"metric": "rollout/correct", "threshold": 0.5}
     assert result["arms"]["B"]["take_off"] == {
         "first_step": {"1": 4, "2": 7, "3": None}, "pending": {}, "unlogged": [], "took_off": 2, "of": 3,
@@ -103,7 +103,7 @@ def test_a_seed_still_training_or_without_a_log_is_not_counted(tmp_path: Path) -
 
 def test_report_shows_a_bimodal_arms_seeds_before_its_interval(tmp_path: Path) -> None:
     result = verdict.build(write_logs(experiment(tmp_path / "exp")), reps=200)
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "- B: took off in 2 of 3 seeds (1 at step 4, 2 at step 7; 3 never)" in md
     assert "- A: took off in 0 of 3 seeds (1, 2, 3 never)" in md
     # The arms: B's seeds come before the table of means and intervals.
@@ -125,7 +125,7 @@ def test_report_shows_a_bimodal_arms_seeds_before_its_interval(tmp_path: Path) -
     assert section.index(first) < section.index(c["bimodal_note"]) < section.index(f"- {c['verdict']}")
     assert "  - per seed:" not in section.split("## ")[0]
     # What the command prints: the take-off of each arm, then each comparison, its seeds first.
-    lines = verdict.console_lines(result)
+    lines = rendering.console_lines(result)
     assert lines[:2] == [
         "A: took off in 0 of 3 seeds (1, 2, 3 never)",
         "B: took off in 2 of 3 seeds (1 at step 4, 2 at step 7; 3 never)",
@@ -137,12 +137,12 @@ def test_report_of_arms_that_are_not_bimodal_keeps_the_interval_first(tmp_path: 
     logs = {**LOGS, ("B", 3): records({1: 0.0, 2: 0.55})}  # B takes off in every seed
     result = verdict.build(write_logs(experiment(tmp_path / "exp"), logs), reps=200)
     assert result["arms"]["B"]["take_off"]["bimodal"] is False
-    md = verdict.markdown(result)
+    md = rendering.markdown(result)
     assert "per seed first" not in md and "** is bimodal" not in md and "spans both outcomes" not in md
     section = md[md.index("### B − A") :]
     c = result["comparisons"]["B"]["accuracy"]
     assert section.index(f"- {c['verdict']}") < section.index("  - per seed: ")
-    assert verdict.console_lines(result)[2:] == [
+    assert rendering.console_lines(result)[2:] == [
         f"B − A: {c['verdict']}" for c in result["comparisons"]["B"].values()
     ]
 
@@ -161,7 +161,7 @@ def test_curves_mark_each_seeds_take_off_on_its_lines(tmp_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     result = verdict.build(write_logs(experiment(tmp_path / "exp")), reps=200)
-    fig = verdict.draw_curves(result)
+    fig = rendering.draw_curves(result)
     try:
         got = markers(fig)
     finally:
@@ -174,7 +174,7 @@ def test_curves_mark_each_seeds_take_off_on_its_lines(tmp_path: Path) -> None:
         (loss, "take-off B 2"): ((8,), (pytest.approx(2 - 8 / 100),)),  # no loss at step 7: the next point
     }
     # The marker sits on the seed's own line: that line holds the marked point.
-    fig = verdict.draw_curves(result)
+    fig = rendering.draw_curves(result)
     try:
         ax = next(a for a in fig.axes if a.get_title() == rollouts)
         lines = [

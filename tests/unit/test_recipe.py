@@ -1,5 +1,5 @@
 """Tests for opsd.configuration.sources: recipe.env parsing, OPSD_* environment overrides and their
-argv round trip."""
+argv round trip; and each value through every source into the config (opsd.launch.command_line)."""
 
 from __future__ import annotations
 
@@ -514,7 +514,7 @@ def _parsed(tmp_path: Path, source: str, values: dict[str, str]) -> OPSDConfig:
     """The config `values` (field -> text) give through one source: flags, a YAML file, recipe.env or OPSD_*."""
     import yaml
 
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     out = ["--output_dir", str(tmp_path / "run"), "--rollout_engine", "transformers"]
     if source == "cli":
@@ -562,20 +562,21 @@ def test_rl_switches_through_every_source(tmp_path, source, method):
 @pytest.mark.parametrize(
     ("recipe", "needles"),
     [
-        ("RL_LOSS_TYPE=dr_grpo\n", ["rl_loss_type='dr_grpo' is a GRPO setting", "method=opsd", "method=grpo or hybrid"]),
-        ("EPSILON_HIGH=0.28\n", ["epsilon_high=0.28", "method=opsd has no GRPO term"]),
+        ("RL_LOSS_TYPE=dr_grpo\n", ["rl_loss_type='dr_grpo' is read by method=grpo and hybrid only", "method=opsd",
+                                    "set method=grpo or hybrid"]),
+        ("EPSILON_HIGH=0.28\n", ["epsilon_high=0.28", "method=opsd never reads it"]),
         ("MASK_TRUNCATED_COMPLETIONS=true\n", ["mask_truncated_completions=True", "method=opsd"]),
         ("SCALE_REWARDS=none\n", ["scale_rewards='none'", "method=opsd"]),
         ("RL_BETA=0.04\n", ["rl_beta=0.04", "method=opsd"]),
         ("METHOD=grpo\nHYBRID_ROUTE=group\n", ["hybrid_route='group' is read by method=hybrid only", "method=grpo"]),
-        ("HYBRID_ROUTE=sample\n", ["hybrid_route='sample'", "method=hybrid", "method=opsd has none"]),
+        ("HYBRID_ROUTE=sample\n", ["hybrid_route='sample'", "method=hybrid", "method=opsd never reads it"]),
         ("METHOD=grpo\nNUM_GENERATIONS=3\nBUDGET_UNIT=rollouts\n",
          ["budget_unit=rollouts", "per_device_train_batch_size=4 is not a multiple of num_generations=3",
           "or budget_unit=problems"]),
     ],
 )  # fmt: skip
 def test_switches_another_method_reads_are_refused_in_one_line(tmp_path, recipe, needles):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     path = write(tmp_path, recipe)
     with pytest.raises(InvalidValue) as info:
@@ -603,7 +604,7 @@ def test_budget_unit_under_opsd_is_the_same_step(tmp_path, caplog, first_inert_l
 def test_sampler_settings_the_ratio_does_not_reproduce_are_refused(tmp_path, method, flag, value):
     """GRPO's ratio scores sampled tokens under temperature, top-k and top-p (opsd.method.sampler); min_p and a
     repetition penalty would make the engine sample from another distribution: one line naming the setting."""
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     argv = ["--output_dir", str(tmp_path / "run"), "--method", method, "--num_generations", "2", flag, value]
     with pytest.raises(ValueError) as info:

@@ -3,7 +3,6 @@ TRL/open-r1's shape, the published recipe and each choice have one source, no sc
 package's imports run down its floor plan with no cycle, and its generated docs are current."""
 
 import ast
-import functools
 import json
 import re
 import subprocess
@@ -183,7 +182,7 @@ def test_method_doc_has_every_section_the_code_cites():
 
 
 def _parse(argv, environ=None):
-    from opsd.configuration.sources import parse_config
+    from opsd.launch.command_line import parse_config
 
     return parse_config(argv, environ=environ or {})[0]
 
@@ -438,7 +437,7 @@ def package_import_graph() -> dict[str, set[str]]:
 # The floor plan of docs/decisions.md (Structure), lowest first: a module imports only from a lower floor or
 # from its own folder (errors, paths and rundir, the ground floor, from each other).
 FLOORS = [
-    {"errors", "paths", "rundir", "grading"},
+    {"errors", "paths", "rundir", "grading", "methods"},
     {"configuration"},
     {"method", "data", "models"},
     {"speed", "run"},
@@ -516,407 +515,6 @@ def test_the_configuration_doc_is_generated_from_the_config():
     assert docs.main(["--check"]) == 0
 
 
-# -- library state is the library's ---------------------------------------------------------------------------
-# The library code whose classes' stores on `self` name the state of the objects the repository holds: TRL whole
-# (its trainers, callbacks, generation), transformers' trainer (`Trainer`, `TrainingArguments`, the callbacks,
-# `TrainerState`/`TrainerControl`, the trainer's helpers), accelerate whole (the accelerator, its optimizer and
-# scheduler wrappers), peft whole (models, tuners), vLLM's offline entry point (`LLM`) and its engine.
-LIBRARY_SOURCES = {
-    "trl": ("**/*.py",),
-    "transformers": ("trainer*.py", "training_args.py"),
-    "accelerate": ("**/*.py",),
-    "peft": ("**/*.py",),
-    "vllm": ("entrypoints/llm.py", "v1/engine/**/*.py"),
-}
-CONSTRUCTORS = ("__init__", "__post_init__")
-# On another object the rule takes the attributes a library class sets as it runs (outside its constructor):
-# the state it changes and reads back. Those it sets only while constructing itself are configuration, and their
-# names are everyday ones (`pad_token`, `dtype`, `generation_config`, `use_vllm`): counted too, they would find
-# a loaded tokenizer given its pad token or a config its dtype through the library's own setters.
-# Stores on an object of the repository's own that the rule cannot type statically: (path, store) -> why.
-OWN_OBJECT_STORES: dict[tuple[str, str], str] = {}
-
-
-def attribute_stores(tree: ast.AST):
-    """(node, object, attribute, class, method, function) of each attribute store in `tree`: `x.a = / += / : T =`
-    (any target: unpacking, `for`, `with ... as`) and `setattr(x, "a", v)` / `object.__setattr__(x, "a", v)`.
-    `attribute` is None for a setattr whose name is computed; `class` is the class whose `self` is in scope (in
-    its methods and the functions nested in them), `method` the method's name (`<locals>` in a nested function),
-    `function` the module's function or the class's method the store is in (None outside any)."""
-
-    def visit(node, cls, method, function):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Attribute) and isinstance(child.ctx, ast.Store):
-                yield child, child.value, child.attr, cls, method, function
-            elif isinstance(child, ast.Call) and _is_setattr(child.func) and len(child.args) >= 2:
-                name = child.args[1]
-                attr = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else None
-                yield child, child.args[0], attr, cls, method, function
-            if isinstance(child, ast.ClassDef):
-                yield from visit(child, child.name, None, None)
-            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-                outermost = function is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
-                name = getattr(child, "name", "<lambda>") if isinstance(node, ast.ClassDef) else "<locals>"
-                yield from visit(child, cls, name if cls else None, child if outermost else function)
-            else:
-                yield from visit(child, cls, method, function)
-
-    yield from visit(tree, None, None, None)
-
-
-def _is_setattr(func: ast.expr) -> bool:
-    """Whether a call of `func` is `setattr(...)` or `object.__setattr__(...)`."""
-    if isinstance(func, ast.Attribute):
-        return func.attr == "__setattr__" and isinstance(func.value, ast.Name) and func.value.id == "object"
-    return isinstance(func, ast.Name) and func.id == "setattr"
-
-
-@functools.cache
-def library_attributes() -> tuple[frozenset[str], frozenset[str], dict[str, tuple[frozenset, tuple]]]:
-    """(every, running, classes): the attributes the classes of LIBRARY_SOURCES store on `self`; those of them
-    they store outside their constructor (`__init__`, `__post_init__`), the state they change as they run; and
-    per class name, the attributes that class stores on `self` and its bases' names. Read once per test session
-    (~2 s)."""
-    import importlib.util
-
-    every, running, classes = set(), set(), {}
-    for library, patterns in LIBRARY_SOURCES.items():
-        root = Path(importlib.util.find_spec(library).submodule_search_locations[0])
-        for path in sorted({p for pattern in patterns for p in root.glob(pattern)}):
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ClassDef):
-                    bases = classes.setdefault(node.name, (set(), set()))[1]
-                    bases |= {_class_name(b) for b in node.bases} - {None}
-            for _, obj, attr, cls, method, _ in attribute_stores(tree):
-                if attr and isinstance(obj, ast.Name) and obj.id == "self":
-                    every.add(attr)
-                    if method not in CONSTRUCTORS:
-                        running.add(attr)
-                    if cls is not None:
-                        classes[cls][0].add(attr)
-    frozen = {name: (frozenset(attrs), tuple(sorted(bases))) for name, (attrs, bases) in classes.items()}
-    return frozenset(every), frozenset(running), frozen
-
-
-def library_class_attributes(name: str) -> frozenset[str] | None:
-    """The attributes that the library class `name` and its bases (those of LIBRARY_SOURCES) store on `self`;
-    None if LIBRARY_SOURCES define no class of that name. Classes of one name are taken together."""
-    classes = library_attributes()[2]
-    if name not in classes:
-        return None
-    attrs, todo, seen = set(), [name], set()
-    while todo:
-        if (current := todo.pop()) in classes and current not in seen:
-            seen.add(current)
-            attrs |= classes[current][0]
-            todo.extend(classes[current][1])
-    return frozenset(attrs)
-
-
-def _class_name(expr: ast.expr) -> str | None:
-    """`Trainer` of the base or annotation `Trainer`, `transformers.Trainer` or `Generic[T]`-like `Base[T]`."""
-    if isinstance(expr, ast.Subscript):
-        expr = expr.value
-    return ast.unparse(expr).split(".")[-1] if isinstance(expr, ast.Name | ast.Attribute) else None
-
-
-def _library_names(tree: ast.AST) -> set[str]:
-    """The names a module binds by importing from a library of LIBRARY_SOURCES (`import trl`, `from peft
-    import PeftModel as P`: trl, P)."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {
-                a.asname or a.name.split(".")[0]
-                for a in node.names
-                if a.name.split(".")[0] in LIBRARY_SOURCES
-            }
-        elif (
-            isinstance(node, ast.ImportFrom)
-            and node.level == 0
-            and node.module.split(".")[0] in LIBRARY_SOURCES
-        ):
-            names |= {a.asname or a.name for a in node.names}
-    return names
-
-
-def _root(expr: ast.expr) -> str | None:
-    while isinstance(expr, ast.Attribute | ast.Call | ast.Subscript):
-        expr = expr.func if isinstance(expr, ast.Call) else expr.value
-    return expr.id if isinstance(expr, ast.Name) else None
-
-
-def library_state_writes(sources: dict[str, str]) -> list[str]:
-    """The writes of library state in `sources` (path -> Python source), each as "path:line: store", with the
-    attribute names of `library_attributes` (every, running):
-
-    (a) a store or setattr on an object other than a method's `self`, of a private attribute (`_x`, dunders
-        included), of one in `running`, or with a computed name; unless the object is statically of a class
-        that `sources` define and that derives from no library class: a parameter or local annotated with it or
-        bound only to a call of it, or an attribute of such an object (or of `self`) that its class binds only
-        so (OWN_OBJECT_STORES lists the few such objects the rule cannot type);
-    (b) a store or setattr on `self` outside the constructor, in a class that derives from a library class (a
-        base imported from a library, or a class of `sources` that derives from one), of an attribute that one
-        of its library bases stores on `self` (`library_class_attributes`; any in `every` for a base outside
-        LIBRARY_SOURCES), or with a computed name.
-
-    Not seen: `del x.a`, `delattr`, writes through `x.__dict__` or `vars(x)`."""
-    every, running, _ = library_attributes()
-    trees = {path: ast.parse(source) for path, source in sources.items()}
-    library = {path: _library_names(tree) for path, tree in trees.items()}
-    classes: dict[str, list[tuple[str, ast.ClassDef]]] = {}
-    for path, tree in trees.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                classes.setdefault(node.name, []).append((path, node))
-
-    def named_class(expr: ast.expr | None, path: str) -> str | None:
-        """The class of `sources` that the annotation or callee `expr` names, if it names one."""
-        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
-            expr = ast.parse(expr.value, mode="eval").body
-        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitOr):  # `Job | None`
-            sides = [
-                s for s in (expr.left, expr.right) if not (isinstance(s, ast.Constant) and s.value is None)
-            ]
-            expr = sides[0] if len(sides) == 1 else None
-        if not isinstance(expr, ast.Name | ast.Attribute) or _root(expr) in library[path]:
-            return None
-        name = ast.unparse(expr).split(".")[-1]
-        return name if name in classes else None
-
-    def brought(path: str, base: ast.expr) -> frozenset[str] | None:
-        """The attributes `base` (of a class in `path`) brings from a library: its library class's, any in
-        `every` for one LIBRARY_SOURCES do not define, or those of a class of `sources` deriving from one; None
-        for a base that derives from no library class."""
-        if _root(base) in library[path]:
-            attrs = library_class_attributes(_class_name(base))
-            return every if attrs is None else attrs
-        return inherited.get(named_class(base, path))
-
-    inherited: dict[str, frozenset[str]] = {}  # class of `sources` deriving from a library class -> `brought`
-    while True:
-        grown = {}
-        for name, defs in classes.items():
-            attrs = [a for path, c in defs for b in c.bases if (a := brought(path, b)) is not None]
-            if attrs:
-                grown[name] = frozenset().union(*attrs)
-        if grown == inherited:
-            break
-        inherited = grown
-
-    @functools.cache
-    def scope(function: ast.AST, path: str) -> tuple[dict[str, str], dict[ast.AST, str | None]]:
-        """The names that `function` (nested scopes included) binds only to objects of one class of `sources`,
-        and the class each single target of its assignments is bound to (None: unknown)."""
-        kinds: dict[str, set] = {}
-        sources_of: dict[ast.AST, tuple[str, ast.expr]] = {}  # target -> (how it is bound, to what)
-        for node in ast.walk(function):  # breadth first: an assignment comes before its targets
-            if isinstance(node, ast.arg):
-                kinds.setdefault(node.arg, set()).add(named_class(node.annotation, path))
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-                value = node.value
-                if isinstance(value, ast.Call | ast.Name):
-                    sources_of[node.targets[0]] = (
-                        ("call", value.func) if isinstance(value, ast.Call) else ("name", value)
-                    )
-            elif isinstance(node, ast.AnnAssign):
-                sources_of[node.target] = ("annotation", node.annotation)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
-                how, what = sources_of.get(node, (None, None))
-                kinds.setdefault(node.id, set()).add(
-                    named_class(what, path) if how in ("call", "annotation") else None
-                )
-        typed = {name: k.pop() for name, k in kinds.items() if len(k) == 1 and None not in k}
-        bound = {
-            target: typed.get(what.id) if how == "name" else named_class(what, path)
-            for target, (how, what) in sources_of.items()
-        }
-        return typed, bound
-
-    stores = {path: list(attribute_stores(tree)) for path, tree in trees.items()}
-    fields: dict[str, dict[str, set]] = {}  # class -> attribute -> the classes it is bound to (None: unknown)
-    for path, tree in trees.items():
-        for cls in (c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)):
-            for item in cls.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):  # a dataclass field
-                    attrs = fields.setdefault(cls.name, {})
-                    attrs.setdefault(item.target.id, set()).add(named_class(item.annotation, path))
-        for node, obj, attr, cls, _, function in stores[path]:
-            if isinstance(obj, ast.Name) and obj.id == "self" and attr and cls is not None:
-                bound = scope(function, path)[1].get(node) if function is not None else None
-                fields.setdefault(cls, {}).setdefault(attr, set()).add(bound)
-
-    def class_of(expr: ast.expr, cls: str | None, function: ast.AST | None, path: str) -> str | None:
-        """The class of `sources` that `expr` (a name, or an attribute of one) is statically an object of."""
-        if isinstance(expr, ast.Name):
-            if expr.id in ("self", "cls") and cls:
-                return cls
-            return scope(function, path)[0].get(expr.id) if function is not None else None
-        if isinstance(expr, ast.Attribute) and (owner := class_of(expr.value, cls, function, path)):
-            kinds = fields.get(owner, {}).get(expr.attr, {None})
-            return next(iter(kinds)) if len(kinds) == 1 and None not in kinds else None
-        return None
-
-    found = []
-    for path in trees:
-        for node, obj, attr, cls, method, function in stores[path]:
-            store = f"{ast.unparse(obj)}.{attr}" if attr else f"setattr({ast.unparse(obj)}, <computed>)"
-            if isinstance(obj, ast.Name) and obj.id in ("self", "cls") and cls is not None:  # (b)
-                if (
-                    cls in inherited
-                    and method not in CONSTRUCTORS
-                    and (attr is None or attr in inherited[cls])
-                ):
-                    found.append(f"{path}:{node.lineno}: {store}")
-                continue
-            owner = class_of(obj, cls, function, path)
-            if (owner and owner not in inherited) or (path, store) in OWN_OBJECT_STORES:
-                continue
-            if attr is None or attr.startswith("_") or attr in running:  # (a)
-                found.append(f"{path}:{node.lineno}: {store}")
-    return found
-
-
-def repository_sources() -> dict[str, str]:
-    """The package's modules and the root scripts: path -> source."""
-    paths = sorted(ROOT.glob("opsd/**/*.py")) + sorted(ROOT.glob("*.py"))
-    return {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in paths}
-
-
-def test_the_library_attributes_hold_the_state_the_repository_must_not_write():
-    every, running, _ = library_attributes()
-    # TRL's generation and accelerate's optimizer change these as they run; the trainer's, its own.
-    assert (
-        {"_llm_weights_sleeping", "_is_overflow", "lr_scheduler", "current_step", "llm"} <= running <= every
-    )
-    assert {"_step", "_last_loaded_step", "_buffered_inputs", "lr_scheduler"} <= library_class_attributes(
-        "SDFTTrainer"
-    )
-    # Set only while a class constructs itself: configuration, which (a) leaves to the library's public API.
-    assert "pad_token" in every - running
-    assert library_class_attributes("TrainerCallback") == frozenset()
-
-
-TRAINER = "from trl.experimental.sdft import SDFTTrainer\n\n\nclass Trainer(SDFTTrainer):\n"
-
-
-@pytest.mark.parametrize(
-    ("snippet", "expected"),
-    [
-        # (1) a direct write in a trainer method: plain, augmented, in a closure of the constructor, through a
-        # subclass of the repository's trainer class
-        (TRAINER + "    def training_step(self, model, inputs):\n        self._buffered_inputs = None\n", ["6: self._buffered_inputs"]),
-        (TRAINER + "    def step(self):\n        self._step += 1\n", ["6: self._step"]),
-        (TRAINER + "    def __init__(self):\n        def later():\n            self.lr_scheduler = None\n", ["7: self.lr_scheduler"]),
-        (TRAINER + "    pass\n\n\nclass Mine(Trainer):\n    def f(self):\n        self._last_loaded_step = 3\n", ["10: self._last_loaded_step"]),
-        # (2) a setattr: on another object, through object.__setattr__, with a computed name, on the trainer
-        ("def wake(generation):\n    setattr(generation, '_llm_weights_sleeping', False)\n", ["2: generation._llm_weights_sleeping"]),
-        ("def f(trainer):\n    object.__setattr__(trainer, '_step', 0)\n", ["2: trainer._step"]),
-        ("def replaced(module, name, value):\n    setattr(module, name, value)\n", ["2: setattr(module, <computed>)"]),
-        (TRAINER + "    def f(self):\n        setattr(self, 'lr_scheduler', None)\n", ["6: self.lr_scheduler"]),
-        # (3) a write in a helper module's function: private, public running state, annotated, unpacked, nested
-        ("def sync(gen):\n    gen._llm_weights_sleeping = False\n", ["2: gen._llm_weights_sleeping"]),
-        ("def skip(optimizer, skipped):\n    optimizer._is_overflow = skipped\n", ["2: optimizer._is_overflow"]),
-        ("def f(trainer):\n    trainer.lr_scheduler: object = None\n", ["2: trainer.lr_scheduler"]),
-        ("def f(trainer):\n    trainer.engine.llm, n = None, 2\n", ["2: trainer.engine.llm"]),
-        ("import vllm\n\n\ndef patch(init):\n    vllm.LLM.__init__ = init\n", ["5: vllm.LLM.__init__"]),
-        # an object of a class of the repository's own that derives from a library class is a library object
-        ("from transformers import TrainingArguments\n\n\nclass Config(TrainingArguments):\n    pass\n\n\n"
-         "def f(config: Config):\n    config._n_gpu = 2\n", ["9: config._n_gpu"]),
-        # a local the rule cannot type: bound to the repository's class and to something else
-        ("class Clock:\n    pass\n\n\ndef f(other):\n    clock = Clock()\n    clock = other\n    clock._step = 1\n", ["8: clock._step"]),
-    ],
-)  # fmt: skip
-def test_the_library_state_rule_finds_each_write(snippet, expected):
-    assert library_state_writes({"snippet.py": snippet}) == [f"snippet.py:{e}" for e in expected]
-
-
-@pytest.mark.parametrize(
-    "snippet",
-    [
-        # the trainer's constructor sets library state up; its own attributes are its own anywhere
-        TRAINER + "    def __init__(self):\n        self._step = 0\n        self.lr_scheduler = None\n        self.mine = 1\n"
-        "    def f(self):\n        self.mine = 2\n        self._own = 3\n",
-        # objects of the repository's own classes: a parameter annotated, a local built, an attribute bound so
-        "class Job:\n    proc: object = None\n\n\ndef start(job: 'Job | None'):\n    job.proc = 1\n    job._started = 2\n",
-        "class Clock:\n    def tick(self):\n        self._step = 1\n\n\ndef run():\n    clock = Clock()\n    clock._step = 2\n"
-        "    setattr(clock, 'lr_scheduler', 3)\n",
-        "class Seeds:\n    pass\n\n\nclass Engine:\n    def __init__(self, seeds: Seeds):\n        self.seeds = seeds\n\n"
-        "    def generate(self, step):\n        self.seeds.current_step = step\n",
-        # TrainerCallback stores nothing on `self`: a callback's attributes are its own
-        "from transformers import TrainerCallback\n\n\nclass CB(TrainerCallback):\n"
-        "    def on_step_end(self, args, state, control, **kwargs):\n        self.accelerator = kwargs['accelerator']\n",
-        # a dataclass's own fields after its generated constructor
-        "from transformers import TrainingArguments\n\n\nclass Config(TrainingArguments):\n"
-        "    def __post_init__(self):\n        self.output_dir = 'x'\n",
-        # configuration a library sets only in constructors, through its public setter
-        "def load(tok):\n    tok.pad_token = tok.eos_token\n",
-    ],
-)  # fmt: skip
-def test_the_library_state_rule_passes_what_is_not_library_state(snippet):
-    assert library_state_writes({"snippet.py": snippet}) == []
-
-
-def test_the_rule_finds_the_writes_inserted_into_the_repository():
-    """The three kinds of write, inserted into the repository's own sources (a method of a subclass of the
-    trainer, a setattr in a helper of opsd/run, a helper module's function), are found among them."""
-    sources = repository_sources()
-    inserted = {
-        "opsd_trainer.py": "class Inserted(OPSDTrainer):\n    def training_step(self, *args):\n"
-        "        self._buffered_inputs = None\n",
-        "opsd/run/step_watch.py": "def held(optimizer, skipped):\n    setattr(optimizer, '_is_overflow', skipped)\n",
-        "opsd/run/inserted.py": "def sync(gen):\n    gen._llm_weights_sleeping = False\n",
-    }
-    stores = {"opsd_trainer.py": (3, "self._buffered_inputs"), "opsd/run/step_watch.py": (2, "optimizer._is_overflow"),
-              "opsd/run/inserted.py": (2, "gen._llm_weights_sleeping")}  # fmt: skip
-    before = set(library_state_writes(sources))
-    expected = set()
-    for path, text in inserted.items():
-        first = sources.get(path, "").count("\n") + 1
-        sources[path] = sources.get(path, "") + text
-        line, store = stores[path]
-        expected.add(f"{path}:{first + line - 1}: {store}")
-    assert set(library_state_writes(sources)) - before == expected
-
-
-def test_the_repository_writes_no_library_state():
-    """No module of the package and no root script writes the state of a TRL, transformers, accelerate, peft or
-    vLLM object (`library_state_writes`): each owns its own state, and reaches the libraries' through their
-    constructors, arguments and public methods."""
-    sources = repository_sources()
-    assert "opsd_trainer.py" in sources and "opsd/run/step_watch.py" in sources
-    found = library_state_writes(sources)
-    where = {(f.split(":", 1)[0], f.split(": ", 1)[1]): f for f in found}
-    unexplained = [f for key, f in where.items() if key not in KEPT_LIBRARY_WRITES]
-    assert unexplained == [], "library state written at:\n" + "\n".join(unexplained)
-    # Each kept write is still there: one that went leaves the list too.
-    assert set(KEPT_LIBRARY_WRITES) <= set(where), set(KEPT_LIBRARY_WRITES) - set(where)
-
-
-# The library state the repository writes on purpose, where no constructor argument or public method does it, each
-# with its reason; any other write fails `test_the_repository_writes_no_library_state`.
-KEPT_LIBRARY_WRITES = {
-    ("opsd/method/engine_classes.py", "module.__class__"): (
-        "own_classes: the trainer's model objects get private subclasses of their own classes, because vLLM's "
-        "Transformers backend decorates the transformers classes in place when a colocated engine starts"
-    ),
-    ("opsd/method/engine_vllm.py", "sp.seed"): (
-        "per_row_params: the seed of a copy (`SamplingParams.clone`) made for one row and never shared; vLLM has "
-        "no constructor for the same parameters with another seed"
-    ),
-    ("opsd/method/engine_vllm.py", "setattr(module, <computed>)"): (
-        "_replaced: the one temporary stand-in for TRL's engine class (and vLLM's `LLM` in it) while a TRL "
-        "trainer's __init__ builds its engine, undone on exit; tests/e2e/test_engine_injection.py checks every "
-        "attribute of those modules afterwards"
-    ),
-    ("opsd/speed/compiled_layers.py", "layer.forward"): (
-        "compile_layers: a decoder layer's forward routed through torch.compile on the instance, so parameter "
-        "names, state dict and hooks stay as they are (a wrapper module would rename them)"
-    ),
-}
-
-
 # -- functions short enough to read ----------------------------------------------------------------------------
 
 MAX_FUNCTION_LINES = 60
@@ -972,3 +570,18 @@ def test_the_trainer_and_the_configuration_keep_their_ceilings():
     assert len(trainer) <= 500, f"opsd_trainer.py is {len(trainer)} lines"
     configuration = sorted(p.name for p in (ROOT / "opsd" / "configuration").rglob("*.py"))
     assert len(configuration) <= 6, configuration
+
+
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_of_the_package_is_over_700_lines():
+    """Every module of opsd/ reads in one sitting (at most 700 lines): a longer one is split where its concerns
+    part. The switches' declarations (opsd/configuration/switches.py, one field's metadata after another) aside."""
+    lengths = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "opsd").rglob("*.py")
+    }
+    assert "opsd/configuration/switches.py" in lengths
+    over = {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES}
+    over.pop("opsd/configuration/switches.py", None)
+    assert not over, f"over {MAX_MODULE_LINES} lines: {over}"

@@ -17,6 +17,7 @@ from opsd.method import loss
 from opsd.method.contrast import answer_mentions, contrast_references, wrong_reference, wrong_value
 from opsd.method.loss import ContrastSettings, LossSettings, loss_settings
 from opsd.method.prompts import TRUNCATION_MARK, PromptBuilder, reference_text
+from opsd.method.scoring import loss_metrics
 
 CLIP_MODES = ("element", "token", "rescale", "none")
 
@@ -68,7 +69,7 @@ def test_fixed_advantage_gradient_is_the_closed_form_and_needs_no_teacher(tau):
     torch.testing.assert_close(got_h.double(), dz @ w_s.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_w.double(), dz.T @ h_s.detach(), atol=1e-6, rtol=1e-5)
     assert float(sums["abs_advantage"]) == pytest.approx(abs(a) * len(ids))
-    metrics = loss.loss_metrics(got.detach(), sums, teacher=False)
+    metrics = loss_metrics(got.detach(), sums, teacher=False)
     assert set(metrics) == {"opsd/abs_advantage", "opsd/loss_per_token"}
 
 
