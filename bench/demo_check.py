@@ -81,12 +81,21 @@ def main(argv=None) -> int:
         differ = [] if a.record else differences(got, published[str(seed)], a.tolerance)
         failed |= bool(differ)
         rows[str(seed)] = {**got, "wall_s": round(wall, 1), "differs": differ}
-        print(f"seed {seed}: " + ("matches" if not differ else "DIFFERS: " + "; ".join(differ)), flush=True)
-    record = {"benchmark": "demo_check", "machine": machine(), "commit": commit.stdout.strip(), "seeds": rows}
-    if a.record:
-        kept = {s: {k: v for k, v in r.items() if k in ("accuracy", "format_rate")} for s, r in rows.items()}
-        PUBLISHED.write_text(json.dumps({**record, "seeds": {**published, **kept}}, indent=1) + "\n")
-    a.out.write_text(json.dumps(record, indent=1) + "\n")
+        verdict = "recorded" if a.record else "matches" if not differ else "DIFFERS: " + "; ".join(differ)
+        print(f"seed {seed}: {json.dumps(got)}: {verdict}", flush=True)
+        # Written after every seed: a stopped check keeps what it measured.
+        record = {
+            "benchmark": "demo_check",
+            "machine": machine(),
+            "commit": commit.stdout.strip(),
+            "seeds": rows,
+        }
+        if a.record:
+            kept = {
+                s: {k: v for k, v in r.items() if k in ("accuracy", "format_rate")} for s, r in rows.items()
+            }
+            PUBLISHED.write_text(json.dumps({**record, "seeds": {**published, **kept}}, indent=1) + "\n")
+        a.out.write_text(json.dumps(record, indent=1) + "\n")
     return 1 if failed else 0
 
 
