@@ -54,6 +54,7 @@ from opsd.run.step_watch import (
     PhaseClock,
     RolloutGrader,
     StepTimer,
+    WindowLogging,
     completion_metrics,
 )
 from opsd.rundir import COMPLETIONS_FILE
@@ -62,7 +63,7 @@ from opsd.speed.compiled_layers import compile_decoder_layers, compiled_graphs
 logger = logging.getLogger(__name__)
 
 
-class OPSDTrainer(SDFTTrainer):
+class OPSDTrainer(WindowLogging, SDFTTrainer):
     """Clipped-JSD on-policy self-distillation. One optimizer step, in the order its methods run below:
 
     1. `training_step` (one call per micro-batch; phase `train_micro`) gets its micro-batch from
@@ -403,19 +404,6 @@ class OPSDTrainer(SDFTTrainer):
         with self.engine.probe(), torch.random.fork_rng(devices=devices):
             _, completions_ = self._sample(prompt_ids)
         return [list(c) for c in completions_]
-
-    def record_metrics(self, metrics: dict[str, float]) -> None:
-        """Adds values to the current mode's logging period (averaged at the next log, like every metric)."""
-        self.logged.add(metrics, "train" if self.model.training else "eval")
-
-    def train_record(self, metrics: dict[str, float]) -> None:
-        """Adds values to the training period, whatever the mode (the step's watchers log through it)."""
-        self.logged.add(metrics, "train")
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """TRL's log, with OPSD's metrics of the period averaged in (`MetricsWindow`)."""
-        logs.update(self.logged.take("train" if self.model.training else "eval"))
-        super().log(logs, start_time)
 
 
 def split_rows(batch: dict, parts: int) -> list[dict]:

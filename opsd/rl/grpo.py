@@ -36,7 +36,7 @@ from opsd.method.sampler import sampled_token_logps
 from opsd.rl.reward import CorrectAnswer
 from opsd.rl.routes import route_metrics
 from opsd.run.logprob_gap import LogprobGap
-from opsd.run.step_watch import ComputeLedger, MetricsWindow, PhaseClock, StepTimer, metrics
+from opsd.run.step_watch import ComputeLedger, MetricsWindow, PhaseClock, StepTimer, WindowLogging, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def grpo_args(config) -> trl.GRPOConfig:
     return trl.GRPOConfig(**values)
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(WindowLogging, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` with the harness's prompts, engine, reward, positions and ledger (module docstring).
 
     Built as `OPSDTrainer` is, from the run's `OPSDConfig` (`args`, kept as `self.config`); `self.args` is the
@@ -144,19 +144,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.micro_batch % per_step == 0:  # its last
             self.step_timer.optimizer_begins()
         return out
-
-    def record_metrics(self, metrics: dict[str, float]) -> None:
-        """Adds values to the current mode's logging period (averaged at the next log, like every metric)."""
-        self.logged.add(metrics, "train" if self.model.training else "eval")
-
-    def train_record(self, metrics: dict[str, float]) -> None:
-        """Adds values to the training period, whatever the mode (the step's watchers log through it)."""
-        self.logged.add(metrics, "train")
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """TRL's log, with the harness's metrics of the period averaged in (`MetricsWindow`)."""
-        logs.update(self.logged.take("train" if self.model.training else "eval"))
-        super().log(logs, start_time)
 
     def _tokenize_prompts(self, prompts: list):
         """The dataset's `prompt` is the bare problem; the student turn is OPSD's (chat template included)."""

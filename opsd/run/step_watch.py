@@ -75,6 +75,27 @@ class MetricsWindow:
         return {f"eval_{k}" if mode == "eval" else k: v for k, v in means.items()}
 
 
+class WindowLogging:
+    """What a TRL trainer of the repository adds to log through its own `MetricsWindow` (`self.logged`): values
+    for the current mode (`record_metrics`) or for training whatever the mode (`train_record`, what the step's
+    watchers are handed), averaged into TRL's public `log`. Placed before the TRL base, so `log` wraps TRL's."""
+
+    logged: MetricsWindow
+
+    def record_metrics(self, metrics: dict[str, float]) -> None:
+        """Adds values to the current mode's logging period (averaged at the next log, like every metric)."""
+        self.logged.add(metrics, "train" if self.model.training else "eval")
+
+    def train_record(self, metrics: dict[str, float]) -> None:
+        """Adds values to the training period, whatever the mode (the step's watchers log through it)."""
+        self.logged.add(metrics, "train")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the trainer's metrics of the period averaged in."""
+        logs.update(self.logged.take("train" if self.model.training else "eval"))
+        super().log(logs, start_time)
+
+
 def completion_metrics(rollouts: list[list[int]], *, stop_ids: list[int], gather, device) -> dict[str, float]:
     """The `completions/*` metrics of a generation (TRL's names and values): `rollouts` (this process's completion
     ids) summarised over all processes (`gather`: the accelerator's).

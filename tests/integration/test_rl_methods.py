@@ -133,17 +133,18 @@ def test_grpo_is_trls_trainer_with_the_harness_overrides_only():
     import inspect
 
     assert issubclass(GRPOTrainer, trl.GRPOTrainer)
-    overridden = {
-        n for n in GRPOTrainer.__dict__ if callable(GRPOTrainer.__dict__[n]) and hasattr(trl.GRPOTrainer, n)
-    }
+    # The harness's classes above TRL's (the trainer and its logging mixin, `opsd.run.step_watch.WindowLogging`).
+    own = GRPOTrainer.__mro__[: GRPOTrainer.__mro__.index(trl.GRPOTrainer)]
+    defined = {n: member for cls in reversed(own) for n, member in vars(cls).items()}
+    overridden = {n for n, member in defined.items() if callable(member) and hasattr(trl.GRPOTrainer, n)}
     assert overridden == {
         "__init__", "training_step", "_tokenize_prompts", "_generate_single_turn",
         "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "log",
     }  # fmt: skip
     for name in overridden - {"_tokenize_prompts", "_get_per_token_logps_and_entropies"}:
-        assert "super()." in inspect.getsource(GRPOTrainer.__dict__[name]), name
+        assert "super()." in inspect.getsource(defined[name]), name
     for name in ("_compute_loss", "compute_loss", "_calculate_rewards"):
-        assert name not in GRPOTrainer.__dict__
+        assert name not in defined
 
 
 def test_grpo_loss_matches_unpadded_rows(tiny_model_dir, tmp_path):
